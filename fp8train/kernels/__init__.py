@@ -1,0 +1,66 @@
+"""Memory-bound FP8 kernels. Each public function runs its Triton kernel on CUDA tensors and
+its pure-torch twin from `reference.py` elsewhere (CPU); both have the same in-place contract,
+documented on the twin.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import reference
+
+
+def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
+    if x.is_cuda:
+        from . import cast as _cast
+
+        _cast.amax(x, amax_out)
+    else:
+        reference.amax(x, amax_out)
+
+
+def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
+              amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
+              nonfinite_count: Optional[torch.Tensor] = None) -> None:
+    impl = _triton_cast().cast_amax if x.is_cuda else reference.cast_amax
+    impl(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+
+
+def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale: torch.Tensor,
+                        scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
+                        from_amax: Optional[torch.Tensor] = None,
+                        nonfinite_count: Optional[torch.Tensor] = None) -> None:
+    impl = _triton_cast().cast_transpose_amax if x.is_cuda else reference.cast_transpose_amax
+    impl(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+
+
+class ScaleUpdateBatch:
+    """The delayed-scaling update of a fixed set of quantizers, one launch per call on CUDA.
+
+    Built once for a set of (history, scale, count) buffers that share a device, a history
+    length, an amax algorithm and a margin; calling it neither allocates nor synchronises,
+    so it can be captured in a CUDA graph. Rebuild it when the set or any buffer changes.
+    """
+
+    def __init__(self, histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                 counts: Sequence[torch.Tensor], fp8_maxes: Sequence[float], algo: str, margin: int):
+        if not histories:
+            raise ValueError("ScaleUpdateBatch needs at least one quantizer")
+        self.size = len(histories)
+        if histories[0].is_cuda:
+            from . import scale_update as _su
+
+            self._launch = _su.ScaleUpdateLaunch(histories, scales, counts, fp8_maxes, algo, margin)
+        else:
+            args = (list(histories), list(scales), list(counts), list(fp8_maxes), algo, margin)
+            self._launch = lambda: reference.scale_update(*args)
+
+    def __call__(self) -> None:
+        self._launch()
+
+
+def _triton_cast():
+    from . import cast as _cast
+
+    return _cast

@@ -1,0 +1,90 @@
+"""Pure-torch twins of every Triton kernel: the specification the kernels must match.
+
+Each function has the exact signature and in-place contract of its Triton counterpart in
+kernels/__init__.py. On CPU these are what runs; on the GPU the tests compare the Triton
+kernels against them bit for bit. Scale conventions: see fp8train/scaling.py.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .. import scaling
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as float32, with NaN counted as +inf (so a NaN can never hide in an amax)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    a = x.detach().float().abs()
+    return torch.where(torch.isnan(a), torch.inf, a).max()
+
+
+def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
+    """amax_out (0-dim float32) <- max(amax_out, abs_max(x))."""
+    amax_out.copy_(torch.maximum(amax_out, abs_max(x)))
+
+
+def _resolve_scale(scale, from_amax, nonfinite_count, fp8_max) -> torch.Tensor:
+    if from_amax is None:
+        return scale
+    # Current scaling: the scale comes from this tensor's own amax; `scale` holds the last one.
+    scale.copy_(scaling.compute_scale(from_amax, scale, fp8_max))
+    if nonfinite_count is not None:
+        nonfinite_count.add_((~torch.isfinite(from_amax)).to(nonfinite_count.dtype))
+    return scale
+
+
+def saturating_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cast every kernel reproduces: round-to-nearest-even, saturating, NaN stays NaN."""
+    m = scaling.fp8_max(dtype)
+    return x.float().mul(scale).clamp(-m, m).to(dtype)
+
+
+def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
+              amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
+              nonfinite_count: Optional[torch.Tensor] = None) -> None:
+    """Cast x into `out` (same shape, fp8) and write `scale_inv_out = 1 / scale`.
+
+    scale            () float32; read, or with `from_amax` first set to
+                     compute_scale(from_amax, scale) (current scaling)
+    amax_out         () float32 or None; max-accumulates abs_max(x) (delayed scaling history[0])
+    nonfinite_count  () int32 or None; +1 when `from_amax` is inf/NaN
+    """
+    s = _resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
+    out.copy_(saturating_cast(x, s, out.dtype))
+    scale_inv_out.copy_(scaling.scale_inverse(s))
+    if amax_out is not None:
+        amax(x, amax_out)
+
+
+def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale: torch.Tensor,
+                        scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
+                        from_amax: Optional[torch.Tensor] = None,
+                        nonfinite_count: Optional[torch.Tensor] = None) -> None:
+    """`cast_amax` of a 2-D x (M, N) that also writes the transposed copy.
+
+    out    (M, N) fp8 row-major
+    out_t  (N, Mp) fp8 row-major with Mp >= M: out_t[:, :M] = out.T, out_t[:, M:] = 0
+           (the zero columns pad the wgrad GEMM's reduction dim to a multiple of 16)
+    """
+    s = _resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
+    q = saturating_cast(x, s, out.dtype)
+    out.copy_(q)
+    m = x.shape[0]
+    out_t[:, :m].copy_(q.t())
+    out_t[:, m:].view(torch.uint8).zero_()
+    scale_inv_out.copy_(scaling.scale_inverse(s))
+    if amax_out is not None:
+        amax(x, amax_out)
+
+
+def scale_update(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                 counts: Sequence[torch.Tensor], fp8_maxes: Sequence[float], algo: str, margin: int) -> None:
+    """The per-step delayed-scaling update of many quantizers, in place (scaling.delayed_update)."""
+    for history, scale, count, m in zip(histories, scales, counts, fp8_maxes):
+        h, s, c = scaling.delayed_update(history, scale, count, m, algo, margin)
+        history.copy_(h)
+        scale.copy_(s)
+        count.copy_(c)

@@ -1,0 +1,122 @@
+"""FP8 recipes: frozen, validated descriptions of how a model is quantized.
+
+A recipe says which FP8 format each tensor role uses, how its scale is chosen and how each
+GEMM accumulates. It holds no state: scaling state lives in quantizers (quantizer.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Literal, Union
+
+import torch
+
+from .roles import GemmRole, TensorRole
+
+
+class Format(enum.Enum):
+    """FP8 formats per role.
+
+    E4M3    e4m3 for inputs, weights and gradients.
+    HYBRID  e4m3 forward (inputs, weights), e5m2 for gradients, whose range matters more
+            than their precision.
+    """
+
+    E4M3 = "e4m3"
+    HYBRID = "hybrid"
+
+    def dtype(self, role: TensorRole) -> torch.dtype:
+        if self is Format.HYBRID and role is TensorRole.GRAD_OUTPUT:
+            return torch.float8_e5m2
+        return torch.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Accumulation precision per GEMM role, always explicit.
+
+    cuBLAS "fast accumulation" keeps the FP8 tensor-core partial sums in reduced precision:
+    fine for the forward pass, measurably worse for the long reductions of dgrad/wgrad.
+    """
+
+    fprop_fast_accum: bool = True
+    dgrad_fast_accum: bool = False
+    wgrad_fast_accum: bool = False
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, bool):
+                raise ValueError(f"GemmConfig.{field.name} must be a bool, got {value!r}")
+
+    def fast_accum(self, role: GemmRole) -> bool:
+        return getattr(self, f"{role.value}_fast_accum")
+
+
+def _check_format(owner: str, fmt) -> None:
+    if not isinstance(fmt, Format):
+        raise ValueError(f"{owner}.fp8_format must be a fp8train.Format (E4M3 or HYBRID), got {fmt!r}")
+
+
+def _check_gemm(owner: str, gemm) -> None:
+    if not isinstance(gemm, GemmConfig):
+        raise ValueError(f"{owner}.gemm must be a fp8train.GemmConfig, got {gemm!r}")
+
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Scale from the amax history of earlier steps: the cast is a single pass.
+
+    Each cast records its tensor's amax; once per step (at the next `fp8train.autocast`
+    entry) every quantizer's history is rolled and its scale recomputed in one launch:
+    scale = fp8_max / amax / 2**margin, amax being the history's max ("max") or its newest
+    entry ("most_recent"). A quantizer's very first cast has no history yet and uses the
+    tensor's own amax (current scaling) once.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    margin: int = 0
+    gemm: GemmConfig = GemmConfig()
+
+    def __post_init__(self):
+        _check_format("DelayedScaling", self.fp8_format)
+        _check_gemm("DelayedScaling", self.gemm)
+        n = self.amax_history_len
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 65536:
+            raise ValueError(f"DelayedScaling.amax_history_len must be an int in [1, 65536], got {n!r}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"DelayedScaling.amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, "
+                f"got {self.amax_compute_algo!r}"
+            )
+        m = self.margin
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 64:
+            raise ValueError(f"DelayedScaling.margin must be an int in [0, 64], got {m!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+    """Scale from the amax of the tensor being cast (one amax pass, then the cast)."""
+
+    fp8_format: Format = Format.HYBRID
+    gemm: GemmConfig = GemmConfig()
+
+    def __post_init__(self):
+        _check_format("CurrentScaling", self.fp8_format)
+        _check_gemm("CurrentScaling", self.gemm)
+
+
+Recipe = Union[DelayedScaling, CurrentScaling]
+
+
+def check_recipe(recipe) -> Recipe:
+    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        raise ValueError(
+            f"recipe must be fp8train.DelayedScaling or fp8train.CurrentScaling, got {recipe!r}"
+        )
+    return recipe

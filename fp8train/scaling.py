@@ -1,0 +1,91 @@
+"""Pure scale math: amax -> scale, amax histories. No state, no kernels.
+
+Note: conventions used throughout fp8train.
+  * `scale` maps high precision into the FP8 range:   q = fp8(x * scale)
+  * `scale_inv = 1 / scale` maps FP8 back:             x ~= float(q) * scale_inv
+    Quantizers own `scale`; every Float8Tensor carries its own `scale_inv` (the GEMM's input).
+  * An amax history is a float32 vector of length H. Entry 0 collects the amax of the step
+    in progress (each cast max-accumulates into it); entries 1..H-1 are earlier steps,
+    newest first. A negative entry (UNRECORDED) means "no amax recorded there".
+"""
+from __future__ import annotations
+
+import torch
+
+UNRECORDED = -1.0
+# Scales (and so scale_inv) are clamped to normal float32 powers of two at both ends, so
+# neither a scale nor its inverse is ever 0, subnormal or inf.
+SCALE_MIN = 2.0**-126
+SCALE_MAX = 2.0**126
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (e4m3fn: 448, e5m2: 57344)."""
+    try:
+        return _FP8_MAX[dtype]
+    except KeyError:
+        raise ValueError(f"{dtype} is not an FP8 dtype; use torch.float8_e4m3fn or torch.float8_e5m2") from None
+
+
+def fp8_dtype_of_max(value: float) -> torch.dtype:
+    for dtype, m in _FP8_MAX.items():
+        if m == value:
+            return dtype
+    raise ValueError(f"{value} is not the max of a supported FP8 dtype")
+
+
+def compute_scale(amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
+    """scale = fp8_max / amax / 2**margin, with every edge case defined (float32, no sync).
+
+    amax > 0, finite    the formula, then clamped to [2**-126, 2**126].
+    amax subnormal      fp8_max / amax overflows float32; the clamp gives 2**126, so the
+                        cast stays finite (such a tensor keeps only a few mantissa bits).
+    amax == 0           `prev_scale`: an all-zero tensor fits any scale, keep the last one.
+    amax inf or NaN     `prev_scale`: a non-finite amax never reaches a scale. Callers count
+                        these events (quantizer `nonfinite_count`).
+    """
+    scale = torch.div(fp8_max, amax) / 2.0**margin
+    scale = scale.clamp(SCALE_MIN, SCALE_MAX)
+    usable = (amax > 0) & torch.isfinite(amax)
+    return torch.where(usable, scale, prev_scale)
+
+
+def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
+    return torch.reciprocal(scale)
+
+
+def amax_from_history(history: torch.Tensor, algo: str) -> torch.Tensor:
+    """The amax a delayed scale is computed from: max of recorded entries, or entry 0."""
+    if algo == "most_recent":
+        return history[0]
+    if algo == "max":
+        return history.max().clamp_min(0.0)
+    raise ValueError(f"unknown amax_compute_algo {algo!r}")
+
+
+def rolled_history(history: torch.Tensor) -> torch.Tensor:
+    """[UNRECORDED, h0, h1, ..., h_{H-2}]: the pending amax becomes the newest past one."""
+    return torch.cat([history.new_full((1,), UNRECORDED), history[:-1]])
+
+
+def delayed_update(history: torch.Tensor, scale: torch.Tensor, nonfinite_count: torch.Tensor,
+                   fp8_max: float, algo: str, margin: int):
+    """One quantizer's per-step update; returns (history, scale, nonfinite_count), new tensors.
+
+    Pending amax (history[0]):
+      unrecorded (< 0)   the quantizer did not cast this step: nothing changes.
+      finite             scale from the history (`compute_scale`), then the history rolls.
+      inf or NaN         the step is discarded: history[0] is reset to UNRECORDED, the scale
+                         is kept and `nonfinite_count` grows by one.
+    """
+    pending = history[0]
+    recorded = (pending >= 0) | torch.isnan(pending)
+    finite = torch.isfinite(pending)
+    valid = recorded & finite
+    new_scale = torch.where(valid, compute_scale(amax_from_history(history, algo), scale, fp8_max, margin), scale)
+    discarded = torch.cat([history.new_full((1,), UNRECORDED), history[1:]])
+    new_history = torch.where(valid, rolled_history(history), torch.where(recorded, discarded, history))
+    new_count = nonfinite_count + (recorded & ~finite).to(nonfinite_count.dtype)
+    return new_history, new_scale, new_count
