@@ -1,0 +1,16 @@
+"""fp8train: FP8 mixed-precision training for PyTorch on Hopper GPUs."""
+from .autocast import autocast
+from .modules import Linear
+from .quantize import quantize
+from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
+from .recipe import CurrentScaling, DelayedScaling, Format, GemmConfig
+from .roles import GemmRole, TensorRole
+from .tensor import Float8Tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "autocast", "Linear", "quantize", "Float8Tensor", "Format", "GemmConfig", "DelayedScaling",
+    "CurrentScaling", "TensorRole", "GemmRole", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
+    "update_delayed_scales",
+]

@@ -1,0 +1,70 @@
+"""FP8 GEMMs over torch._scaled_mm, one function per GEMM role.
+
+torch._scaled_mm computes (a * scale_a) @ (b * scale_b) with a (M, K) row-major and b (K, N)
+column-major, K and N multiples of 16 (M is free), and takes the *inverse* scales. So each
+role picks the layout it needs (docs/design.md, "Tensor roles and layouts"):
+
+  FPROP  Y  (M, N) = X (M, K)          @ W^T: W (N, K) row-major is W^T column-major
+  DGRAD  dX (M, K) = dY (M, N)         @ W:   W's transposed copy (K, N) row-major, .t()
+  WGRAD  dW (N, K) = dY^T (N, Mp)      @ X:   X's transposed copy (K, Mp) row-major, .t()
+         with Mp = M rounded up to 16; the padding columns of both copies are zero.
+Accumulation precision comes from GemmConfig per role, never from the FP8 dtypes.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .recipe import GemmConfig
+from .roles import GemmRole
+from .tensor import Float8Tensor
+
+# Bias can be fused only into bf16/fp16 outputs (cuBLASLt epilogue), and must match them.
+_BIAS_OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def dims_ok(*dims: int) -> bool:
+    """FP8 GEMMs need the layer dims (K and N) to be multiples of 16."""
+    return all(d % 16 == 0 and d > 0 for d in dims)
+
+
+@functools.lru_cache(maxsize=None)
+def check_device(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise RuntimeError(f"{torch.cuda.get_device_name(device)} has no FP8 tensor cores (needs compute "
+                           "capability 8.9+, e.g. H100/H200); run outside fp8train.autocast")
+
+
+def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor, *,
+              role: GemmRole, config: GemmConfig, out_dtype: torch.dtype,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(a * a_scale_inv) @ (b * b_scale_inv) [+ bias]; a (M, K) row-major, b (K, N) column-major."""
+    fuse_bias = bias is not None and out_dtype in _BIAS_OUT_DTYPES
+    out = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
+                           bias=bias.to(out_dtype) if fuse_bias else None, out_dtype=out_dtype,
+                           use_fast_accum=config.fast_accum(role))
+    if bias is not None and not fuse_bias:
+        out += bias.to(out_dtype)
+    return out
+
+
+def fprop(x: Float8Tensor, w: Float8Tensor, config: GemmConfig, out_dtype: torch.dtype,
+          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y (M, N) = X (M, K) @ W^T, W (N, K)."""
+    return scaled_mm(x.fp8_data, x.scale_inv, w.fp8_data.t(), w.scale_inv, role=GemmRole.FPROP,
+                     config=config, out_dtype=out_dtype, bias=bias)
+
+
+def dgrad(dy: Float8Tensor, w: Float8Tensor, config: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
+    """dX (M, K) = dY (M, N) @ W, through W's cached transposed copy."""
+    return scaled_mm(dy.fp8_data, dy.scale_inv, w.transpose_data().t(), w.scale_inv, role=GemmRole.DGRAD,
+                     config=config, out_dtype=out_dtype)
+
+
+def wgrad(dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, x_t: torch.Tensor, x_scale_inv: torch.Tensor,
+          config: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
+    """dW (N, K) = dY^T @ X from the padded transposed copies dy_t (N, Mp) and x_t (K, Mp)."""
+    return scaled_mm(dy_t, dy_scale_inv, x_t.t(), x_scale_inv, role=GemmRole.WGRAD, config=config,
+                     out_dtype=out_dtype)

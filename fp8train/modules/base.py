@@ -1,0 +1,109 @@
+"""What every fp8train layer shares: its quantizers (created per recipe, restored from
+checkpoints), input checks, activation dtype and warn-once messages."""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from ..quantizer import DelayedScalingQuantizer, Quantizer, make_quantizer, quantizer_from_state
+from ..recipe import DelayedScaling, Recipe
+from ..roles import TensorRole
+from ..tensor import Float8Tensor
+
+# Submodule name of each role's quantizer; these names appear in state_dict keys.
+QUANTIZER_NAMES: Dict[TensorRole, str] = {
+    TensorRole.INPUT: "input_quantizer",
+    TensorRole.WEIGHT: "weight_quantizer",
+    TensorRole.GRAD_OUTPUT: "grad_output_quantizer",
+}
+
+
+class FP8Module(nn.Module):
+    """Base of fp8train layers. Quantizers are created on the first FP8 forward (the recipe
+    decides their kind) or when a checkpoint holding them is loaded."""
+
+    def __init__(self):
+        super().__init__()
+        for name in QUANTIZER_NAMES.values():
+            self.register_module(name, None)
+        self._warned: set = set()
+        self.name: Optional[str] = None  # set by the user or fp8train.convert for messages
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"{self.describe()}: {message}", stacklevel=3)
+
+    def quantizers(self, recipe: Recipe, device: torch.device) -> Dict[TensorRole, Quantizer]:
+        """This layer's quantizer per role for `recipe`, rebuilt if the recipe kind, format
+        or history length changed since they were made (their scaling state resets)."""
+        out = {}
+        for role, name in QUANTIZER_NAMES.items():
+            q = getattr(self, name)
+            if q is None or not q.matches(recipe, role):
+                if q is not None:
+                    self.warn_once("recipe", f"recipe changed to {type(recipe).__name__}; its FP8 scaling state was reset")
+                q = make_quantizer(recipe, role, device=device)
+                setattr(self, name, q)
+            elif isinstance(recipe, DelayedScaling):
+                q.configure(recipe)
+            out[role] = q
+        return out
+
+    def check_input(self, x, in_features: int, fp8: bool) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.describe()}: input must be a tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{self.describe()}: input must be a floating-point tensor, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != in_features:
+            raise ValueError(f"{self.describe()}: input's last dim must be in_features={in_features}, "
+                             f"got shape {tuple(x.shape)}")
+        if isinstance(x, Float8Tensor) and not fp8:
+            raise TypeError(f"{self.describe()}: got a Float8Tensor input outside fp8train.autocast; "
+                            "call .dequantize() or run inside fp8train.autocast")
+        if fp8 and x.dtype == torch.float64:
+            raise TypeError(f"{self.describe()}: float64 input cannot run in FP8; FP8 layers take bfloat16, "
+                            "float16 or float32 activations (cast the input, or run outside fp8train.autocast)")
+
+    def check_fp8_input(self, x: Float8Tensor, expected: Quantizer) -> None:
+        """A pre-quantized input must have been quantized for this layer's INPUT role."""
+        if x.role not in (None, TensorRole.INPUT) or x.fp8_dtype != expected.dtype:
+            role = x.role.name if x.role else "unknown"
+            raise TypeError(f"{self.describe()}: got a Float8Tensor of role {role} in {x.fp8_dtype}; "
+                            f"this layer's input must be quantized for role INPUT in {expected.dtype}")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Quantizers are created lazily: materialise the ones the checkpoint holds so the
+        # default loading below (which recurses into submodules after this) fills them.
+        device = next((p.device for p in self.parameters(recurse=False)), None)
+        for role, name in QUANTIZER_NAMES.items():
+            sub = prefix + name + "."
+            state = {k[len(sub):]: v for k, v in state_dict.items() if k.startswith(sub)}
+            if not state:
+                continue
+            current = getattr(self, name)
+            if current is None or not _same_shape(current, state):
+                setattr(self, name, quantizer_from_state(role, state, device=device))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _same_shape(q: Quantizer, state: dict) -> bool:
+    own = q.state_dict()
+    return own.keys() == state.keys() and all(own[k].shape == state[k].shape for k in own) \
+        and float(state["fp8_max"]) == float(q.fp8_max)
+
+
+def activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a layer computes in: torch.autocast's when it is on, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+__all__ = ["FP8Module", "QUANTIZER_NAMES", "activation_dtype", "DelayedScalingQuantizer"]

@@ -1,0 +1,131 @@
+"""fp8train.Linear: nn.Linear whose three GEMMs run in FP8 inside fp8train.autocast."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import gemm
+from ..autocast import active_recipe
+from ..quantizer import Quantizer
+from ..recipe import GemmConfig
+from ..roles import TensorRole
+from ..tensor import Float8Tensor
+from .base import FP8Module, activation_dtype
+from .weight_workspace import WeightWorkspace
+
+
+class Linear(FP8Module):
+    """y = x W^T + b, with x of any leading dims.
+
+    Outside fp8train.autocast it computes exactly what torch.nn.Linear computes. Inside, the
+    forward (fprop) and backward (dgrad, wgrad) GEMMs run in FP8 with the active recipe; a
+    layer whose in/out features are not multiples of 16 runs in high precision and says so
+    once. Parameters may be float32 (master weights, with bf16 activations) or bfloat16.
+
+    forward(x, is_first_microbatch): see WeightWorkspace for the weight-cast semantics.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 params_dtype: Optional[torch.dtype] = None, device=None):
+        super().__init__()
+        for what, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Linear: {what} must be a positive int, got {v!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.reset_parameters()
+        self._workspace = WeightWorkspace()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's initialisation, so converted and fresh layers start alike.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def describe(self) -> str:
+        name = f" '{self.name}'" if self.name else ""
+        return f"Linear{name}(in={self.in_features}, out={self.out_features})"
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    @property
+    def weight_fp8(self) -> Optional[Float8Tensor]:
+        """The FP8 weight workspace (None until the first FP8 forward)."""
+        return self._workspace.fp8
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        recipe = active_recipe()
+        self.check_input(x, self.in_features, fp8=recipe is not None)
+        if recipe is None:
+            return F.linear(x, self.weight, self.bias)
+        act_dtype = activation_dtype(x)
+        if not gemm.dims_ok(self.in_features, self.out_features):
+            self.warn_once("dims", f"FP8 GEMMs need dims that are multiples of 16; this layer runs in {act_dtype}")
+            return _high_precision(x, self.weight, self.bias, act_dtype)
+        gemm.check_device(x.device)
+        q = self.quantizers(recipe, self.weight.device)
+        if isinstance(x, Float8Tensor):
+            self.check_fp8_input(x, q[TensorRole.INPUT])
+        grad = torch.is_grad_enabled()
+        w_fp8 = self._workspace.get(self.weight, q[TensorRole.WEIGHT], is_first_microbatch,
+                                    need_transpose=grad and x.requires_grad)
+        return _LinearFn.apply(x, self.weight, self.bias, w_fp8, q[TensorRole.INPUT],
+                               q[TensorRole.GRAD_OUTPUT], recipe.gemm, act_dtype,
+                               grad and self.weight.requires_grad)
+
+
+def _high_precision(x, weight, bias, dtype):
+    return F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
+
+
+class _LinearFn(torch.autograd.Function):
+    """Forward: fprop GEMM. Backward: one cast of dY (with its transposed copy), dgrad, wgrad.
+
+    Saved for backward: X's transposed FP8 copy (K, Mp) and its scale_inv, not X itself. The
+    weight workspace is kept by reference: it is rewritten in place only by a later forward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w_fp8: Float8Tensor,
+                q_input: Quantizer, q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype,
+                need_wgrad: bool):
+        in_shape = x.shape
+        k = in_shape[-1]
+        if isinstance(x, Float8Tensor):
+            x_q = x.reshape(-1, k)
+        else:
+            x_q = q_input.quantize(x.reshape(-1, k), transpose=need_wgrad)  # (M, K) + (K, Mp)
+        y = gemm.fprop(x_q, w_fp8, config, act_dtype, bias)  # (M, N)
+        if need_wgrad:
+            ctx.save_for_backward(x_q.transpose_data(padded=True), x_q.scale_inv)
+        ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
+        ctx.in_shape, ctx.act_dtype, ctx.need_wgrad = in_shape, act_dtype, need_wgrad
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.view(*in_shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        n = dy.shape[-1]
+        dy2 = dy.reshape(-1, n)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.need_wgrad
+        dy_q = ctx.q_grad.quantize(dy2.to(ctx.act_dtype), transpose=need_wgrad)  # (M, N) + (N, Mp)
+        dx = dw = db = None
+        if need_dgrad:
+            dx = gemm.dgrad(dy_q, ctx.w_fp8, ctx.config, ctx.act_dtype).view(ctx.in_shape)
+        if need_wgrad:
+            x_t, x_scale_inv = ctx.saved_tensors
+            dw = gemm.wgrad(dy_q.transpose_data(padded=True), dy_q.scale_inv, x_t, x_scale_inv, ctx.config,
+                            ctx.weight_dtype)
+        if ctx.needs_input_grad[2]:
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None, None

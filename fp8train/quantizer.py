@@ -1,0 +1,231 @@
+"""Quantizers: one tensor role's scaling state, and the cast that uses it.
+
+A quantizer is a small nn.Module so its state (scale, amax history, counters) moves with
+`.to()` and lives in the owning layer's state_dict. It turns a high-precision tensor into a
+Float8Tensor (optionally with the transposed copy the backward GEMMs need) in one kernel.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import kernels, scaling
+from .recipe import CurrentScaling, DelayedScaling, Recipe
+from .roles import TensorRole
+from .tensor import Float8Tensor, padded_rows
+
+
+class Quantizer(nn.Module):
+    """Base: role, FP8 dtype, and the allocation/layout side of quantization."""
+
+    def __init__(self, role: TensorRole, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.role = role
+        self.dtype = dtype
+        self.register_buffer("fp8_max", torch.tensor(scaling.fp8_max(dtype), device=device))
+        self.register_buffer("scale", torch.ones((), device=device))
+        # inf/NaN amaxes seen (and kept away from the scale): readable by users and tests.
+        self.register_buffer("nonfinite_count", torch.zeros((), dtype=torch.int32, device=device))
+
+    def quantize(self, x: torch.Tensor, *, transpose: bool = False,
+                 out: Optional[Float8Tensor] = None) -> Float8Tensor:
+        """Cast `x` (any shape, float) to FP8 with this quantizer's scaling.
+
+        transpose  also write the transposed copy of the 2-D view (rows, x.shape[-1]) and cache
+                   it on the result (`Float8Tensor.transpose_data`), from the same read of x.
+        out        an existing Float8Tensor of x's shape to overwrite in place (a workspace):
+                   its payload, scale_inv and, when `transpose`, transposed buffer are reused.
+        """
+        x = x.detach()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if out is None:
+            data = torch.empty(x.shape, dtype=self.dtype, device=x.device)
+            out = Float8Tensor(data, torch.empty((), dtype=torch.float32, device=x.device), x.dtype, self.role)
+        elif out.shape != x.shape or out.fp8_dtype != self.dtype or out.device != x.device:
+            raise ValueError(f"{self.role.name} quantizer: workspace {out!r} does not fit a {tuple(x.shape)} "
+                             f"{x.dtype} tensor cast to {self.dtype}")
+        else:
+            out._mark_rewritten()
+        if transpose:
+            cols = x.shape[-1]
+            rows = x.numel() // cols
+            t = out._transpose
+            if t is None or t.shape != (cols, padded_rows(rows)):
+                t = torch.empty((cols, padded_rows(rows)), dtype=self.dtype, device=x.device)
+            self._cast(x.reshape(rows, cols), out.fp8_data.view(rows, cols), t, out.scale_inv)
+            out._set_transpose(t)
+        else:
+            self._cast(x, out.fp8_data, None, out.scale_inv)
+        return out
+
+    def _cast(self, x, data, data_t, scale_inv) -> None:
+        raise NotImplementedError
+
+    def matches(self, recipe: Recipe, role: TensorRole) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def _run_cast(x, data, data_t, **scale_args) -> None:
+        if data_t is None:
+            kernels.cast_amax(x, data, **scale_args)
+        else:
+            kernels.cast_transpose_amax(x, data, data_t, **scale_args)
+
+    def extra_repr(self) -> str:
+        return f"role={self.role.name}, dtype={self.dtype}"
+
+
+class CurrentScalingQuantizer(Quantizer):
+    """scale = fp8_max / amax of the tensor being cast: an amax pass, then the cast.
+
+    `scale` and `amax` hold the values of the last cast (a zero or non-finite amax keeps the
+    previous scale, see scaling.compute_scale).
+    """
+
+    def __init__(self, role: TensorRole, dtype: torch.dtype, device=None):
+        super().__init__(role, dtype, device)
+        self.register_buffer("amax", torch.zeros((), device=device))
+
+    def _cast(self, x, data, data_t, scale_inv) -> None:
+        self.amax.zero_()
+        kernels.amax(x, self.amax)
+        self._run_cast(x, data, data_t, scale=self.scale, scale_inv_out=scale_inv,
+                       from_amax=self.amax, nonfinite_count=self.nonfinite_count)
+
+    def matches(self, recipe: Recipe, role: TensorRole) -> bool:
+        return isinstance(recipe, CurrentScaling) and self.dtype == recipe.fp8_format.dtype(role)
+
+
+class DelayedScalingQuantizer(Quantizer):
+    """Scale from the amax history (scaling.py explains its layout); the cast is one pass.
+
+    Each cast max-accumulates its amax into `amax_history[0]`; `update_delayed_scales()`
+    (run by `fp8train.autocast` on entry) rolls every history and recomputes every scale in
+    one launch. The first cast of a fresh quantizer has no history and calibrates: it takes
+    the tensor's own amax (one extra pass, once).
+    """
+
+    def __init__(self, role: TensorRole, dtype: torch.dtype, history_len: int,
+                 algo: str = "max", margin: int = 0, device=None):
+        super().__init__(role, dtype, device)
+        self.register_buffer("amax_history", torch.full((history_len,), scaling.UNRECORDED, device=device))
+        self.register_buffer("_calibration_amax", torch.zeros((), device=device), persistent=False)
+        self.algo = algo
+        self.margin = margin
+        self.calibrated = False
+        _REGISTRY.add(self)
+
+    @property
+    def history_len(self) -> int:
+        return self.amax_history.shape[0]
+
+    def _cast(self, x, data, data_t, scale_inv) -> None:
+        pending = self.amax_history[0]  # () view: casts max-accumulate into it
+        if self.calibrated:
+            self._run_cast(x, data, data_t, scale=self.scale, scale_inv_out=scale_inv, amax_out=pending)
+            return
+        self._calibration_amax.zero_()
+        kernels.amax(x, self._calibration_amax)
+        # A non-finite calibration amax keeps scale 1; the update counts it once (not here).
+        self._run_cast(x, data, data_t, scale=self.scale, scale_inv_out=scale_inv, amax_out=pending,
+                       from_amax=self._calibration_amax)
+        self.calibrated = True
+
+    def matches(self, recipe: Recipe, role: TensorRole) -> bool:
+        return (isinstance(recipe, DelayedScaling) and self.history_len == recipe.amax_history_len
+                and self.dtype == recipe.fp8_format.dtype(role))
+
+    def configure(self, recipe: DelayedScaling) -> None:
+        """Adopt the recipe's update rule (not state: it is not in the state_dict)."""
+        if (self.algo, self.margin) != (recipe.amax_compute_algo, recipe.margin):
+            self.algo, self.margin = recipe.amax_compute_algo, recipe.margin
+            _REGISTRY.invalidate()
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        _REGISTRY.invalidate()  # buffers may be new tensors: rebuild the update's pointer tables
+        return out
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        _REGISTRY.invalidate()
+        # Resumed state with a recorded amax is calibrated (one sync, at load time only).
+        self.calibrated = bool((self.amax_history >= 0).any())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, history_len={self.history_len}, algo={self.algo}, margin={self.margin}"
+
+
+class _DelayedScalingRegistry:
+    """Every live DelayedScalingQuantizer, so that one launch per step updates them all.
+
+    Holds weak references only: a quantizer leaves when its layer is freed. The update
+    batches (pointer tables on CUDA) are rebuilt only when the set or a buffer changes.
+    """
+
+    def __init__(self):
+        self._refs: list = []
+        self._batches: Optional[list] = None
+
+    def add(self, q: DelayedScalingQuantizer) -> None:
+        self._refs.append(weakref.ref(q, self._forget))
+        self._batches = None
+
+    def _forget(self, ref) -> None:
+        if ref in self._refs:
+            self._refs.remove(ref)
+        self._batches = None
+
+    def invalidate(self) -> None:
+        self._batches = None
+
+    def live(self) -> list:
+        return [q for q in (r() for r in self._refs) if q is not None]
+
+    def update(self) -> None:
+        if self._batches is None:
+            self._rebuild()
+        for batch in self._batches:
+            batch()
+
+    def _rebuild(self) -> None:
+        live = self.live()
+        groups: dict = {}
+        for q in live:
+            key = (q.amax_history.device, q.history_len, q.algo, q.margin)
+            groups.setdefault(key, []).append(q)
+        self._batches = [
+            kernels.ScaleUpdateBatch([q.amax_history for q in qs], [q.scale for q in qs],
+                                     [q.nonfinite_count for q in qs], [scaling.fp8_max(q.dtype) for q in qs],
+                                     algo, margin)
+            for (_, _, algo, margin), qs in groups.items()
+        ]
+
+
+_REGISTRY = _DelayedScalingRegistry()
+
+
+def update_delayed_scales() -> None:
+    """Roll every live delayed-scaling history and recompute its scale: one launch per
+    (device, history length, algorithm, margin) group, no sync, no allocation once built."""
+    _REGISTRY.update()
+
+
+def make_quantizer(recipe: Recipe, role: TensorRole, device=None) -> Quantizer:
+    dtype = recipe.fp8_format.dtype(role)
+    if isinstance(recipe, DelayedScaling):
+        return DelayedScalingQuantizer(role, dtype, recipe.amax_history_len, recipe.amax_compute_algo,
+                                       recipe.margin, device=device)
+    return CurrentScalingQuantizer(role, dtype, device=device)
+
+
+def quantizer_from_state(role: TensorRole, state: dict, device=None) -> Quantizer:
+    """An empty quantizer shaped like a saved one (its buffers are then loaded into it)."""
+    dtype = scaling.fp8_dtype_of_max(float(state["fp8_max"]))
+    if "amax_history" in state:
+        return DelayedScalingQuantizer(role, dtype, state["amax_history"].shape[0], device=device)
+    return CurrentScalingQuantizer(role, dtype, device=device)
