@@ -150,9 +150,15 @@ class DelayedScalingQuantizer(Quantizer):
         _REGISTRY.invalidate()  # buffers may be new tensors: rebuild the update's pointer tables
         return out
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _REGISTRY.add(self)  # copies (copy.deepcopy, pickle) are live quantizers too
+
     def _load_from_state_dict(self, *args, **kwargs):
+        ptrs = [b.data_ptr() for b in self.buffers()]
         super()._load_from_state_dict(*args, **kwargs)
-        _REGISTRY.invalidate()
+        if ptrs != [b.data_ptr() for b in self.buffers()]:  # loads copy in place unless assign=True
+            _REGISTRY.invalidate()
         # Resumed state with a recorded amax is calibrated (one sync, at load time only).
         self.calibrated = bool((self.amax_history >= 0).any())
 

@@ -28,3 +28,9 @@ def _seeded(request):
     # Different random inputs for every test, reproducible per test id.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Run a test on CPU (reference kernels, emulated GEMMs) and, as a `gpu` test, on CUDA."""
+    return torch.device(request.param)

@@ -81,11 +81,11 @@ def scaled_mm_calls(monkeypatch):
     GemmConfig(fprop_fast_accum=False, dgrad_fast_accum=False, wgrad_fast_accum=True),
 ], ids=["default", "dgrad-fast", "wgrad-fast"])
 @pytest.mark.parametrize("recipe_cls", [fp8train.DelayedScaling, fp8train.CurrentScaling], ids=["delayed", "current"])
-def test_gemm_config_decides_which_gemms_use_fast_accumulation(scaled_mm_calls, config, recipe_cls):
+def test_gemm_config_decides_which_gemms_use_fast_accumulation(scaled_mm_calls, config, recipe_cls, device):
     # Distinct M, K, N so each GEMM is identified by its output shape: fprop (M,N), dgrad (M,K), wgrad (N,K).
     m, k, n = 24, 64, 32
-    layer = fp8train.Linear(k, n)
-    x = torch.randn(m, k, requires_grad=True)
+    layer = fp8train.Linear(k, n, device=device)
+    x = torch.randn(m, k, device=device, requires_grad=True)
     with fp8train.autocast(recipe=recipe_cls(gemm=config)):
         y = layer(x)
     y.sum().backward()

@@ -18,18 +18,18 @@ RECIPES = {
 }
 
 
-def twins(k, n, params_dtype=torch.float32, bias=True):
-    layer = fp8train.Linear(k, n, bias=bias, params_dtype=params_dtype)
-    ref = torch.nn.Linear(k, n, bias=bias, dtype=params_dtype)
+def twins(k, n, params_dtype=torch.float32, bias=True, device="cpu"):
+    layer = fp8train.Linear(k, n, bias=bias, params_dtype=params_dtype, device=device)
+    ref = torch.nn.Linear(k, n, bias=bias, dtype=params_dtype, device=device)
     ref.load_state_dict(layer.state_dict(), strict=False)
     return layer, ref
 
 
 @pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48)], ids=str)
-def test_outside_autocast_is_exactly_nn_linear(params_dtype, shape):
-    layer, ref = twins(48, 32, params_dtype)
-    x = torch.randn(shape, dtype=params_dtype, requires_grad=True)
+def test_outside_autocast_is_exactly_nn_linear(params_dtype, shape, device):
+    layer, ref = twins(48, 32, params_dtype, device=device)
+    x = torch.randn(shape, dtype=params_dtype, device=device, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = layer(x), ref(x_ref)
     assert torch.equal(y, y_ref)
@@ -46,10 +46,10 @@ def test_outside_autocast_is_exactly_nn_linear(params_dtype, shape):
 @pytest.mark.parametrize("shape, k, n", [((37, 64), 64, 48), ((3, 7, 96), 96, 160), ((2, 3, 5, 32), 32, 16)],
                          ids=["2d-odd-m", "3d", "4d"])
 @pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
-def test_fp8_matches_nn_linear_by_sqnr(recipe, shape, k, n, params_dtype):
-    layer, ref = twins(k, n, params_dtype)
-    x = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(*shape[:-1], n, dtype=torch.bfloat16)
+def test_fp8_matches_nn_linear_by_sqnr(recipe, shape, k, n, params_dtype, device):
+    layer, ref = twins(k, n, params_dtype, device=device)
+    x = torch.randn(shape, dtype=torch.bfloat16, device=device, requires_grad=True)
+    dy = torch.randn(*shape[:-1], n, dtype=torch.bfloat16, device=device)
     with fp8train.autocast(recipe=recipe):
         y = layer(x)
     y.backward(dy)
@@ -65,9 +65,9 @@ def test_fp8_matches_nn_linear_by_sqnr(recipe, shape, k, n, params_dtype):
     assert sqnr_db(layer.bias.grad, ref64.bias.grad) >= 40  # bias grad is a high-precision sum
 
 
-def test_dims_not_multiple_of_16_run_in_high_precision_with_one_warning():
-    layer, ref = twins(40, 24)
-    x = torch.randn(5, 40, dtype=torch.bfloat16)
+def test_dims_not_multiple_of_16_run_in_high_precision_with_one_warning(device):
+    layer, ref = twins(40, 24, device=device)
+    x = torch.randn(5, 40, dtype=torch.bfloat16, device=device)
     with fp8train.autocast():
         with pytest.warns(UserWarning, match=r"Linear\(in=40, out=24\): FP8 GEMMs need dims that are multiples "
                                              r"of 16; this layer runs in torch.bfloat16"):
@@ -112,9 +112,9 @@ def weight_casts(monkeypatch):
     return calls
 
 
-def test_is_first_microbatch_caches_the_weight_cast(weight_casts):
-    layer = fp8train.Linear(32, 16)
-    x = torch.randn(8, 32)
+def test_is_first_microbatch_caches_the_weight_cast(weight_casts, device):
+    layer = fp8train.Linear(32, 16, device=device)
+    x = torch.randn(8, 32, device=device)
     with fp8train.autocast():
         y1 = layer(x, is_first_microbatch=True)
     ws = layer.weight_fp8
@@ -134,11 +134,11 @@ def test_is_first_microbatch_caches_the_weight_cast(weight_casts):
     assert weight_casts == [False, True, True]
 
 
-def test_cached_weight_builds_its_transpose_on_demand():
-    layer = fp8train.Linear(32, 16)
+def test_cached_weight_builds_its_transpose_on_demand(device):
+    layer = fp8train.Linear(32, 16, device=device)
     with fp8train.autocast():
-        layer(torch.randn(8, 32), is_first_microbatch=True)
-        x = torch.randn(8, 32, requires_grad=True)
+        layer(torch.randn(8, 32, device=device), is_first_microbatch=True)
+        x = torch.randn(8, 32, device=device, requires_grad=True)
         layer(x, is_first_microbatch=False).sum().backward()
     ws = layer.weight_fp8
     assert ws.transpose_is_cached() and torch.equal(fp8_bytes(ws.transpose_data()), fp8_bytes(ws.fp8_data).t())
@@ -146,9 +146,9 @@ def test_cached_weight_builds_its_transpose_on_demand():
 
 
 # ---------------------------------------------------------------- checkpoints
-def make_model(seed):
+def make_model(seed, device="cpu"):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(fp8train.Linear(32, 64), torch.nn.GELU(), fp8train.Linear(64, 16))
+    return torch.nn.Sequential(fp8train.Linear(32, 64), torch.nn.GELU(), fp8train.Linear(64, 16)).to(device)
 
 
 def train(model, opt, recipe, batches):
@@ -164,20 +164,20 @@ def train(model, opt, recipe, batches):
     return losses
 
 
-def batches(n, seed=0):
+def batches(n, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(24, 32, generator=g, dtype=torch.bfloat16), torch.randn(24, 16, generator=g))
+    return [(torch.randn(24, 32, generator=g, dtype=torch.bfloat16).to(device), torch.randn(24, 16, generator=g).to(device))
             for _ in range(n)]
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=8), CurrentScaling()], ids=["delayed", "current"])
-def test_checkpoint_resumes_bit_identically(recipe):
-    data = batches(10)
-    model = make_model(0)
+def test_checkpoint_resumes_bit_identically(recipe, device):
+    data = batches(10, device=device)
+    model = make_model(0, device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     straight = train(model, opt, recipe, data)
 
-    model = make_model(0)
+    model = make_model(0, device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     first = train(model, opt, recipe, data[:5])
     buf = io.BytesIO()
@@ -185,7 +185,7 @@ def test_checkpoint_resumes_bit_identically(recipe):
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
     assert any(k.endswith("input_quantizer.scale") for k in ckpt["model"])
-    resumed = make_model(123)  # different init: everything must come from the checkpoint
+    resumed = make_model(123, device)  # different init: everything must come from the checkpoint
     resumed.load_state_dict(ckpt["model"])
     opt = torch.optim.Adam(resumed.parameters(), lr=1e-2)
     opt.load_state_dict(ckpt["opt"])
@@ -211,11 +211,11 @@ def observe_weights(model, recipe):
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), CurrentScaling()], ids=["delayed", "current"])
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_a_nonfinite_batch_leaves_scaling_state_finite(recipe, bad_value):
-    clean = batches(6)
+def test_a_nonfinite_batch_leaves_scaling_state_finite(recipe, bad_value, device):
+    clean = batches(6, device=device)
     bad_x = clean[2][0].clone()
     bad_x[3, 7] = bad_value
-    model = make_model(0)
+    model = make_model(0, device)
     got = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), recipe,
                 clean[:2] + [(bad_x, clean[2][1])] + clean[2:])
 
@@ -226,7 +226,7 @@ def test_a_nonfinite_batch_leaves_scaling_state_finite(recipe, bad_value):
                 assert torch.isfinite(q.amax_history).all()
     assert model[0].input_quantizer.nonfinite_count.item() == 1
     # The next clean step computes what float64 computes with the same weights, at FP8 accuracy.
-    x, _ = batches(1, seed=1)[0]
+    x, _ = batches(1, seed=1, device=device)[0]
     with fp8train.autocast(recipe=recipe):
         y = model(x)
     assert sqnr_db(y, copy.deepcopy(model).double()(x.double())) >= 25
@@ -235,7 +235,7 @@ def test_a_nonfinite_batch_leaves_scaling_state_finite(recipe, bad_value):
         # NaN: that step's loss is what the data gives, the loop skips its update, and every
         # later step is exactly that of a run in which the step only cast the weights.
         assert torch.isnan(got[2])
-        ref = make_model(0)
+        ref = make_model(0, device)
         ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
         expected = train(ref, ref_opt, recipe, clean[:2])
         observe_weights(ref, recipe)
@@ -277,9 +277,9 @@ def test_float8_input_of_the_wrong_role_is_refused():
         layer(fp8train.quantize(torch.randn(4, 32), role=TensorRole.INPUT))
 
 
-def test_float8_input_of_the_right_role_is_used_as_is():
-    layer = fp8train.Linear(32, 16)
-    x = torch.randn(2, 4, 32)
+def test_float8_input_of_the_right_role_is_used_as_is(device):
+    layer = fp8train.Linear(32, 16, device=device)
+    x = torch.randn(2, 4, 32, device=device)
     xq = fp8train.quantize(x, role=TensorRole.INPUT)
     with fp8train.autocast(recipe=CurrentScaling()):
         y_pre = layer(xq)

@@ -125,3 +125,14 @@ def test_state_dict_round_trip_restores_calibration():
     fresh.load_state_dict(q.state_dict())
     assert fresh.calibrated and torch.equal(fresh.scale, q.scale) and torch.equal(fresh.amax_history, q.amax_history)
     assert not delayed(h=8).calibrated
+
+
+def test_copies_are_registered_and_updated():
+    import copy
+    q = delayed()
+    q.quantize(torch.randn(4, 16))
+    twin = copy.deepcopy(q)
+    assert any(live is twin for live in _REGISTRY.live())
+    fp8train.update_delayed_scales()
+    assert torch.equal(twin.amax_history, q.amax_history) and torch.equal(twin.scale, q.scale)
+    assert twin.amax_history[0].item() == UNRECORDED

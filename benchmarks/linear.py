@@ -1,0 +1,113 @@
+"""FP8 Linear fwd+bwd against nn.Linear in BF16, side by side in one run (GPU machine).
+
+Part 1, GEMM-sized layers: M = 8192 tokens, K = N in {1024, 2048, 4096, 8192}, bf16 params and
+activations; median time of forward + backward (triton.testing.do_bench), TFLOP/s counted as
+6 * M * K * N, and the ratio to BF16.
+Part 2, host overhead: a 1024 -> 1024 layer on 256 tokens, where the GPU work is tiny; the
+host time to issue one fwd+bwd (perf_counter over many iterations, no sync inside), and its
+ratio to nn.Linear (target <= 1.5x; torchao eager measured 12.8x).
+
+Prints tables, writes JSON (--json). Never asserts on time.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import torch
+import triton
+from torch import nn
+
+import fp8train
+
+RECIPES = {"fp8 delayed": fp8train.DelayedScaling(), "fp8 current": fp8train.CurrentScaling()}
+
+
+def make(kind, k, n, device):
+    if kind == "bf16":
+        return nn.Linear(k, n, device=device, dtype=torch.bfloat16), None
+    return fp8train.Linear(k, n, params_dtype=torch.bfloat16, device=device), RECIPES[kind]
+
+
+def fwd_bwd_fn(layer, recipe, x, dy):
+    if recipe is None:
+        def run():
+            layer(x).backward(dy)
+    else:
+        def run():
+            with fp8train.autocast(recipe=recipe):
+                y = layer(x)
+            y.backward(dy)
+    return run
+
+
+def gemm_sized(sizes, m, device):
+    rows = []
+    for kn in sizes:
+        x = torch.randn(m, kn, device=device, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, kn, device=device, dtype=torch.bfloat16)
+        base = None
+        for kind in ("bf16", *RECIPES):
+            layer, recipe = make(kind, kn, kn, device)
+            run = fwd_bwd_fn(layer, recipe, x, dy)
+            ms = triton.testing.do_bench(run, warmup=100, rep=500, grad_to_none=[x, *layer.parameters()],
+                                         return_mode="median")
+            base = base or ms
+            rows.append({"K=N": kn, "M": m, "kind": kind, "ms": ms, "tflops": 6 * m * kn * kn / ms / 1e9,
+                         "ratio_to_bf16": ms / base})
+    return rows
+
+
+def host_time(device, iters=300, tokens=256, dim=1024):
+    rows = []
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    base = None
+    for kind in ("bf16", *RECIPES):
+        layer, recipe = make(kind, dim, dim, device)
+        run = fwd_bwd_fn(layer, recipe, x, dy)
+        for _ in range(20):
+            run()
+        samples = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                run()
+            samples.append((time.perf_counter() - t0) / iters * 1e6)
+            torch.cuda.synchronize()
+        us = sorted(samples)[len(samples) // 2]
+        base = base or us
+        rows.append({"kind": kind, "host_us": us, "ratio_to_nn_linear": us / base})
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--m", type=int, default=8192)
+    p.add_argument("--json", default="benchmarks/results/linear.json")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__}
+    gemm_rows = gemm_sized(args.sizes, args.m, device)
+    host_rows = host_time(device)
+
+    print(f"\nFP8 Linear fwd+bwd vs nn.Linear BF16 -- {meta}")
+    print(f"{'K=N':>6} {'kind':<12} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8}")
+    for r in gemm_rows:
+        print(f"{r['K=N']:>6} {r['kind']:<12} {r['ms']:>8.3f} {r['tflops']:>8.0f} {r['ratio_to_bf16']:>7.2f}x")
+    print("\nHost time per fwd+bwd, 1024x1024 layer, 256 tokens (target: <= 1.5x nn.Linear)")
+    for r in host_rows:
+        print(f"{r['kind']:<12} {r['host_us']:>8.1f} us {r['ratio_to_nn_linear']:>7.2f}x")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "gemm_sized": gemm_rows, "host_time": host_rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
