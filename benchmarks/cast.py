@@ -1,0 +1,248 @@
+"""Bandwidth of the fp8 cast kernels against a device copy and torch.compile (GPU only).
+
+    python benchmarks/cast.py                    # 8192 x 16384 bf16, table + JSON
+    python benchmarks/cast.py --rows 4096 --cols 4096 --json /tmp/cast.json
+    python benchmarks/cast.py --variants         # also time other launch shapes of each kernel
+
+GB/s counts the bytes a kernel must move: read 2 B + write 1 B per element for a cast,
+2 B + 2 x 1 B for cast+transpose, 2 B for amax, 2 x 2 B for the bf16 copy; "% copy" is
+that rate over the measured copy rate. Times are medians of triton.testing.do_bench.
+The launch shapes the library uses come from fp8train.kernels.cast.launch_configs; pick
+the best --variants row there.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import fp8train  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from fp8train.kernels import cast, reference  # noqa: E402
+
+TARGETS = {"triton cast+amax (delayed)": 85.0, "triton cast+transpose+amax (delayed)": 75.0}
+FP8 = torch.float8_e4m3fn
+FLAT_VARIANTS = [cast.FlatConfig(block, warps, per_sm)
+                 for block, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16))
+                 for per_sm in (2, 4, 5, 8)]
+TILE_VARIANTS = [cast.TileConfig(bm, bn, warps, per_sm)
+                 for bm, bn, warps, per_sm in ((64, 128, 8, 1), (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4),
+                                               (64, 64, 4, 4), (64, 64, 4, 6), (64, 64, 4, 8), (64, 64, 8, 4),
+                                               (32, 128, 4, 4), (32, 128, 4, 8), (128, 64, 8, 2), (128, 64, 8, 3),
+                                               (128, 128, 8, 1), (128, 128, 16, 1), (64, 128, 4, 2), (64, 128, 4, 4))]
+
+
+def median_ms(fn) -> float:
+    try:
+        return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+    except TypeError:  # older do_bench without return_mode
+        return float(triton.testing.do_bench(fn, warmup=50, rep=300, quantiles=[0.5]))
+
+
+class Buffers:
+    """Inputs and outputs of every kernel, allocated once."""
+
+    def __init__(self, rows: int, cols: int):
+        self.x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)  # (M, N)
+        self.copy_dst = torch.empty_like(self.x)
+        self.out = torch.empty(rows, cols, device="cuda", dtype=FP8)           # (M, N) fp8
+        self.out_t = torch.empty(cols, rows, device="cuda", dtype=FP8)         # (N, M) fp8, transposed copy
+        self.scale = torch.tensor(1.0, device="cuda")
+        self.scale_inv = torch.empty((), device="cuda")
+        self.amax = torch.tensor(-1.0, device="cuda")
+        self.from_amax = reference.abs_max(self.x)
+        self.current_scale = torch.tensor(1.0, device="cuda")
+        self.numel = self.x.numel()
+
+
+def triton_cases(b: Buffers):
+    """(name, callable, bytes moved) of the Triton kernels with the current launch shapes."""
+    n = b.numel
+    return [
+        ("triton cast+amax (delayed)", lambda: cast.cast_amax(b.x, b.out, b.scale, b.scale_inv, b.amax), 3 * n),
+        ("triton cast, current scaling (from_amax)",
+         lambda: cast.cast_amax(b.x, b.out, b.current_scale, b.scale_inv, from_amax=b.from_amax), 3 * n),
+        ("triton amax", lambda: cast.amax(b.x, b.amax), 2 * n),
+        ("triton cast+transpose+amax (delayed)",
+         lambda: cast.cast_transpose_amax(b.x, b.out, b.out_t, b.scale, b.scale_inv, b.amax), 4 * n),
+    ]
+
+
+def compiled_cases(b: Buffers):
+    """torch.compile of the same math (functional: new outputs each call)."""
+
+    def cast_amax(x, scale, amax):
+        a = x.float().abs()
+        a = torch.where(torch.isnan(a), torch.inf, a).max()
+        return (x.float() * scale).clamp(-448.0, 448.0).to(FP8), torch.maximum(amax, a)
+
+    def cast_transpose_amax(x, scale, amax):
+        q, a = cast_amax(x, scale, amax)
+        return q, q.t().contiguous(), a
+
+    n = b.numel
+    cases = []
+    for name, fn, nbytes in (("torch.compile cast+amax", cast_amax, 3 * n),
+                             ("torch.compile cast+transpose+amax", cast_transpose_amax, 4 * n)):
+        try:
+            compiled = torch.compile(fn)
+            compiled(b.x, b.scale, b.amax)  # compile now, so a failure is reported here
+            cases.append((name, lambda c=compiled: c(b.x, b.scale, b.amax), nbytes))
+        except Exception as e:  # report, don't crash: the Triton numbers matter more
+            cases.append((name, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+    return cases
+
+
+def check_bitwise(b: Buffers) -> dict:
+    """One quick equality check against the reference twins on this input (tests/gpu is the real one)."""
+    want, want_t = torch.empty_like(b.out), torch.empty_like(b.out_t)
+    s, inv, amax = b.scale.clone(), torch.empty((), device="cuda"), torch.tensor(-1.0, device="cuda")
+    reference.cast_transpose_amax(b.x, want, want_t, s, inv, amax)
+    got, got_t = torch.empty_like(b.out), torch.empty_like(b.out_t)
+    g_inv, g_amax = torch.empty((), device="cuda"), torch.tensor(-1.0, device="cuda")
+    cast.cast_transpose_amax(b.x, got, got_t, b.scale, g_inv, g_amax)
+    flat = torch.empty_like(b.out)
+    cast.cast_amax(b.x, flat, b.scale, torch.empty((), device="cuda"))
+    same = lambda p, q: bool(torch.equal(p.view(torch.uint8), q.view(torch.uint8)))
+    return {"cast_amax": same(flat, want), "cast_transpose_amax": same(got, want) and same(got_t, want_t),
+            "amax": bool(torch.equal(g_amax, amax)), "scale_inv": bool(torch.equal(g_inv, inv))}
+
+
+def kernel_resources() -> list:
+    """Registers / spills / shared memory of every compiled cast kernel, and how many programs
+    of each fit on one SM (best effort: reads Triton's kernel cache, whose layout may change)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    rows = []
+    for name, fn in (("flat", cast._flat_kernel), ("tile", cast._tile_kernel)):
+        try:
+            compiled = [k for cache in fn.device_caches.values() for k in cache[0].values()]
+        except Exception as e:
+            rows.append({"kernel": name, "error": repr(e)})
+            continue
+        for k in compiled:
+            threads = 32 * k.metadata.num_warps
+            regs = max(1, k.n_regs)
+            by_regs = 65536 // (((regs + 7) // 8 * 8) * threads)
+            by_smem = smem_per_sm // max(1, k.metadata.shared) if k.metadata.shared else 32
+            fit = min(by_regs, 2048 // threads, by_smem, 32)
+            rows.append({"kernel": name, "num_warps": k.metadata.num_warps, "n_regs": k.n_regs,
+                         "n_spills": k.n_spills, "shared": k.metadata.shared, "programs_per_sm_fit": fit})
+    return rows
+
+
+def measure(cases, copy_gbps: float):
+    rows = []
+    for name, fn, nbytes in cases:
+        if fn is None:
+            rows.append({"name": name, "error": nbytes})
+            continue
+        ms = median_ms(fn)
+        gbps = nbytes / ms / 1e6
+        rows.append({"name": name, "ms": ms, "gbps": gbps, "pct_copy": 100.0 * gbps / copy_gbps, "bytes": nbytes})
+    return rows
+
+
+def print_table(rows) -> None:
+    print(f"{'kernel':<44}{'time ms':>10}{'GB/s':>10}{'% copy':>9}  target")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<44}{'failed':>10}  {r['error']}")
+            continue
+        target = TARGETS.get(r["name"])
+        mark = "" if target is None else f">= {target:.0f}% {'ok' if r['pct_copy'] >= target else 'MISSED'}"
+        print(f"{r['name']:<44}{r['ms']:>10.4f}{r['gbps']:>10.0f}{r['pct_copy']:>8.1f}%  {mark}")
+
+
+def sweep_variants(b: Buffers, copy_gbps: float) -> dict:
+    """Time every launch-shape variant of each kernel; the fastest first."""
+    default_flat, default_tile = cast.launch_configs(b.x.device)
+    results = {}
+    for kind, variants in (("flat", FLAT_VARIANTS), ("tile", TILE_VARIANTS)):
+        for name, fn, nbytes in triton_cases(b):
+            if (kind == "tile") != ("transpose" in name):
+                continue
+            rows = []
+            for v in variants:
+                flat = v if kind == "flat" else default_flat
+                tile = v if kind == "tile" else default_tile
+                with cast.override_configs(flat, tile):
+                    try:
+                        ms = median_ms(fn)
+                    except Exception as e:  # e.g. out of shared memory / registers
+                        rows.append({"config": repr(v), "error": f"{type(e).__name__}: {str(e)[:100]}"})
+                        continue
+                gbps = nbytes / ms / 1e6
+                rows.append({"config": repr(v), "ms": ms, "gbps": gbps, "pct_copy": 100.0 * gbps / copy_gbps})
+            rows.sort(key=lambda r: r.get("ms", float("inf")))
+            default = repr(default_flat if kind == "flat" else default_tile)
+            print(f"\n{name}: launch-shape variants (default {default})")
+            for r in rows:
+                if "error" in r:
+                    print(f"  {r['config']:<72} failed: {r['error']}")
+                else:
+                    star = " *" if r["config"] == default else ""
+                    print(f"  {r['config']:<72}{r['ms']:>9.4f} ms{r['gbps']:>8.0f} GB/s{r['pct_copy']:>7.1f}%{star}")
+            results[name] = rows
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--cols", type=int, default=16384)
+    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "cast.json"))
+    parser.add_argument("--variants", action="store_true", help="also time other launch shapes of each kernel")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/cast.py needs a CUDA GPU")
+
+    b = Buffers(args.rows, args.cols)
+    device = torch.cuda.get_device_name()
+    copy_ms = median_ms(lambda: b.copy_dst.copy_(b.x))
+    copy_gbps = 4 * b.numel / copy_ms / 1e6
+    print(f"fp8 cast kernels on {device}: bf16 x ({args.rows}, {args.cols}) -> e4m3; torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+    print(f"device copy (bf16 read + write): {copy_ms:.4f} ms, {copy_gbps:.0f} GB/s = 100%")
+    print("targets: cast+amax >= 85% of copy bandwidth, cast+transpose+amax >= 75%")
+    flat, tile = cast.launch_configs(b.x.device)
+    print(f"launch shapes: {flat}, {tile}")
+    checks = check_bitwise(b)
+    print(f"bitwise vs reference on this input: {checks}\n")
+
+    cases = triton_cases(b) + ([] if args.no_compile else compiled_cases(b))
+    rows = measure(cases, copy_gbps)
+    print_table(rows)
+    resources = kernel_resources()
+    print("\ncompiled kernels (programs_per_sm above 'fit' means a second, partial wave):")
+    for r in resources:
+        print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
+    variants = sweep_variants(b, copy_gbps) if args.variants else None
+
+    result = {
+        "device": device, "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shape": [args.rows, args.cols], "input_dtype": "bfloat16", "fp8_dtype": "float8_e4m3fn",
+        "copy": {"ms": copy_ms, "gbps": copy_gbps}, "launch_configs": [repr(flat), repr(tile)],
+        "bitwise_vs_reference": checks, "kernels": rows, "targets_pct_copy": TARGETS,
+        "compiled_kernels": resources, "variants": variants,
+    }
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

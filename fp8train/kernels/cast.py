@@ -1,0 +1,397 @@
+"""Triton cast kernels: high precision -> FP8 (+ transposed copy) with the amax, in one pass.
+
+Twins: reference.amax, reference.cast_amax, reference.cast_transpose_amax (the
+specification; the GPU tests compare bit for bit). Scale conventions: fp8train/scaling.py.
+
+Two kernels serve the three wrappers:
+  _flat_kernel   contiguous x as one flat range: a persistent grid-stride loop over
+                 blocks, 16-byte vector loads, one atomic amax per program.
+  _tile_kernel   x as (rows, cols) with any row stride: a persistent loop over 2-D tiles;
+                 with TRANSPOSE it also writes each tile transposed (through shared memory)
+                 into out_t and fills out_t's padding columns with zeros.
+Every program takes part in the amax with a single `atomic_max` at its end, so a cast
+costs (programs) atomics, a small multiple of the SM count, not one per block.
+
+The cast itself (`_saturate`): y = float32(x) * scale, clamped to [-fp8_max, fp8_max] with
+NaN kept, then converted with round-to-nearest-even; on Hopper that conversion is the
+`cvt.rn.satfinite` instruction and rounds exactly like torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import scaling
+from . import reference
+from .scale_update import compute_scale
+
+_INF: tl.constexpr = tl.constexpr(float("inf"))
+_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # float32 +inf as int32
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# --------------------------------------------------------------------------- launch shapes
+
+
+@dataclass(frozen=True)
+class FlatConfig:
+    """Launch shape of `_flat_kernel` (contiguous inputs)."""
+
+    block: int            # elements one program handles per loop step
+    num_warps: int
+    programs_per_sm: int  # grid = min(blocks, programs_per_sm * SMs); keep <= occupancy
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of `_tile_kernel` (row-strided inputs, transposed copies)."""
+
+    block_m: int          # tile rows of x: a run of block_m contiguous bytes in each out_t row
+    block_n: int          # tile columns of x: a run of block_n contiguous bytes in each out row
+    num_warps: int
+    programs_per_sm: int  # grid = min(tiles, programs_per_sm * SMs); keep <= occupancy
+
+
+_override: Optional[Tuple[FlatConfig, TileConfig]] = None
+
+
+def launch_configs(device: torch.device) -> Tuple[FlatConfig, TileConfig]:
+    """The launch shapes every wrapper uses on `device` (benchmarks/cast.py --variants compares others).
+
+    Hopper: a flat step of 4096 elements over 8 warps gives each thread 16 contiguous
+    elements (two 16-byte loads of bf16, one 16-byte fp8 store). Compiled for sm_90 that
+    kernel uses <= 48 registers in every variant (triton 3.6 and 3.9), so 4 programs of 256
+    threads always fit on an SM: one wave, ~32 KiB of loads in flight per SM. A 64x128 tile
+    stores 128-byte runs into out and 64-byte runs into out_t (whole 32-byte sectors) and
+    needs <= 117 registers, so 2 programs per SM always fit. A persistent grid larger than
+    what fits would run a second, partial wave of equally long programs: keep
+    programs_per_sm at or below the "fit" the benchmark prints.
+    """
+    if _override is not None:
+        return _override
+    if device.type == "cuda":
+        return FlatConfig(block=4096, num_warps=8, programs_per_sm=4), \
+            TileConfig(block_m=64, block_n=128, num_warps=8, programs_per_sm=2)
+    # Triton interpreter on CPU: small blocks so that small test shapes run several loop
+    # steps per program, a tail block and partial edge tiles.
+    return FlatConfig(block=64, num_warps=4, programs_per_sm=1), \
+        TileConfig(block_m=16, block_n=32, num_warps=4, programs_per_sm=1)
+
+
+@contextlib.contextmanager
+def override_configs(flat: FlatConfig, tile: TileConfig) -> Iterator[None]:
+    """Use other launch shapes inside the block (benchmark variants, tests); not thread-safe."""
+    global _override
+    saved, _override = _override, (flat, tile)
+    try:
+        yield
+    finally:
+        _override = saved
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3  # interpreter: a few programs, so the grid-stride loops really stride
+
+
+def _grid(work_items: int, programs_per_sm: int, device: torch.device) -> Tuple[int]:
+    return (max(1, min(work_items, programs_per_sm * _sm_count(device))),)
+
+
+# --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _saturate(x, scale, FP8_MAX: tl.constexpr):
+    """x * scale (float32) clamped to [-FP8_MAX, FP8_MAX], NaN kept (as torch's clamp keeps it).
+
+    With NaN propagation Triton emits a single `min.NaN.xorsign.abs` for this symmetric clamp;
+    the default tl.maximum / tl.minimum would drop NaN instead.
+    """
+    return tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _abs_bits(x):
+    """|x| (float32) as int32 bits, for the amax: non-negative floats order like their bit
+    patterns, and every NaN pattern lies above inf's, so an integer max keeps NaN."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _amax_of_bits(bits):
+    """max |x| from _abs_bits maxima as float32, NaN counted as +inf (reference.abs_max)."""
+    return tl.minimum(tl.max(bits, axis=0), _INF_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr,
+                   FP8_MAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr):
+    """The scale this cast uses; program 0 writes scale_inv (and scale, count when FROM_AMAX)."""
+    scale = tl.load(scale_ptr)
+    if FROM_AMAX:
+        # Current scaling: every program computes the new scale itself, program 0 stores it.
+        # Another program may load `scale` before or after that store; both give the same
+        # result because compute_scale(a, compute_scale(a, s)) == compute_scale(a, s)
+        # (a usable amax ignores the old scale, an unusable one returns it unchanged).
+        amax = tl.load(from_amax_ptr)
+        scale = compute_scale(amax, scale, FP8_MAX, 1.0)
+    if tl.program_id(0) == 0:
+        if FROM_AMAX:
+            tl.store(scale_ptr, scale)
+            if COUNT:
+                nonfinite = ~(tl.abs(amax) < _INF)
+                tl.store(count_ptr, tl.load(count_ptr) + nonfinite.to(tl.int32))
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))  # IEEE 1/scale == torch.reciprocal
+    return scale
+
+
+@triton.jit
+def _flat_kernel(
+    x_ptr,          # (n,) bf16/fp16/fp32 input, contiguous
+    out_ptr,        # (n,) fp8 output, contiguous (CAST)
+    scale_ptr,      # () float32 scale: read; set from from_amax by program 0 (FROM_AMAX)
+    scale_inv_ptr,  # () float32 output 1/scale, written by program 0 (CAST)
+    amax_ptr,       # () float32 running amax: one atomic max per program (AMAX)
+    from_amax_ptr,  # () float32 amax the scale is computed from (FROM_AMAX)
+    count_ptr,      # () int32 nonfinite count, +1 when from_amax is inf/NaN (COUNT)
+    n,              # number of elements
+    FP8_MAX: tl.constexpr, CAST: tl.constexpr, AMAX: tl.constexpr,
+    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if CAST:
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)  # running max of _abs_bits
+    n_full = n // BLOCK
+    # Full blocks: no masks, so loads and stores are 16-byte vectors whatever n is.
+    for b in range(pid, n_full, nprog):
+        start = tl.cast(b, tl.int64) * BLOCK  # tl.cast: b is a Python int in the interpreter
+        x = tl.load(x_ptr + start + offs).to(tl.float32)
+        if CAST:
+            tl.store(out_ptr + start + offs, _saturate(x, scale, FP8_MAX).to(out_ptr.dtype.element_ty))
+        if AMAX:
+            acc = tl.maximum(acc, _abs_bits(x))
+    # The partial last block (possibly empty) goes to the program next in the round robin.
+    if pid == n_full % nprog:
+        start = n_full * BLOCK  # <= n: no overflow in n's own integer type
+        mask = offs < n - start
+        x = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+        if CAST:
+            tl.store(out_ptr + start + offs, _saturate(x, scale, FP8_MAX).to(out_ptr.dtype.element_ty), mask=mask)
+        if AMAX:
+            acc = tl.maximum(acc, _abs_bits(x))
+    if AMAX:
+        # float atomic max orders negative values correctly, so an UNRECORDED (-1) start works.
+        tl.atomic_max(amax_ptr, _amax_of_bits(acc))
+
+
+@triton.jit
+def _tile_kernel(
+    x_ptr,          # (M, N) bf16/fp16/fp32 input, unit column stride, row stride stride_xm
+    out_ptr,        # (M, N) fp8 output, row-major (CAST)
+    out_t_ptr,      # (N, Mp) fp8 transposed copy, row-major; columns M..Mp-1 get zeros (TRANSPOSE)
+    scale_ptr,      # () float32 scale: read; set from from_amax by program 0 (FROM_AMAX)
+    scale_inv_ptr,  # () float32 output 1/scale, written by program 0 (CAST)
+    amax_ptr,       # () float32 running amax: one atomic max per program (AMAX)
+    from_amax_ptr,  # () float32 amax the scale is computed from (FROM_AMAX)
+    count_ptr,      # () int32 nonfinite count, +1 when from_amax is inf/NaN (COUNT)
+    M, N, Mp, stride_xm,
+    FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
+    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if CAST:
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
+    if TRANSPOSE:
+        rows_covered = Mp  # tiles past row M write out_t's zero padding
+    else:
+        rows_covered = M
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.cdiv(rows_covered, BLOCK_M) * tiles_n
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M], dtype=tl.int32)  # per-row maxima of _abs_bits (a 2-D one costs ~60 registers)
+    for t in range(pid, num_tiles, nprog):
+        row0 = (t // tiles_n) * BLOCK_M
+        col0 = (t % tiles_n) * BLOCK_N
+        rows = row0 + r
+        cols = col0 + c
+        in_x = (rows < M)[:, None] & (cols < N)[None, :]
+        # Tile origins in int64, offsets inside a tile in int32 (the wrapper bounds them).
+        x_tile = x_ptr + tl.cast(row0, tl.int64) * stride_xm + col0
+        x = tl.load(x_tile + r[:, None] * stride_xm + c[None, :], mask=in_x, other=0.0).to(tl.float32)
+        if AMAX:
+            acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=1))
+        if CAST:
+            y = _saturate(x, scale, FP8_MAX)  # (BLOCK_M, BLOCK_N)
+            if TRANSPOSE:
+                y = tl.where((rows < M)[:, None], y, 0.0)  # padding: +0.0 is byte 0x00
+            q = y.to(out_ptr.dtype.element_ty)
+            out_tile = out_ptr + tl.cast(row0, tl.int64) * N + col0
+            tl.store(out_tile + r[:, None] * N + c[None, :], q, mask=in_x)
+            if TRANSPOSE:
+                # Transpose the bytes (a plain integer layout change through shared memory).
+                q_t = tl.trans(q.to(tl.uint8, bitcast=True)).to(out_t_ptr.dtype.element_ty, bitcast=True)
+                in_t = (cols < N)[:, None] & (rows < Mp)[None, :]
+                out_t_tile = out_t_ptr + tl.cast(col0, tl.int64) * Mp + row0
+                tl.store(out_t_tile + c[:, None] * Mp + r[None, :], q_t, mask=in_t)  # (BLOCK_N, BLOCK_M)
+    if AMAX:
+        tl.atomic_max(amax_ptr, _amax_of_bits(acc))
+
+
+# --------------------------------------------------------------------------- host wrappers
+
+
+def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
+    """reference.amax on the GPU: amax_out <- max(amax_out, abs_max(x)), no sync."""
+    _check_input(x, "amax")
+    _check_scalar("amax", "amax_out", amax_out, torch.float32, x.device)
+    if x.numel() == 0:
+        reference.amax(x, amax_out)
+        return
+    _launch(x, None, None, None, None, amax_out, None, None, fp8_max=0.0)
+
+
+def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
+              amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
+              nonfinite_count: Optional[torch.Tensor] = None) -> None:
+    """reference.cast_amax on the GPU (same contract; see there).
+
+    x must have unit stride in its last dim and leading dims that fold into one row stride
+    (any contiguous tensor, or row slices of one); out must be contiguous.
+    """
+    _check_input(x, "cast_amax")
+    _check_fp8_out("cast_amax", "out", out, x.shape, x.device)
+    _check_scales("cast_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    if x.numel() == 0:
+        reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        return
+    _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+            fp8_max=scaling.fp8_max(out.dtype))
+
+
+def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale: torch.Tensor,
+                        scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
+                        from_amax: Optional[torch.Tensor] = None,
+                        nonfinite_count: Optional[torch.Tensor] = None) -> None:
+    """reference.cast_transpose_amax on the GPU (same contract; see there).
+
+    x      (M, N), unit column stride, any row stride >= N
+    out    (M, N) fp8, contiguous
+    out_t  (N, Mp) fp8, contiguous, Mp >= M: out_t[:, :M] = out.T and out_t[:, M:] = 0
+    """
+    if x.dim() != 2:
+        raise ValueError(f"cast_transpose_amax: x must be 2-D (M, N); got shape {tuple(x.shape)}")
+    _check_input(x, "cast_transpose_amax")
+    m, n = x.shape
+    _check_fp8_out("cast_transpose_amax", "out", out, x.shape, x.device)
+    if out_t.dim() != 2 or out_t.shape[0] != n or out_t.shape[1] < m:
+        raise ValueError(f"cast_transpose_amax: out_t must be (N, Mp) = ({n}, >= {m}) for x of shape "
+                         f"{tuple(x.shape)}; got {tuple(out_t.shape)}")
+    _check_fp8_out("cast_transpose_amax", "out_t", out_t, out_t.shape, x.device)
+    if out_t.dtype != out.dtype:
+        raise ValueError(f"cast_transpose_amax: out ({out.dtype}) and out_t ({out_t.dtype}) must share an FP8 dtype")
+    _check_scales("cast_transpose_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    if x.numel() == 0:
+        reference.cast_transpose_amax(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        return
+    _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+            fp8_max=scaling.fp8_max(out.dtype))
+
+
+def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, fp8_max: float) -> None:
+    """Pick the kernel and launch it; absent optional tensors are flagged off (and never touched)."""
+    cast = out is not None
+    dummy = amax_out if amax_out is not None else scale  # stands in for unused pointer args
+    pointers = (scale if cast else dummy, scale_inv_out if cast else dummy, dummy if amax_out is None else amax_out,
+                dummy if from_amax is None else from_amax, dummy if nonfinite_count is None else nonfinite_count)
+    flags = dict(FP8_MAX=fp8_max, CAST=cast, AMAX=amax_out is not None, FROM_AMAX=from_amax is not None,
+                 COUNT=from_amax is not None and nonfinite_count is not None)
+    flat_cfg, tile_cfg = launch_configs(x.device)
+    with _device_guard(x.device):
+        if out_t is None and x.is_contiguous():
+            n = x.numel()
+            grid = _grid(triton.cdiv(n, flat_cfg.block), flat_cfg.programs_per_sm, x.device)
+            _flat_kernel[grid](x, out if cast else x, *pointers, n,
+                               BLOCK=flat_cfg.block, num_warps=flat_cfg.num_warps, **flags)
+            return
+        rows, m, n, row_stride = _as_rows(x)
+        mp = m if out_t is None else out_t.shape[1]
+        _check_tile_offsets(tile_cfg, row_stride, n, mp)
+        row_tiles = triton.cdiv(mp, tile_cfg.block_m)
+        grid = _grid(row_tiles * triton.cdiv(n, tile_cfg.block_n), tile_cfg.programs_per_sm, x.device)
+        _tile_kernel[grid](rows, out if cast else x, out_t if out_t is not None else (out if cast else x),
+                           *pointers, m, n, mp, row_stride,
+                           TRANSPOSE=out_t is not None, BLOCK_M=tile_cfg.block_m, BLOCK_N=tile_cfg.block_n,
+                           num_warps=tile_cfg.num_warps, **flags)
+
+
+def _as_rows(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
+    """x as (rows, cols) with a row stride and unit column stride: (view, M, N, row stride)."""
+    cols = x.shape[-1] if x.dim() else 1
+    try:
+        rows = x.view(-1, cols)
+    except RuntimeError:
+        rows = None
+    if rows is None or (rows.stride(1) != 1 and cols > 1):
+        raise ValueError(f"fp8 cast: x of shape {tuple(x.shape)} and strides {tuple(x.stride())} is not a "
+                         "stack of rows with unit stride in the last dim; pass x.contiguous()")
+    m = rows.shape[0]
+    return rows, m, cols, rows.stride(0) if m > 1 else cols
+
+
+def _check_tile_offsets(cfg: TileConfig, row_stride: int, n: int, mp: int) -> None:
+    # Offsets inside one tile are int32 (tile origins are int64).
+    if max(row_stride, n, mp) * max(cfg.block_m, cfg.block_n) >= 2**31:
+        raise ValueError(f"fp8 cast: rows of {max(row_stride, n, mp)} elements are too long for the tiled "
+                         f"kernel (int32 offsets inside a {cfg.block_m}x{cfg.block_n} tile)")
+
+
+def _check_input(x: torch.Tensor, fn: str) -> None:
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"{fn}: x must be bfloat16, float16 or float32; got {x.dtype}")
+
+
+def _check_fp8_out(fn: str, name: str, t: torch.Tensor, shape, device: torch.device) -> None:
+    if t.dtype not in _FP8_DTYPES:
+        raise ValueError(f"{fn}: {name} must be float8_e4m3fn or float8_e5m2; got {t.dtype}")
+    if t.shape != shape or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{fn}: {name} must be a contiguous tensor of shape {tuple(shape)} on {device}; "
+                         f"got {tuple(t.shape)} (contiguous={t.is_contiguous()}) on {t.device}")
+
+
+def _check_scalar(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    if t.numel() != 1 or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{fn}: {name} must be a one-element {dtype} tensor on {device}; "
+                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _check_scales(fn, device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
+    _check_scalar(fn, "scale", scale, torch.float32, device)
+    _check_scalar(fn, "scale_inv_out", scale_inv_out, torch.float32, device)
+    if amax_out is not None:
+        _check_scalar(fn, "amax_out", amax_out, torch.float32, device)
+    if from_amax is not None:
+        _check_scalar(fn, "from_amax", from_amax, torch.float32, device)
+        if amax_out is not None and amax_out.data_ptr() == from_amax.data_ptr():
+            # The kernel reads from_amax in every program while others max into amax_out.
+            raise ValueError(f"{fn}: from_amax and amax_out must be different buffers")
+    if nonfinite_count is not None:
+        _check_scalar(fn, "nonfinite_count", nonfinite_count, torch.int32, device)
+
+
+def _device_guard(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
