@@ -8,6 +8,7 @@ those of fp8train/scaling.py.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -148,6 +149,4 @@ def _check_buffer(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int, de
 
 
 def _device_guard(device: torch.device):
-    import contextlib
-
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
