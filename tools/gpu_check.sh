@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The whole GPU check in one device call: GPU tests, then the benchmarks (tables and JSON
-# into $OUT). Usage on the device machine: bash tools/gpu_check.sh [tests|bench|all]
+# into $OUT). Usage on the device machine: bash tools/gpu_check.sh [tests|bench|all] [cast args...]
 set -uo pipefail
 what=${1:-all}
+shift || true
 OUT=${OUT:-/tmp/fp8train-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tee "$OUT/test-gpu.log" | tail -30
+  timeout 330 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE 2>&1 | tee "$OUT/test-gpu.log" | tail -40
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 benchmarks/cast.py --json "$OUT/cast.json" 2>&1 | tee "$OUT/cast.log"
-  python3 benchmarks/linear.py --json "$OUT/linear.json" 2>&1 | tee "$OUT/linear.log"
+  timeout 120 python3 benchmarks/linear.py --json "$OUT/linear.json" 2>&1 | tee "$OUT/linear.log" | tail -25
+  timeout 200 python3 benchmarks/cast.py --json "$OUT/cast.json" "$@" 2>&1 | tee "$OUT/cast.log" | tail -60
 fi
