@@ -68,17 +68,20 @@ def launch_configs(device: torch.device) -> Tuple[FlatConfig, TileConfig]:
     Hopper: a flat step of 4096 elements over 8 warps gives each thread 16 contiguous
     elements (two 16-byte loads of bf16, one 16-byte fp8 store). Compiled for sm_90 that
     kernel uses <= 48 registers in every variant (triton 3.6 and 3.9), so 4 programs of 256
-    threads always fit on an SM: one wave, ~32 KiB of loads in flight per SM. A 64x128 tile
-    stores 128-byte runs into out and 64-byte runs into out_t (whole 32-byte sectors) and
-    needs <= 117 registers, so 2 programs per SM always fit. A persistent grid larger than
-    what fits would run a second, partial wave of equally long programs: keep
-    programs_per_sm at or below the "fit" the benchmark prints.
+    threads always fit on an SM: one wave, ~32 KiB of loads in flight per SM. A 128x64 tile
+    stores 64-byte runs into out and 128-byte runs into out_t (whole 32-byte sectors); for
+    bf16 input it needs ~63 registers, so 3 programs per SM fit (float32 inputs need up to
+    117 and run a short second wave). Keep programs_per_sm at or below the "fit" the
+    benchmark prints for the dtype that matters.
     """
     if _override is not None:
         return _override
     if device.type == "cuda":
+        # Measured on the H200 (benchmarks/cast.py --variants, 2026-11-29): flat configs within
+        # noise of each other at 94-96% of copy bandwidth; 128x64 tiles x 3 per SM gave 85%
+        # for cast+transpose against 76% for 64x128 x 2.
         return FlatConfig(block=4096, num_warps=8, programs_per_sm=4), \
-            TileConfig(block_m=64, block_n=128, num_warps=8, programs_per_sm=2)
+            TileConfig(block_m=128, block_n=64, num_warps=8, programs_per_sm=3)
     # Triton interpreter on CPU: small blocks so that small test shapes run several loop
     # steps per program, a tail block and partial edge tiles.
     return FlatConfig(block=64, num_warps=4, programs_per_sm=1), \
@@ -210,6 +213,7 @@ def _tile_kernel(
     M, N, Mp, stride_xm,
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
     FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDE_TRANSPOSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -243,8 +247,14 @@ def _tile_kernel(
             out_tile = out_ptr + tl.cast(row0, tl.int64) * N + col0
             tl.store(out_tile + r[:, None] * N + c[None, :], q, mask=in_x)
             if TRANSPOSE:
-                # Transpose the bytes (a plain integer layout change through shared memory).
-                q_t = tl.trans(q.to(tl.uint8, bitcast=True)).to(out_t_ptr.dtype.element_ty, bitcast=True)
+                if WIDE_TRANSPOSE:
+                    # float32 input: triton 3.6 on sm_90 miscompiled the byte transpose of tiles
+                    # loaded as float32 (wrong bytes in out_t, found by the GPU tests), so
+                    # transpose the 32-bit values and convert them again (same rounding).
+                    q_t = tl.trans(y).to(out_t_ptr.dtype.element_ty)
+                else:
+                    # Transpose the bytes (a plain integer layout change through shared memory).
+                    q_t = tl.trans(q.to(tl.uint8, bitcast=True)).to(out_t_ptr.dtype.element_ty, bitcast=True)
                 in_t = (cols < N)[:, None] & (rows < Mp)[None, :]
                 out_t_tile = out_t_ptr + tl.cast(col0, tl.int64) * Mp + row0
                 tl.store(out_t_tile + c[:, None] * Mp + r[None, :], q_t, mask=in_t)  # (BLOCK_N, BLOCK_M)
@@ -335,7 +345,8 @@ def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_
         grid = _grid(row_tiles * triton.cdiv(n, tile_cfg.block_n), tile_cfg.programs_per_sm, x.device)
         _tile_kernel[grid](rows, out if cast else x, out_t if out_t is not None else (out if cast else x),
                            *pointers, m, n, mp, row_stride,
-                           TRANSPOSE=out_t is not None, BLOCK_M=tile_cfg.block_m, BLOCK_N=tile_cfg.block_n,
+                           TRANSPOSE=out_t is not None, WIDE_TRANSPOSE=x.dtype == torch.float32,
+                           BLOCK_M=tile_cfg.block_m, BLOCK_N=tile_cfg.block_n,
                            num_warps=tile_cfg.num_warps, **flags)
 
 

@@ -21,14 +21,15 @@ def test_gemm_roles_on_cublaslt(m, k, n):
     xq, wq = fp8train.quantize(x), fp8train.quantize(w)
     dyq = fp8train.quantize(dy, torch.float8_e5m2)
     full = GemmConfig(fprop_fast_accum=False)
-    # Full-precision accumulation into float32: only summation order differs from float64.
+    # Full accumulation into float32. Hopper's FP8 tensor cores keep ~14 mantissa bits inside
+    # each MMA chunk even then (measured 0.8e-4 at K=64, 1.3e-4 at K=8192), so 5e-4, not 1e-6.
     y = gemm.fprop(xq, wq, full, torch.float32)
-    assert rel_err(y, xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).t()) < 1e-5
+    assert rel_err(y, xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).t()) < 5e-4
     dx = gemm.dgrad(dyq, wq, full, torch.float32)
-    assert rel_err(dx, dyq.dequantize(torch.float64) @ wq.dequantize(torch.float64)) < 1e-5
+    assert rel_err(dx, dyq.dequantize(torch.float64) @ wq.dequantize(torch.float64)) < 5e-4
     dw = gemm.wgrad(dyq.transpose_data(padded=True), dyq.scale_inv, xq.transpose_data(padded=True), xq.scale_inv,
                     full, torch.float32)
-    assert rel_err(dw, dyq.dequantize(torch.float64).t() @ xq.dequantize(torch.float64)) < 1e-5
+    assert rel_err(dw, dyq.dequantize(torch.float64).t() @ xq.dequantize(torch.float64)) < 5e-4
 
 
 def test_bias_is_fused_for_bf16_and_added_for_fp32():

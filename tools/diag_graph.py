@@ -1,0 +1,70 @@
+"""Which op of a backward pass breaks CUDA graph capture? One small capture per suspect."""
+import torch
+
+import fp8train
+from fp8train import kernels
+
+dev = torch.device("cuda")
+
+
+class TritonInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        a = torch.zeros((), device=g.device)
+        kernels.amax(g, a)
+        return g * a
+
+
+class ScaledMmInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        q = fp8train.quantize(g.detach().contiguous())
+        w = fp8train.quantize(torch.ones(64, 64, device=g.device))
+        return torch._scaled_mm(q.fp8_data, w.fp8_data.t(), q.scale_inv, w.scale_inv, out_dtype=g.dtype)
+
+
+def linear_step(recipe):
+    layer = fp8train.Linear(64, 64, device=dev)
+
+    def fn(x):
+        with fp8train.autocast(recipe=recipe):
+            y = layer(x, is_first_microbatch=False)
+        return y
+    return fn
+
+
+def attempt(name, fn, mode="global"):
+    x = torch.randn(32, 64, device=dev, requires_grad=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = None
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g, capture_error_mode=mode):
+            fn(x).sum().backward()
+        g.replay()
+        torch.cuda.synchronize()
+        print(f"OK   {name} [{mode}]")
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL {name} [{mode}]: {str(e).splitlines()[0][:150]}")
+        torch.cuda.synchronize()
+
+
+for mode in ("global", "thread_local"):
+    attempt("triton kernel in backward", TritonInBackward.apply, mode)
+    attempt("quantize + _scaled_mm in backward", ScaledMmInBackward.apply, mode)
+    attempt("forward only Linear current", lambda x, f=linear_step(fp8train.CurrentScaling()): f(x.detach()) * x, mode)
+    attempt("Linear fwd+bwd current", linear_step(fp8train.CurrentScaling()), mode)
+    attempt("Linear fwd+bwd delayed", linear_step(fp8train.DelayedScaling()), mode)
