@@ -155,7 +155,7 @@ def train(model, opt, recipe, batches):
     losses = []
     for x, t in batches:
         with fp8train.autocast(recipe=recipe):
-            loss = F.mse_loss(model(x), t)
+            loss = F.mse_loss(model(x).float(), t)  # CUDA's mse_loss backward needs one dtype
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if torch.isfinite(loss):

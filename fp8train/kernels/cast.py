@@ -213,7 +213,6 @@ def _tile_kernel(
     M, N, Mp, stride_xm,
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
     FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WIDE_TRANSPOSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -247,14 +246,8 @@ def _tile_kernel(
             out_tile = out_ptr + tl.cast(row0, tl.int64) * N + col0
             tl.store(out_tile + r[:, None] * N + c[None, :], q, mask=in_x)
             if TRANSPOSE:
-                if WIDE_TRANSPOSE:
-                    # float32 input: triton 3.6 on sm_90 miscompiled the byte transpose of tiles
-                    # loaded as float32 (wrong bytes in out_t, found by the GPU tests), so
-                    # transpose the 32-bit values and convert them again (same rounding).
-                    q_t = tl.trans(y).to(out_t_ptr.dtype.element_ty)
-                else:
-                    # Transpose the bytes (a plain integer layout change through shared memory).
-                    q_t = tl.trans(q.to(tl.uint8, bitcast=True)).to(out_t_ptr.dtype.element_ty, bitcast=True)
+                # Transpose the bytes (a plain integer layout change through shared memory).
+                q_t = tl.trans(q.to(tl.uint8, bitcast=True)).to(out_t_ptr.dtype.element_ty, bitcast=True)
                 in_t = (cols < N)[:, None] & (rows < Mp)[None, :]
                 out_t_tile = out_t_ptr + tl.cast(col0, tl.int64) * Mp + row0
                 tl.store(out_t_tile + c[:, None] * Mp + r[None, :], q_t, mask=in_t)  # (BLOCK_N, BLOCK_M)
@@ -318,6 +311,16 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
     if x.numel() == 0:
         reference.cast_transpose_amax(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
         return
+    if x.dtype == torch.float32 and x.is_cuda:
+        # triton 3.6 on sm_90 writes wrong bytes into out_t for tiles loaded as float32, whether
+        # the tile is transposed as bytes or as floats (GPU tests, 2026-11-29; bf16/fp16 are
+        # exact). Until that is understood: the row-major cast in Triton, then a torch copy of
+        # its transposed bytes (one more read and write of 1-byte data).
+        _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                fp8_max=scaling.fp8_max(out.dtype))
+        out_t[:, :m].copy_(out.t())
+        out_t[:, m:].view(torch.uint8).zero_()
+        return
     _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
             fp8_max=scaling.fp8_max(out.dtype))
 
@@ -345,8 +348,7 @@ def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_
         grid = _grid(row_tiles * triton.cdiv(n, tile_cfg.block_n), tile_cfg.programs_per_sm, x.device)
         _tile_kernel[grid](rows, out if cast else x, out_t if out_t is not None else (out if cast else x),
                            *pointers, m, n, mp, row_stride,
-                           TRANSPOSE=out_t is not None, WIDE_TRANSPOSE=x.dtype == torch.float32,
-                           BLOCK_M=tile_cfg.block_m, BLOCK_N=tile_cfg.block_n,
+                           TRANSPOSE=out_t is not None, BLOCK_M=tile_cfg.block_m, BLOCK_N=tile_cfg.block_n,
                            num_warps=tile_cfg.num_warps, **flags)
 
 
