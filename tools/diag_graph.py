@@ -88,3 +88,44 @@ for mode in ("global", "thread_local", "relaxed"):
     attempt("forward only Linear current", lambda x, f=linear_step(fp8train.CurrentScaling()): f(x.detach()) * x, mode)
     attempt("Linear fwd+bwd current", linear_step(fp8train.CurrentScaling()), mode)
     attempt("Linear fwd+bwd delayed", linear_step(fp8train.DelayedScaling()), mode)
+
+
+def original_test_pattern(recipe, backward_with_grad, eager_on_default):
+    """The first version of the graph test: which of its differences breaks capture?"""
+    layer = fp8train.Linear(256, 512, device=dev)
+    x = torch.randn(3, 40, 256, device=dev, requires_grad=True)
+    dy = torch.randn(3, 40, 512, device=dev)
+
+    def step(first=False):
+        with fp8train.autocast(recipe=recipe):
+            y = layer(x, is_first_microbatch=first)
+        if backward_with_grad:
+            y.backward(dy)
+        else:
+            (y * dy).sum().backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(first=True)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    if eager_on_default:
+        step()
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    g = torch.cuda.CUDAGraph()
+    name = f"pattern grad={backward_with_grad} eager_default={eager_on_default}"
+    try:
+        with torch.cuda.graph(g):
+            step()
+        g.replay()
+        torch.cuda.synchronize()
+        print(f"OK   {name}")
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL {name}: {str(e).splitlines()[0][:120]}")
+
+
+for grad in (False, True):
+    for eager in (False, True):
+        original_test_pattern(fp8train.CurrentScaling(), grad, eager)

@@ -66,6 +66,8 @@ def test_fast_accumulation_is_what_the_config_says():
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), CurrentScaling()], ids=["delayed", "current"])
 def test_linear_fwd_bwd_replays_in_a_cuda_graph(recipe):
+    """Forward + backward with is_first_microbatch=False, captured once and replayed: every
+    replay equals the eager step on the same inputs (outputs, gradients, scaling state)."""
     torch.manual_seed(0)
     layer = fp8train.Linear(256, 512, device=CUDA)
     static_x = torch.randn(3, 40, 256, device=CUDA, requires_grad=True)
@@ -75,30 +77,30 @@ def test_linear_fwd_bwd_replays_in_a_cuda_graph(recipe):
     def step(first=False):
         with fp8train.autocast(recipe=recipe):
             y = layer(static_x, is_first_microbatch=first)
-        y.backward(static_dy)
+        # A scalar loss whose gradient w.r.t. y is exactly static_dy.
+        (y * static_dy).sum().backward()
         return y
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up: calibrate, compile kernels, cache the FP8 weight
-        step(first=True)
+    with torch.cuda.stream(side):  # warm-up and eager reference on a side stream, as for any capture
+        step(first=True)  # calibrates, compiles the kernels, caches the FP8 weight and its transpose
         for _ in range(2):
             step()
-    torch.cuda.current_stream().wait_stream(side)
-    snapshot = {k: v.clone() for k, v in layer.state_dict().items()}
-
-    eager = []
-    for x, dy in inputs:
+        snapshot = {k: v.clone() for k, v in layer.state_dict().items()}
+        eager = []
+        for x, dy in inputs:
+            static_x.grad = layer.weight.grad = layer.bias.grad = None
+            static_x.data.copy_(x)
+            static_dy.copy_(dy)
+            y = step()
+            eager.append((y.clone(), static_x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone(),
+                          {k: v.clone() for k, v in layer.state_dict().items()}))
+        layer.load_state_dict(snapshot)  # back to the scaling state before the eager steps, in place
         static_x.grad = layer.weight.grad = layer.bias.grad = None
-        static_x.data.copy_(x)
-        static_dy.copy_(dy)
-        y = step()
-        eager.append((y.clone(), static_x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone(),
-                      {k: v.clone() for k, v in layer.state_dict().items()}))
-
-    layer.load_state_dict(snapshot)  # same scaling state as before the eager steps, in place
+    torch.cuda.current_stream().wait_stream(side)
     assert _REGISTRY._batches is not None  # pointer tables stay valid: nothing to build during capture
-    static_x.grad = layer.weight.grad = layer.bias.grad = None
+
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_y = step()
