@@ -81,7 +81,10 @@ class CastInBackward(torch.autograd.Function):
         return q.dequantize(g.dtype)
 
 
-for mode in ("global", "thread_local", "relaxed"):
+import sys  # noqa: E402
+
+if len(sys.argv) == 1:
+  for mode in ("global", "thread_local", "relaxed"):
     attempt("current-scaling cast in backward", CastInBackward.apply, mode)
     attempt("triton kernel in backward", TritonInBackward.apply, mode)
     attempt("quantize + _scaled_mm in backward", ScaledMmInBackward.apply, mode)
@@ -126,6 +129,5 @@ def original_test_pattern(recipe, backward_with_grad, eager_on_default):
         print(f"FAIL {name}: {str(e).splitlines()[0][:120]}")
 
 
-for grad in (False, True):
-    for eager in (False, True):
-        original_test_pattern(fp8train.CurrentScaling(), grad, eager)
+if len(sys.argv) == 3:  # one pattern per process: a failed capture poisons the process
+    original_test_pattern(fp8train.CurrentScaling(), sys.argv[1] == "1", sys.argv[2] == "1")
