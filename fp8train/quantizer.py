@@ -169,13 +169,17 @@ class DelayedScalingQuantizer(Quantizer):
 class _DelayedScalingRegistry:
     """Every live DelayedScalingQuantizer, so that one launch per step updates them all.
 
-    Holds weak references only: a quantizer leaves when its layer is freed. The update
-    batches (pointer tables on CUDA) are rebuilt only when the set or a buffer changes.
+    Holds weak references: a quantizer leaves when its layer is freed. The update batches
+    (pointer tables on CUDA) hold the buffers they point to, so a batch stays safe to run,
+    and to replay from a CUDA graph, after its quantizers die; it is then only stale and is
+    rebuilt at the next update outside graph capture. A new, moved or reconfigured quantizer
+    needs a rebuild before its scale can update, and a rebuild cannot run during capture.
     """
 
     def __init__(self):
         self._refs: list = []
         self._batches: Optional[list] = None
+        self._stale = False
 
     def add(self, q: DelayedScalingQuantizer) -> None:
         self._refs.append(weakref.ref(q, self._forget))
@@ -184,7 +188,7 @@ class _DelayedScalingRegistry:
     def _forget(self, ref) -> None:
         if ref in self._refs:
             self._refs.remove(ref)
-        self._batches = None
+        self._stale = True
 
     def invalidate(self) -> None:
         self._batches = None
@@ -193,15 +197,21 @@ class _DelayedScalingRegistry:
         return [q for q in (r() for r in self._refs) if q is not None]
 
     def update(self) -> None:
-        if self._batches is None:
-            self._rebuild()
+        if self._batches is None or self._stale:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if self._batches is None and capturing:
+                raise RuntimeError(
+                    "fp8train: FP8 layers were created, moved or reconfigured since the last eager step, "
+                    "so the scale update cannot be captured in a CUDA graph; run one eager step "
+                    "(forward and backward) before capturing")
+            if not capturing:
+                self._rebuild()
         for batch in self._batches:
             batch()
 
     def _rebuild(self) -> None:
-        live = self.live()
         groups: dict = {}
-        for q in live:
+        for q in self.live():
             key = (q.amax_history.device, q.history_len, q.algo, q.margin)
             groups.setdefault(key, []).append(q)
         self._batches = [
@@ -210,6 +220,7 @@ class _DelayedScalingRegistry:
                                      algo, margin)
             for (_, _, algo, margin), qs in groups.items()
         ]
+        self._stale = False
 
 
 _REGISTRY = _DelayedScalingRegistry()

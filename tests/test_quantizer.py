@@ -106,11 +106,19 @@ def test_transpose_and_workspace(make, shape):
 def test_registry_drops_freed_quantizers_and_rebuilds_after_moves():
     q = delayed()
     assert any(live is q for live in _REGISTRY.live())
+    fp8train.update_delayed_scales()
+    batches = _REGISTRY._batches
     ref = weakref.ref(q)
     del q
     gc.collect()
     assert ref() is None and len(_REGISTRY.live()) == len(_REGISTRY._refs)
+    # The built batch keeps the dead quantizer's buffers, so it stays valid (a captured CUDA
+    # graph may still launch it); it is only stale, and rebuilt at the next eager update.
+    assert _REGISTRY._batches is batches and _REGISTRY._stale
+    fp8train.update_delayed_scales()
+    assert _REGISTRY._batches is not batches and not _REGISTRY._stale
     q = delayed()
+    assert _REGISTRY._batches is None  # a new quantizer needs a rebuild before it updates
     fp8train.update_delayed_scales()
     assert _REGISTRY._batches is not None
     q.to(torch.float32)  # _apply may replace buffers
@@ -136,3 +144,18 @@ def test_copies_are_registered_and_updated():
     fp8train.update_delayed_scales()
     assert torch.equal(twin.amax_history, q.amax_history) and torch.equal(twin.scale, q.scale)
     assert twin.amax_history[0].item() == UNRECORDED
+
+
+def test_no_rebuild_during_cuda_graph_capture(monkeypatch):
+    q = delayed()
+    fp8train.update_delayed_scales()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    _REGISTRY._stale = True  # e.g. a layer was freed: the built batch still runs, unchanged
+    batches = _REGISTRY._batches
+    fp8train.update_delayed_scales()
+    assert _REGISTRY._batches is batches
+    delayed()  # a layer created since the last eager step cannot join a capture
+    with pytest.raises(RuntimeError, match="run one eager step"):
+        fp8train.update_delayed_scales()
+    del q
