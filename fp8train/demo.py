@@ -119,6 +119,8 @@ def main(argv=None) -> List[RunResult]:
     results = [run(name, recipe, cfg, device, init_state, batch) for name, recipe in
                (("bf16", None), ("fp8 delayed", DelayedScaling()), ("fp8 current", CurrentScaling()))]
     print_table(results)
+    if device.type == "cpu":
+        print("(on CPU the FP8 GEMMs run as torch's float32 emulation: tokens/s and speedup say nothing about FP8)")
     return results
 
 
