@@ -1,5 +1,5 @@
 """One-off probe of torch._scaled_mm and Triton fp8 behaviour on the GPU machine."""
-import torch, triton, triton.language as tl, sys
+import torch, triton, triton.language as tl
 print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
 dev = "cuda"
 e4 = torch.float8_e4m3fn

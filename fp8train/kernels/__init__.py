@@ -12,12 +12,8 @@ from . import reference
 
 
 def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
-    if x.is_cuda:
-        from . import cast as _cast
-
-        _cast.amax(x, amax_out)
-    else:
-        reference.amax(x, amax_out)
+    impl = _triton_cast().amax if x.is_cuda else reference.amax
+    impl(x, amax_out)
 
 
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
@@ -61,6 +57,7 @@ class ScaleUpdateBatch:
 
 
 def _triton_cast():
+    # Imported on first CUDA use only: CPU machines need neither triton nor a GPU.
     from . import cast as _cast
 
     return _cast

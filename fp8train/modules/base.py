@@ -8,7 +8,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..quantizer import DelayedScalingQuantizer, Quantizer, make_quantizer, quantizer_from_state
+from ..quantizer import Quantizer, make_quantizer, quantizer_from_state
 from ..recipe import DelayedScaling, Recipe
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
@@ -106,4 +106,4 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-__all__ = ["FP8Module", "QUANTIZER_NAMES", "activation_dtype", "DelayedScalingQuantizer"]
+__all__ = ["FP8Module", "QUANTIZER_NAMES", "activation_dtype"]
