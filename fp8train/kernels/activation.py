@@ -1,0 +1,467 @@
+"""Triton kernels: the MLP activation (fc1 -> act -> fc2) fused with its FP8 casts, forward and backward.
+
+Twins: activation_reference.act_amax, act_fwd_fp8, act_bwd_amax, act_bwd_fp8 (the
+specification, with the formulas, the activations and the argument contracts; the wrappers
+here have the same signatures and in-place behaviour). Scale conventions: fp8train/scaling.py.
+
+Two kernels serve the four wrappers, both persistent loops over 2-D tiles like
+cast._tile_kernel (same scale resolution, saturation, amax bits and byte transpose):
+  _act_fwd_kernel  h (M, F) [or (M, 2F) = gate | up] -> a = act(h) as fp8 (M, F) and its
+                   transpose (F, Mp), amax of a.
+  _act_bwd_kernel  da (M, F), h -> dh = da * act'(h) as fp8 (M, Fh) and its transpose
+                   (Fh, Mp), amax of dh, and per-row-tile column sums of dh (dbias) written
+                   to a float32 scratch that the host reduces with torch.sum (deterministic:
+                   no float atomics). For swiglu one tile of da yields two output tiles,
+                   dgate at columns [c, c + BN) and dup at [F + c, F + c + BN).
+Every program does a single `atomic_max` for the amax at its end.
+
+Differences from the twin: the float32 expressions are the twin's op for op, but the GPU
+evaluates erf and exp with its own approximations (exp is ex2.approx) and may fuse a
+multiply-add, so a value can differ from the twin's in its last float32 bits and, rarely,
+round to the neighbouring fp8 value. The GPU tests bound that (see tests/gpu).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import scaling
+from . import activation_reference as ref
+from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
+from .launcher import DirectKernel
+
+# Activation codes (constexpr ACT), in the order of ref.ACTIVATIONS.
+_GELU: tl.constexpr = tl.constexpr(0)
+_GELU_TANH: tl.constexpr = tl.constexpr(1)
+_RELU: tl.constexpr = tl.constexpr(2)
+_SWIGLU: tl.constexpr = tl.constexpr(3)
+_ACT_CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "swiglu": 3}
+
+_SQRT1_2: tl.constexpr = tl.constexpr(ref.SQRT1_2)
+_INV_SQRT_2PI: tl.constexpr = tl.constexpr(ref.INV_SQRT_2PI)
+_TANH_2K: tl.constexpr = tl.constexpr(ref.TANH_2K)
+_TANH_C: tl.constexpr = tl.constexpr(ref.TANH_C)
+_TANH_3C: tl.constexpr = tl.constexpr(ref.TANH_3C)
+
+
+# --------------------------------------------------------------------------- launch shapes
+
+
+@dataclass(frozen=True)
+class ActConfig:
+    """Launch shape of the activation kernels."""
+
+    block_m: int          # tile rows: a run of block_m contiguous bytes in each out_t row
+    block_n: int          # tile columns (of da / of each half of h): block_n contiguous bytes per out row
+    num_warps: int
+    programs_per_sm: int  # grid = min(tiles, programs_per_sm * SMs)
+
+
+_override: Optional[ActConfig] = None
+
+
+def launch_config(device: torch.device, gated: bool) -> ActConfig:
+    """The launch shape for an activation of kind `gated` (swiglu) on `device`.
+
+    Hopper: not yet measured (no benchmark of these kernels exists). The starting point is
+    cast.py's measured 128x64 tile over 8 warps (16-byte loads of bf16, 128-byte runs into
+    out_t), with fewer programs per SM than the cast because the activation math holds more
+    float32 values per element. swiglu keeps three input tiles (da, gate, up) and two output
+    tiles live, so it gets 64x64 tiles to stay clear of register spills.
+    """
+    if _override is not None:
+        return _override
+    if device.type == "cuda":
+        if gated:
+            return ActConfig(block_m=64, block_n=64, num_warps=8, programs_per_sm=2)
+        return ActConfig(block_m=128, block_n=64, num_warps=8, programs_per_sm=2)
+    # Triton interpreter on CPU: small tiles, so that test shapes run several loop steps per
+    # program, partial edge tiles and padding tiles.
+    return ActConfig(block_m=16, block_n=32, num_warps=4, programs_per_sm=1)
+
+
+@contextlib.contextmanager
+def override_config(config: ActConfig) -> Iterator[None]:
+    """Use another launch shape inside the block (benchmark variants, tests); not thread-safe."""
+    global _override
+    saved, _override = _override, config
+    try:
+        yield
+    finally:
+        _override = saved
+
+
+# --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def _sigmoid(z):
+    """ref._sigmoid: IEEE 1 / (1 + exp(-z)); Triton's own tl.sigmoid divides approximately."""
+    return tl.math.div_rn(1.0, 1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """ref.act_forward for the one-input activations (float32 in, float32 out)."""
+    if ACT == _GELU:
+        a = (x * 0.5) * (1.0 + tl.math.erf(x * _SQRT1_2))
+    elif ACT == _GELU_TANH:
+        a = x * _sigmoid((x * _TANH_2K) * (1.0 + _TANH_C * (x * x)))
+    else:  # _RELU: -0.0 and NaN pass through, like F.relu
+        a = tl.where(x < 0.0, 0.0, x)
+    return a
+
+
+@triton.jit
+def _act_grad(g, x, ACT: tl.constexpr):
+    """ref.act_grad for the one-input activations: g * act'(x) (float32)."""
+    if ACT == _GELU:
+        cdf = 0.5 * (1.0 + tl.math.erf(x * _SQRT1_2))
+        pdf = tl.exp((x * x) * -0.5) * _INV_SQRT_2PI
+        dh = g * (cdf + x * pdf)
+    elif ACT == _GELU_TANH:
+        x2 = x * x
+        s = _sigmoid((x * _TANH_2K) * (1.0 + _TANH_C * x2))
+        dz = _TANH_2K * (1.0 + _TANH_3C * x2)
+        dh = g * (s + ((x * s) * (1.0 - s)) * dz)
+    else:  # _RELU: torch's threshold_backward, so NaN x passes g through
+        dh = tl.where(x <= 0.0, 0.0, g)
+    return dh
+
+
+@triton.jit
+def _emit(v, rows, r, c, col_ok, row0, col0, M, N, Mp, out_ptr, out_t_ptr, scale,
+          FP8_MAX: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """Quantize the float32 tile v (BLOCK_M, BLOCK_N) whose top-left is (row0, col0) of the
+    (M, N) output: store it into out and, with TRANSPOSE, its bytes transposed into out_t.
+
+    col_ok (BLOCK_N,) marks the tile's columns inside the output; rows past M (the padding
+    tiles of out_t) are written as +0.0 bytes. This is cast._tile_kernel's store sequence.
+    """
+    y = _saturate(v, scale, FP8_MAX)  # (BLOCK_M, BLOCK_N)
+    if TRANSPOSE:
+        y = tl.where((rows < M)[:, None], y, 0.0)  # padding: +0.0 is byte 0x00
+    q = y.to(out_ptr.dtype.element_ty)
+    out_tile = out_ptr + tl.cast(row0, tl.int64) * N + col0
+    tl.store(out_tile + r[:, None] * N + c[None, :], q, mask=(rows < M)[:, None] & col_ok[None, :])
+    if TRANSPOSE:
+        # Transpose the bytes (a plain integer layout change through shared memory).
+        q_t = tl.trans(q.to(tl.uint8, bitcast=True)).to(out_t_ptr.dtype.element_ty, bitcast=True)
+        in_t = col_ok[:, None] & (rows < Mp)[None, :]
+        out_t_tile = out_t_ptr + tl.cast(col0, tl.int64) * Mp + row0
+        tl.store(out_t_tile + c[:, None] * Mp + r[None, :], q_t, mask=in_t)  # (BLOCK_N, BLOCK_M)
+
+
+@triton.jit
+def _act_fwd_kernel(
+    h_ptr,          # (M, F) bf16/fp16/fp32 fc1 output [(M, 2F) = gate | up for swiglu], unit column stride
+    out_ptr,        # (M, F) fp8 activation, row-major (CAST)
+    out_t_ptr,      # (F, Mp) fp8 transposed copy, row-major; columns M..Mp-1 get zeros (TRANSPOSE)
+    scale_ptr,      # () float32 scale: read; set from from_amax by program 0 (FROM_AMAX)
+    scale_inv_ptr,  # () float32 output 1/scale, written by program 0 (CAST)
+    amax_ptr,       # () float32 running amax of the activation: one atomic max per program (AMAX)
+    from_amax_ptr,  # () float32 amax the scale is computed from (FROM_AMAX)
+    count_ptr,      # () int32 nonfinite count, +1 when from_amax is inf/NaN (COUNT)
+    M, F, Mp,       # rows, activation columns, out_t row length (>= M)
+    stride_hm,      # row stride of h, in elements
+    ACT: tl.constexpr, FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr,
+    AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if CAST:
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
+    if TRANSPOSE:
+        rows_covered = Mp  # tiles past row M write out_t's zero padding
+    else:
+        rows_covered = M
+    tiles_n = tl.cdiv(F, BLOCK_N)
+    num_tiles = tl.cdiv(rows_covered, BLOCK_M) * tiles_n
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M], dtype=tl.int32)  # per-row maxima of _abs_bits
+    for t in range(pid, num_tiles, nprog):
+        row0 = (t // tiles_n) * BLOCK_M
+        col0 = (t % tiles_n) * BLOCK_N
+        rows = row0 + r
+        cols = col0 + c
+        in_x = (rows < M)[:, None] & (cols < F)[None, :]
+        # Tile origins in int64, offsets inside a tile in int32 (the wrapper bounds them).
+        # Masked elements load 0, and act(0) = +0 for every act: they add nothing to the amax.
+        h_tile = h_ptr + tl.cast(row0, tl.int64) * stride_hm + col0
+        offs = r[:, None] * stride_hm + c[None, :]
+        x = tl.load(h_tile + offs, mask=in_x, other=0.0).to(tl.float32)
+        if ACT == _SWIGLU:
+            up = tl.load(h_tile + F + offs, mask=in_x, other=0.0).to(tl.float32)
+            a = (x * _sigmoid(x)) * up
+        else:
+            a = _act(x, ACT)
+        if AMAX:
+            acc = tl.maximum(acc, tl.max(_abs_bits(a), axis=1))
+        if CAST:
+            _emit(a, rows, r, c, cols < F, row0, col0, M, F, Mp, out_ptr, out_t_ptr, scale, FP8_MAX, TRANSPOSE)
+    if AMAX:
+        tl.atomic_max(amax_ptr, _amax_of_bits(acc))
+
+
+@triton.jit
+def _act_bwd_kernel(
+    da_ptr,         # (M, F) bf16/fp16/fp32 gradient w.r.t. the activation, unit column stride
+    h_ptr,          # (M, Fh) bf16/fp16/fp32 saved fc1 output, Fh = F (2F = gate | up for swiglu)
+    out_ptr,        # (M, Fh) fp8 dh, row-major (CAST)
+    out_t_ptr,      # (Fh, Mp) fp8 transposed copy of dh; columns M..Mp-1 get zeros (TRANSPOSE)
+    dbias_ptr,      # (row tiles, Fh) float32 scratch: row i gets the column sums of dh's row tile i (DBIAS)
+    scale_ptr,      # () float32 scale: read; set from from_amax by program 0 (FROM_AMAX)
+    scale_inv_ptr,  # () float32 output 1/scale, written by program 0 (CAST)
+    amax_ptr,       # () float32 running amax of dh: one atomic max per program (AMAX)
+    from_amax_ptr,  # () float32 amax the scale is computed from (FROM_AMAX)
+    count_ptr,      # () int32 nonfinite count, +1 when from_amax is inf/NaN (COUNT)
+    M, F, Mp,       # rows, columns of da, out_t row length (>= M)
+    stride_dam,     # row stride of da, in elements
+    stride_hm,      # row stride of h, in elements
+    ACT: tl.constexpr, FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr,
+    AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, DBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if CAST:
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
+    if ACT == _SWIGLU:
+        Fh = 2 * F
+    else:
+        Fh = F
+    if TRANSPOSE:
+        rows_covered = Mp  # tiles past row M write out_t's zero padding
+    else:
+        rows_covered = M
+    tiles_n = tl.cdiv(F, BLOCK_N)
+    num_tiles = tl.cdiv(rows_covered, BLOCK_M) * tiles_n
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M], dtype=tl.int32)  # per-row maxima of _abs_bits
+    for t in range(pid, num_tiles, nprog):
+        row_tile = t // tiles_n
+        row0 = row_tile * BLOCK_M
+        col0 = (t % tiles_n) * BLOCK_N
+        rows = row0 + r
+        cols = col0 + c
+        col_ok = cols < F
+        in_x = (rows < M)[:, None] & col_ok[None, :]
+        # Masked elements load da = 0 and h = 0, so dh = +0 there: no effect on amax or dbias.
+        da_tile = da_ptr + tl.cast(row0, tl.int64) * stride_dam + col0
+        g = tl.load(da_tile + r[:, None] * stride_dam + c[None, :], mask=in_x, other=0.0).to(tl.float32)
+        h_tile = h_ptr + tl.cast(row0, tl.int64) * stride_hm + col0
+        offs_h = r[:, None] * stride_hm + c[None, :]
+        x = tl.load(h_tile + offs_h, mask=in_x, other=0.0).to(tl.float32)
+        dbias_row = dbias_ptr + tl.cast(row_tile, tl.int64) * Fh + col0  # row_tile: a Python int when interpreted
+        if ACT == _SWIGLU:
+            up = tl.load(h_tile + F + offs_h, mask=in_x, other=0.0).to(tl.float32)
+            s = _sigmoid(x)
+            dgate = (g * up) * (s * (1.0 + x * (1.0 - s)))
+            dup = g * (x * s)
+            if AMAX:
+                acc = tl.maximum(acc, tl.max(_abs_bits(dgate), axis=1))
+                acc = tl.maximum(acc, tl.max(_abs_bits(dup), axis=1))
+            if DBIAS:
+                tl.store(dbias_row + c, tl.sum(dgate, axis=0), mask=col_ok)
+                tl.store(dbias_row + F + c, tl.sum(dup, axis=0), mask=col_ok)
+            if CAST:
+                _emit(dgate, rows, r, c, col_ok, row0, col0, M, Fh, Mp, out_ptr, out_t_ptr, scale,
+                      FP8_MAX, TRANSPOSE)
+                _emit(dup, rows, r, c, col_ok, row0, F + col0, M, Fh, Mp, out_ptr, out_t_ptr, scale,
+                      FP8_MAX, TRANSPOSE)
+        else:
+            dh = _act_grad(g, x, ACT)
+            if AMAX:
+                acc = tl.maximum(acc, tl.max(_abs_bits(dh), axis=1))
+            if DBIAS:
+                tl.store(dbias_row + c, tl.sum(dh, axis=0), mask=col_ok)
+            if CAST:
+                _emit(dh, rows, r, c, col_ok, row0, col0, M, Fh, Mp, out_ptr, out_t_ptr, scale, FP8_MAX, TRANSPOSE)
+    if AMAX:
+        tl.atomic_max(amax_ptr, _amax_of_bits(acc))
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd(cfg: ActConfig, act: int, fp8_max: float, cast: bool, transpose: bool, amax: bool, from_amax: bool,
+         count: bool) -> DirectKernel:
+    return DirectKernel(_act_fwd_kernel, num_warps=cfg.num_warps, ACT=act, FP8_MAX=fp8_max, CAST=cast,
+                        TRANSPOSE=transpose, AMAX=amax, FROM_AMAX=from_amax, COUNT=count,
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd(cfg: ActConfig, act: int, fp8_max: float, cast: bool, transpose: bool, amax: bool, from_amax: bool,
+         count: bool, dbias: bool) -> DirectKernel:
+    return DirectKernel(_act_bwd_kernel, num_warps=cfg.num_warps, ACT=act, FP8_MAX=fp8_max, CAST=cast,
+                        TRANSPOSE=transpose, AMAX=amax, FROM_AMAX=from_amax, COUNT=count, DBIAS=dbias,
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+
+
+# --------------------------------------------------------------------------- host wrappers
+
+
+def act_amax(h: torch.Tensor, act: str, amax_out: torch.Tensor) -> None:
+    """activation_reference.act_amax on the GPU: amax_out <- max(amax_out, abs_max(act(h))), no sync."""
+    ref.check_amax_args("act_amax", h, act, amax_out)
+    if h.numel() == 0:
+        ref.act_amax(h, act, amax_out)
+        return
+    _launch_fwd("act_amax", h, act, None, None, None, None, amax_out, None, None)
+
+
+def act_fwd_fp8(h: torch.Tensor, act: str, out: torch.Tensor, out_t: Optional[torch.Tensor],
+                scale: torch.Tensor, scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
+                from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None) -> None:
+    """activation_reference.act_fwd_fp8 on the GPU (same contract; see there).
+
+    h      (M, F) or (M, 2F) for swiglu, unit column stride, any row stride
+    out    (M, F) fp8, contiguous
+    out_t  (F, Mp) fp8, contiguous, Mp >= M, or None
+    """
+    ref.check_fwd_args("act_fwd_fp8", h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    if h.numel() == 0:
+        ref.act_fwd_fp8(h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        return
+    _launch_fwd("act_fwd_fp8", h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+
+
+def act_bwd_amax(da: torch.Tensor, h: torch.Tensor, act: str, amax_out: torch.Tensor) -> None:
+    """activation_reference.act_bwd_amax on the GPU: amax_out <- max(amax_out, abs_max(dh)), no sync."""
+    ref.check_bwd_amax_args("act_bwd_amax", da, h, act, amax_out)
+    if h.numel() == 0:
+        ref.act_bwd_amax(da, h, act, amax_out)
+        return
+    _launch_bwd("act_bwd_amax", da, h, act, None, None, None, None, amax_out, None, None, None)
+
+
+def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, act: str, out: torch.Tensor, out_t: Optional[torch.Tensor],
+                scale: torch.Tensor, scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
+                from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,
+                dbias_out: Optional[torch.Tensor] = None) -> None:
+    """activation_reference.act_bwd_fp8 on the GPU (same contract; see there).
+
+    da         (M, F), h (M, Fh) with Fh = F (2F for swiglu), unit column strides, any row strides
+    out        (M, Fh) fp8, contiguous;  out_t (Fh, Mp) fp8, contiguous, Mp >= M, or None
+    dbias_out  (Fh,) or None. Allocates a float32 scratch of (ceil(Mp / block_m), Fh) when given
+               (the per-row-tile column sums), reduced by torch.sum into dbias_out.
+    """
+    ref.check_bwd_args("act_bwd_fp8", da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
+                       nonfinite_count, dbias_out)
+    if h.numel() == 0:
+        ref.act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                        dbias_out)
+        return
+    _launch_bwd("act_bwd_fp8", da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                dbias_out)
+
+
+def _launch_fwd(fn, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
+    """Launch _act_fwd_kernel on checked arguments; absent optional tensors are flagged off (never touched)."""
+    m, f = h.shape[0], ref.out_features(h, act)
+    out_t, copy_t = _transpose_plan(out_t, h)
+    cfg = launch_config(h.device, act == "swiglu")
+    mp = m if out_t is None else out_t.shape[1]
+    stride_hm = _row_stride(h)
+    _check_tile_offsets(fn, cfg, h.shape[1], stride_hm, mp)
+    tiles = triton.cdiv(mp, cfg.block_m) * triton.cdiv(f, cfg.block_n)
+    _, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    kernel = _fwd(cfg, _ACT_CODES[act], *flags)
+    with _device_guard(h.device):
+        kernel(_grid(tiles, cfg.programs_per_sm, h.device), h, _or(out, h), _or(out_t, _or(out, h)),
+               *pointers, m, f, mp, stride_hm)
+        _finish_transpose(out, copy_t)
+
+
+def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                dbias_out) -> None:
+    """Launch _act_bwd_kernel on checked arguments, then reduce the dbias partials."""
+    m, f, fh = h.shape[0], da.shape[1], h.shape[1]
+    out_t, copy_t = _transpose_plan(out_t, h, da)
+    cfg = launch_config(h.device, act == "swiglu")
+    mp = m if out_t is None else out_t.shape[1]
+    stride_dam, stride_hm = _row_stride(da), _row_stride(h)
+    _check_tile_offsets(fn, cfg, fh, max(stride_dam, stride_hm), mp)
+    row_tiles = triton.cdiv(mp, cfg.block_m)
+    scratch = None
+    if dbias_out is not None:
+        # Every tile writes its (BLOCK_N,) column sums into its row tile's row: no zeroing needed.
+        scratch = torch.empty((row_tiles, fh), dtype=torch.float32, device=h.device)  # (row tiles, Fh)
+    stand_in, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    kernel = _bwd(cfg, _ACT_CODES[act], *flags, scratch is not None)
+    with _device_guard(h.device):
+        kernel(_grid(row_tiles * triton.cdiv(f, cfg.block_n), cfg.programs_per_sm, h.device),
+               da, h, _or(out, h), _or(out_t, _or(out, h)), _or(scratch, stand_in),
+               *pointers, m, f, mp, stride_dam, stride_hm)
+        _finish_transpose(out, copy_t)
+        if scratch is not None:
+            partial = scratch[:triton.cdiv(m, cfg.block_m)]  # rows past that are out_t's padding tiles: zeros
+            if dbias_out.dtype == torch.float32:
+                torch.sum(partial, dim=0, out=dbias_out)
+            else:
+                dbias_out.copy_(partial.sum(dim=0))
+
+
+def _transpose_plan(out_t, *inputs):
+    """(out_t the kernel writes, out_t to fill from out afterwards): the second for float32 inputs on CUDA.
+
+    cast.cast_transpose_amax found that triton 3.6 on sm_90 writes wrong bytes into out_t
+    for tiles loaded as float32, even through the byte transpose used here (GPU tests,
+    2026-11-29; bf16/fp16 loads are exact). The quantized tile is the same kind of value
+    here, but the load layout that seems to trigger it is the input's, so float32 inputs get
+    cast.py's workaround: the row-major cast in Triton, then a torch copy of its bytes.
+    """
+    if out_t is not None and any(t.dtype == torch.float32 and t.is_cuda for t in inputs):
+        return None, out_t
+    return out_t, None
+
+
+def _finish_transpose(out, copy_t) -> None:
+    if copy_t is not None:
+        m = out.shape[0]
+        copy_t[:, :m].copy_(out.t())
+        copy_t[:, m:].view(torch.uint8).zero_()
+
+
+def _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count):
+    """(stand-in tensor, the five scalar pointers, (FP8_MAX, CAST, TRANSPOSE, AMAX, FROM_AMAX, COUNT))."""
+    cast = out is not None
+    stand_in = amax_out if amax_out is not None else scale  # passed for pointer args a launch never touches
+    pointers = (scale if cast else stand_in, scale_inv_out if cast else stand_in, _or(amax_out, stand_in),
+                _or(from_amax, stand_in), _or(nonfinite_count, stand_in))
+    flags = (scaling.fp8_max(out.dtype) if cast else 0.0, cast, out_t is not None, amax_out is not None,
+             from_amax is not None, from_amax is not None and nonfinite_count is not None)
+    return stand_in, pointers, flags
+
+
+def _grid(tiles: int, programs_per_sm: int, device: torch.device) -> int:
+    """Programs of the persistent 1-D grid: enough for the tiles, at most programs_per_sm per SM."""
+    return max(1, min(tiles, programs_per_sm * _sm_count(device)))
+
+
+def _device_guard(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _or(t: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
+    return stand_in if t is None else t
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def _check_tile_offsets(fn: str, cfg: ActConfig, fh: int, row_stride: int, mp: int) -> None:
+    # Offsets inside one tile are int32 (tile origins are int64); swiglu adds F to them.
+    longest = max(row_stride, fh, mp)
+    if longest * max(cfg.block_m, cfg.block_n) + fh >= 2**31:
+        raise ValueError(f"{fn}: rows of {longest} elements are too long for the tiled kernel "
+                         f"(int32 offsets inside a {cfg.block_m}x{cfg.block_n} tile)")

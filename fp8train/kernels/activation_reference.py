@@ -1,0 +1,294 @@
+"""Pure-torch twins of the fused MLP activation kernels (kernels/activation.py): the specification.
+
+A transformer MLP runs fc1 -> act -> fc2. These functions take fc1's high-precision output
+h and emit the FP8 operands the next GEMMs read, without a high-precision copy of the
+activation in between:
+
+  forward   a = act(h)                          -> a as fp8 (+ a^T for fc2's wgrad)
+  backward  dh = da * act'(h)  (da from fc2's dgrad) -> dh as fp8 (+ dh^T for fc1's wgrad),
+            and optionally dbias = dh.sum(0) (fc1's bias gradient)
+
+Activations (`act`):
+  "gelu"       0.5 x (1 + erf(x / sqrt 2))            = F.gelu(x)
+  "gelu_tanh"  0.5 x (1 + tanh(k (x + c x^3)))         = F.gelu(x, approximate="tanh")
+  "relu"       max(x, 0), -0.0 and NaN kept            = F.relu(x)
+  "swiglu"     h (M, 2F) = [gate | up]: silu(gate) * up = F.silu(h[:, :F]) * h[:, F:]
+All math is float32, written out op by op below; the Triton kernels evaluate the same
+expressions in the same order, so the two differ only where their erf / exp differ in the
+last float32 bit (and where the GPU compiler fuses a multiply-add). gelu_tanh is evaluated
+as x * sigmoid(2 k (x + c x^3)), the same function: it needs no tanh (Triton has none) and
+keeps full relative precision for negative x, where 1 + tanh(...) cancels.
+
+Gradients are those of torch.autograd through the torch forms above:
+  gelu       0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
+  gelu_tanh  s + x s (1 - s) z'(x),  s = sigmoid(z), z = 2 k (x + c x^3)
+  relu       da where x > 0, 0 where x <= 0; NaN x passes da through (torch's threshold_backward)
+  swiglu     dgate = da * up * s (1 + gate (1 - s)), s = sigmoid(gate);  dup = da * silu(gate)
+
+Note: scale conventions (q = fp8(v * scale), scale_inv = 1 / scale, amax of the unscaled
+float32 values, NaN counted as +inf) are those of fp8train/scaling.py and
+reference.cast_transpose_amax; the scale / scale_inv / amax_out / from_amax /
+nonfinite_count arguments behave exactly as there.
+
+The argument checks live here too (`check_fwd_args`, `check_bwd_args`) so that the twin and
+the Triton wrapper reject exactly the same inputs with the same messages.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import scaling
+from . import reference
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
+
+# float32 constants, shared with the kernels (Python floats; both sides round them to float32).
+SQRT1_2 = 0.7071067811865476        # 1 / sqrt(2)
+INV_SQRT_2PI = 0.3989422804014327   # 1 / sqrt(2 pi)
+TANH_2K = 1.5957691216057308        # 2 sqrt(2 / pi): z = 2 k x (1 + c x^2)
+TANH_C = 0.044715                   # c
+TANH_3C = 0.134145                  # 3 c, in z'(x) = 2 k (1 + 3 c x^2)
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# --------------------------------------------------------------------------- float32 math
+
+
+def _sigmoid(z: torch.Tensor) -> torch.Tensor:
+    # IEEE 1 / (1 + exp(-z)) (the kernel: div_rn); exp(-z) = inf gives exactly 0.
+    return torch.reciprocal(1.0 + torch.exp(-z))
+
+
+def act_forward(h: torch.Tensor, act: str) -> torch.Tensor:
+    """a = act(h) as float32: (M, F) for h (M, F), or (M, F) for swiglu's h (M, 2F)."""
+    x = h.float()
+    if act == "gelu":
+        return (x * 0.5) * (1.0 + torch.erf(x * SQRT1_2))
+    if act == "gelu_tanh":
+        z = (x * TANH_2K) * (1.0 + TANH_C * (x * x))
+        return x * _sigmoid(z)
+    if act == "relu":
+        return torch.where(x < 0.0, 0.0, x)
+    if act == "swiglu":
+        f = x.shape[1] // 2
+        gate, up = x[:, :f], x[:, f:]
+        return (gate * _sigmoid(gate)) * up
+    raise ValueError(_unknown_act("act_forward", act))
+
+
+def act_grad(da: torch.Tensor, h: torch.Tensor, act: str) -> torch.Tensor:
+    """dh = da * act'(h) as float32, shape of h: (M, F), or (M, 2F) = [dgate | dup] for swiglu."""
+    g = da.float()
+    x = h.float()
+    if act == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(x * SQRT1_2))
+        pdf = torch.exp((x * x) * -0.5) * INV_SQRT_2PI
+        return g * (cdf + x * pdf)
+    if act == "gelu_tanh":
+        x2 = x * x
+        s = _sigmoid((x * TANH_2K) * (1.0 + TANH_C * x2))
+        dz = TANH_2K * (1.0 + TANH_3C * x2)
+        return g * (s + ((x * s) * (1.0 - s)) * dz)
+    if act == "relu":
+        return torch.where(x <= 0.0, 0.0, g)
+    if act == "swiglu":
+        f = x.shape[1] // 2
+        gate, up = x[:, :f], x[:, f:]
+        s = _sigmoid(gate)
+        dgate = (g * up) * (s * (1.0 + gate * (1.0 - s)))
+        dup = g * (gate * s)
+        return torch.cat([dgate, dup], dim=1)
+    raise ValueError(_unknown_act("act_grad", act))
+
+
+# --------------------------------------------------------------------------- the twins
+
+
+def act_amax(h: torch.Tensor, act: str, amax_out: torch.Tensor) -> None:
+    """amax_out (() float32) <- max(amax_out, abs_max(act(h))), NaN counted as +inf.
+
+    The first pass of current scaling; writes nothing else. M == 0: amax_out <- max(amax_out, 0).
+    """
+    check_amax_args("act_amax", h, act, amax_out)
+    reference.amax(act_forward(h, act), amax_out)
+
+
+def act_fwd_fp8(h: torch.Tensor, act: str, out: torch.Tensor, out_t: Optional[torch.Tensor],
+                scale: torch.Tensor, scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
+                from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None) -> None:
+    """The activation of fc1's output, cast to FP8 (with its transposed copy) in one pass.
+
+    h       (M, F), or (M, 2F) for swiglu; bf16/fp16/fp32, unit column stride, any row stride
+    out     (M, F) fp8, contiguous: saturating_cast(act(h), scale)
+    out_t   (F, Mp) fp8, contiguous, Mp >= M, or None: out_t[:, :M] = out.T, out_t[:, M:] = 0
+    scale, scale_inv_out, amax_out, from_amax, nonfinite_count: as reference.cast_transpose_amax,
+            with amax_out max-accumulating abs_max(act(h)) (float32, unscaled).
+    Delayed scaling: one call with amax_out. Current scaling: act_amax(h, act, a), then this
+    with from_amax=a.
+    """
+    check_fwd_args("act_fwd_fp8", h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    a = act_forward(h, act)  # (M, F) float32
+    _cast_outputs(a, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+
+
+def act_bwd_amax(da: torch.Tensor, h: torch.Tensor, act: str, amax_out: torch.Tensor) -> None:
+    """amax_out <- max(amax_out, abs_max(dh)), dh = da * act'(h): current scaling's first pass."""
+    check_bwd_amax_args("act_bwd_amax", da, h, act, amax_out)
+    reference.amax(act_grad(da, h, act), amax_out)
+
+
+def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, act: str, out: torch.Tensor, out_t: Optional[torch.Tensor],
+                scale: torch.Tensor, scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
+                from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,
+                dbias_out: Optional[torch.Tensor] = None) -> None:
+    """dh = da * act'(h) cast to FP8 (with its transposed copy), and optionally fc1's dbias.
+
+    da         (M, F) bf16/fp16/fp32 gradient w.r.t. a, unit column stride
+    h          (M, Fh) the saved fc1 output, Fh = F (Fh = 2F for swiglu)
+    out        (M, Fh) fp8, contiguous: saturating_cast(dh, scale)
+    out_t      (Fh, Mp) fp8, contiguous, Mp >= M, or None: out_t[:, :M] = out.T, out_t[:, M:] = 0
+    dbias_out  (Fh,) bf16/fp16/fp32, or None: float32 column sums of dh, written in its dtype
+               (all zeros when M == 0)
+    scale, scale_inv_out, amax_out, from_amax, nonfinite_count: as reference.cast_transpose_amax,
+               with amax_out max-accumulating abs_max(dh) (float32, unscaled).
+    """
+    check_bwd_args("act_bwd_fp8", da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
+                   nonfinite_count, dbias_out)
+    dh = act_grad(da, h, act)  # (M, Fh) float32
+    _cast_outputs(dh, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    if dbias_out is not None:
+        dbias_out.copy_(dh.sum(dim=0))
+
+
+def _cast_outputs(v, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
+    """reference.cast_transpose_amax of the float32 values v, with out_t optional."""
+    s = reference._resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
+    q = reference.saturating_cast(v, s, out.dtype)
+    out.copy_(q)
+    if out_t is not None:
+        m = v.shape[0]
+        out_t[:, :m].copy_(q.t())
+        out_t[:, m:].view(torch.uint8).zero_()
+    scale_inv_out.copy_(scaling.scale_inverse(s))
+    if amax_out is not None:
+        reference.amax(v, amax_out)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def out_features(h: torch.Tensor, act: str) -> int:
+    """Columns of act(h): h.shape[1], or half of it for swiglu."""
+    return h.shape[1] // 2 if act == "swiglu" else h.shape[1]
+
+
+def check_amax_args(fn: str, h, act, amax_out) -> None:
+    _check_act(fn, act)
+    _check_h(fn, h, act)
+    _check_scalar(fn, "amax_out", amax_out, torch.float32, h.device)
+
+
+def check_bwd_amax_args(fn: str, da, h, act, amax_out) -> None:
+    check_amax_args(fn, h, act, amax_out)
+    _check_da(fn, da, h, act)
+
+
+def check_fwd_args(fn: str, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
+    _check_act(fn, act)
+    _check_h(fn, h, act)
+    _check_outputs(fn, h.shape[0], out_features(h, act), h.device, out, out_t)
+    _check_scales(fn, h.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+
+
+def check_bwd_args(fn: str, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                   dbias_out) -> None:
+    _check_act(fn, act)
+    _check_h(fn, h, act)
+    _check_da(fn, da, h, act)
+    _check_outputs(fn, h.shape[0], h.shape[1], h.device, out, out_t)
+    _check_scales(fn, h.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    if dbias_out is not None:
+        if (dbias_out.dtype not in _INPUT_DTYPES or dbias_out.shape != (h.shape[1],)
+                or dbias_out.device != h.device or not dbias_out.is_contiguous()):
+            raise ValueError(f"{fn}: dbias_out must be a contiguous bfloat16, float16 or float32 tensor of shape "
+                             f"({h.shape[1]},) on {h.device}; got {dbias_out.dtype} {tuple(dbias_out.shape)} "
+                             f"(contiguous={dbias_out.is_contiguous()}) on {dbias_out.device}")
+
+
+def _unknown_act(fn: str, act) -> str:
+    return f"{fn}: act must be one of {', '.join(map(repr, ACTIVATIONS))}; got {act!r}"
+
+
+def _check_act(fn: str, act) -> None:
+    if act not in ACTIVATIONS:
+        raise ValueError(_unknown_act(fn, act))
+
+
+def _check_rows(fn: str, name: str, t: torch.Tensor) -> None:
+    """t must be 2-D, bf16/fp16/fp32, with unit stride along its columns (any row stride)."""
+    if t.dim() != 2:
+        raise ValueError(f"{fn}: {name} must be 2-D (rows, columns); got shape {tuple(t.shape)}")
+    if t.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"{fn}: {name} must be bfloat16, float16 or float32; got {t.dtype}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{fn}: {name} of shape {tuple(t.shape)} has strides {tuple(t.stride())}; it needs unit "
+                         f"stride along its columns (any row stride): pass {name}.contiguous()")
+
+
+def _check_h(fn: str, h: torch.Tensor, act: str) -> None:
+    _check_rows(fn, "h", h)
+    if act == "swiglu" and h.shape[1] % 2:
+        raise ValueError(f"{fn}: swiglu needs h = [gate | up] of shape (M, 2F), an even number of columns; "
+                         f"got {tuple(h.shape)}")
+
+
+def _check_da(fn: str, da: torch.Tensor, h: torch.Tensor, act: str) -> None:
+    _check_rows(fn, "da", da)
+    want = (h.shape[0], out_features(h, act))
+    if da.shape != want or da.device != h.device:
+        raise ValueError(f"{fn}: da must be {want} on {h.device} for h of shape {tuple(h.shape)} and act={act!r}; "
+                         f"got {tuple(da.shape)} on {da.device}")
+
+
+def _check_fp8(fn: str, name: str, t: torch.Tensor, shape, device: torch.device) -> None:
+    if t.dtype not in _FP8_DTYPES:
+        raise ValueError(f"{fn}: {name} must be float8_e4m3fn or float8_e5m2; got {t.dtype}")
+    if t.shape != shape or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{fn}: {name} must be a contiguous tensor of shape {tuple(shape)} on {device}; "
+                         f"got {tuple(t.shape)} (contiguous={t.is_contiguous()}) on {t.device}")
+
+
+def _check_outputs(fn: str, m: int, n: int, device, out, out_t) -> None:
+    _check_fp8(fn, "out", out, (m, n), device)
+    if out_t is None:
+        return
+    if out_t.dim() != 2 or out_t.shape[0] != n or out_t.shape[1] < m:
+        raise ValueError(f"{fn}: out_t must be (N, Mp) = ({n}, >= {m}) for out of shape ({m}, {n}); "
+                         f"got {tuple(out_t.shape)}")
+    _check_fp8(fn, "out_t", out_t, out_t.shape, device)
+    if out_t.dtype != out.dtype:
+        raise ValueError(f"{fn}: out ({out.dtype}) and out_t ({out_t.dtype}) must share an FP8 dtype")
+
+
+def _check_scalar(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    if t.numel() != 1 or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{fn}: {name} must be a one-element {dtype} tensor on {device}; "
+                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _check_scales(fn, device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
+    _check_scalar(fn, "scale", scale, torch.float32, device)
+    _check_scalar(fn, "scale_inv_out", scale_inv_out, torch.float32, device)
+    if amax_out is not None:
+        _check_scalar(fn, "amax_out", amax_out, torch.float32, device)
+    if from_amax is not None:
+        _check_scalar(fn, "from_amax", from_amax, torch.float32, device)
+        if amax_out is not None and amax_out.data_ptr() == from_amax.data_ptr():
+            # The kernel reads from_amax in every program while others max into amax_out.
+            raise ValueError(f"{fn}: from_amax and amax_out must be different buffers")
+    if nonfinite_count is not None:
+        _check_scalar(fn, "nonfinite_count", nonfinite_count, torch.int32, device)
