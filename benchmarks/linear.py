@@ -61,28 +61,27 @@ def gemm_sized(sizes, m, device):
     return rows
 
 
-def host_time(device, iters=300, tokens=256, dim=1024):
-    rows = []
+def host_time(device, iters=300, tokens=256, dim=1024, rounds=7):
+    """Median over rounds; each round times every kind in turn, so all see the same host load."""
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
-    base = None
-    for kind in ("bf16", *RECIPES):
-        layer, recipe = make(kind, dim, dim, device)
-        run = fwd_bwd_fn(layer, recipe, x, dy)
+    kinds = ("bf16", *RECIPES)
+    runs = {kind: fwd_bwd_fn(*make(kind, dim, dim, device), x, dy) for kind in kinds}
+    samples = {kind: [] for kind in kinds}
+    for run in runs.values():
         for _ in range(20):
             run()
-        samples = []
-        for _ in range(5):
+    for _ in range(rounds):
+        for kind, run in runs.items():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(iters):
                 run()
-            samples.append((time.perf_counter() - t0) / iters * 1e6)
+            samples[kind].append((time.perf_counter() - t0) / iters * 1e6)
             torch.cuda.synchronize()
-        us = sorted(samples)[len(samples) // 2]
-        base = base or us
-        rows.append({"kind": kind, "host_us": us, "ratio_to_nn_linear": us / base})
-    return rows
+    med = {kind: sorted(v)[len(v) // 2] for kind, v in samples.items()}
+    return [{"kind": kind, "host_us": med[kind], "ratio_to_nn_linear": med[kind] / med["bf16"],
+             "samples_us": samples[kind]} for kind in kinds]
 
 
 def main():

@@ -19,7 +19,6 @@ import torch
 
 from .recipe import GemmConfig
 from .roles import GemmRole
-from .tensor import Float8Tensor
 
 # Bias can be fused only into bf16/fp16 outputs (cuBLASLt epilogue), and must match them.
 _BIAS_OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -50,17 +49,18 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
     return out
 
 
-def fprop(x: Float8Tensor, w: Float8Tensor, config: GemmConfig, out_dtype: torch.dtype,
-          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y (M, N) = X (M, K) @ W^T, W (N, K)."""
-    return scaled_mm(x.fp8_data, x.scale_inv, w.fp8_data.t(), w.scale_inv, role=GemmRole.FPROP,
-                     config=config, out_dtype=out_dtype, bias=bias)
+def fprop(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+          config: GemmConfig, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y (M, N) = X (M, K) @ W^T; x (M, K) and w (N, K) fp8 row-major."""
+    return scaled_mm(x, x_scale_inv, w.t(), w_scale_inv, role=GemmRole.FPROP, config=config,
+                     out_dtype=out_dtype, bias=bias)
 
 
-def dgrad(dy: Float8Tensor, w: Float8Tensor, config: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
-    """dX (M, K) = dY (M, N) @ W, through W's cached transposed copy."""
-    return scaled_mm(dy.fp8_data, dy.scale_inv, w.transpose_data().t(), w.scale_inv, role=GemmRole.DGRAD,
-                     config=config, out_dtype=out_dtype)
+def dgrad(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w_t: torch.Tensor, w_scale_inv: torch.Tensor,
+          config: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
+    """dX (M, K) = dY (M, N) @ W; dy (M, N) fp8 row-major, w_t (K, N) W's transposed copy, row-major."""
+    return scaled_mm(dy, dy_scale_inv, w_t.t(), w_scale_inv, role=GemmRole.DGRAD, config=config,
+                     out_dtype=out_dtype)
 
 
 def wgrad(dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, x_t: torch.Tensor, x_scale_inv: torch.Tensor,

@@ -7,7 +7,7 @@ Float8Tensor (optionally with the transposed copy the backward GEMMs need) in on
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -16,6 +16,17 @@ from . import kernels, scaling
 from .recipe import CurrentScaling, DelayedScaling, Recipe
 from .roles import TensorRole
 from .tensor import Float8Tensor, padded_rows
+
+
+_CASTABLE = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Cast(NamedTuple):
+    """One cast's outputs as plain tensors (what layers save and feed to the GEMMs)."""
+
+    data: torch.Tensor               # x's shape, fp8, row-major
+    data_t: Optional[torch.Tensor]   # (cols, padded_rows(rows)) fp8 transposed copy, zero padded; or None
+    scale_inv: torch.Tensor          # (1,) float32, this cast's own 1/scale
 
 
 class Quantizer(nn.Module):
@@ -29,6 +40,7 @@ class Quantizer(nn.Module):
         self.register_buffer("scale", torch.ones((), device=device))
         # inf/NaN amaxes seen (and kept away from the scale): readable by users and tests.
         self.register_buffer("nonfinite_count", torch.zeros((), dtype=torch.int32, device=device))
+        self._prepared: dict = {}  # prepared launches per input shape/dtype/mode (host time, see _launch)
 
     def quantize(self, x: torch.Tensor, *, transpose: bool = False,
                  out: Optional[Float8Tensor] = None) -> Float8Tensor:
@@ -39,41 +51,88 @@ class Quantizer(nn.Module):
         out        an existing Float8Tensor of x's shape to overwrite in place (a workspace):
                    its payload, scale_inv and, when `transpose`, transposed buffer are reused.
         """
-        x = x.detach()
-        if not x.is_contiguous():
-            x = x.contiguous()
         if out is None:
-            data = torch.empty(x.shape, dtype=self.dtype, device=x.device)
-            out = Float8Tensor(data, torch.empty((), dtype=torch.float32, device=x.device), x.dtype, self.role)
-        elif out.shape != x.shape or out.fp8_dtype != self.dtype or out.device != x.device:
+            parts = self.cast(x, transpose=transpose)
+            result = Float8Tensor(parts.data, parts.scale_inv, x.dtype, self.role)
+            if parts.data_t is not None:
+                result._set_transpose(parts.data_t)
+            return result
+        if out.shape != x.shape or out.fp8_dtype != self.dtype or out.device != x.device:
             raise ValueError(f"{self.role.name} quantizer: workspace {out!r} does not fit a {tuple(x.shape)} "
                              f"{x.dtype} tensor cast to {self.dtype}")
-        else:
-            out._mark_rewritten()
+        x = self._checked(x)
+        out._mark_rewritten()
+        data_t = None
         if transpose:
-            cols = x.shape[-1]
-            rows = x.numel() // cols
-            t = out._transpose
-            if t is None or t.shape != (cols, padded_rows(rows)):
-                t = torch.empty((cols, padded_rows(rows)), dtype=self.dtype, device=x.device)
-            self._cast(x.reshape(rows, cols), out.fp8_data.view(rows, cols), t, out.scale_inv)
-            out._set_transpose(t)
-        else:
-            self._cast(x, out.fp8_data, None, out.scale_inv)
+            data_t = out._transpose
+            if data_t is None or data_t.shape != self._transpose_shape(x):
+                data_t = torch.empty(self._transpose_shape(x), dtype=self.dtype, device=x.device)
+        self._cast(x, out.fp8_data, data_t, out.scale_inv)
+        if data_t is not None:
+            out._set_transpose(data_t)
         return out
+
+    def cast(self, x: torch.Tensor, *, transpose: bool = False) -> "Cast":
+        """The hot path of `quantize` for layers: the same cast into fresh buffers, returned
+        as plain tensors (no Float8Tensor is built: its construction costs more host time
+        than the launch)."""
+        x = self._checked(x)
+        device = x.device
+        data = torch.empty(x.shape, dtype=self.dtype, device=device)
+        scale_inv = torch.empty(1, dtype=torch.float32, device=device)  # (1,): cheaper to allocate than ()
+        data_t = torch.empty(self._transpose_shape(x), dtype=self.dtype, device=device) if transpose else None
+        self._cast(x, data, data_t, scale_inv)
+        return Cast(data, data_t, scale_inv)
+
+    def _checked(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _CASTABLE or isinstance(x, Float8Tensor):
+            raise TypeError(f"{self.role.name} quantizer: expected a bfloat16, float16 or float32 tensor, "
+                            f"got {'a Float8Tensor' if isinstance(x, Float8Tensor) else x.dtype}")
+        if x.requires_grad:
+            x = x.detach()
+        return x if x.is_contiguous() else x.contiguous()
+
+    @staticmethod
+    def _transpose_shape(x: torch.Tensor):
+        cols = x.shape[-1]
+        return cols, padded_rows(x.numel() // cols if cols else 0)
 
     def _cast(self, x, data, data_t, scale_inv) -> None:
         raise NotImplementedError
 
+    def _launch(self, x, data, data_t, scale_inv, amax_out=None, from_amax=None, count=None) -> None:
+        """One kernel launch of this quantizer's steady state through a prepared launch
+        (kernels.prepare_cast), kept per (shape, dtype, transposed?, cast or amax only). The
+        buffers named here must be this quantizer's own, fixed for the key: preparations are
+        dropped whenever the buffers may have moved (`_forget_prepared`)."""
+        key = (x.shape, x.dtype, data_t is not None, data is None)
+        launch = self._prepared.get(key)
+        if launch is None:
+            if len(self._prepared) >= 64:  # many input shapes (variable lengths): start over
+                self._prepared.clear()
+            launch = self._prepared[key] = kernels.prepare_cast(
+                x, data, data_t, self.scale if data is not None else None, scale_inv, amax_out, from_amax, count)
+        launch(x, data, data_t, scale_inv)
+
+    def _forget_prepared(self) -> None:
+        self._prepared = {}
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._forget_prepared()  # buffers may be new tensors
+        return out
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._forget_prepared()  # assign=True loads replace the buffers
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_prepared"] = {}  # compiled kernels and views of this copy's buffers stay behind
+        return state
+
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:
         raise NotImplementedError
-
-    @staticmethod
-    def _run_cast(x, data, data_t, **scale_args) -> None:
-        if data_t is None:
-            kernels.cast_amax(x, data, **scale_args)
-        else:
-            kernels.cast_transpose_amax(x, data, data_t, **scale_args)
 
     def extra_repr(self) -> str:
         return f"role={self.role.name}, dtype={self.dtype}"
@@ -92,9 +151,8 @@ class CurrentScalingQuantizer(Quantizer):
 
     def _cast(self, x, data, data_t, scale_inv) -> None:
         self.amax.zero_()
-        kernels.amax(x, self.amax)
-        self._run_cast(x, data, data_t, scale=self.scale, scale_inv_out=scale_inv,
-                       from_amax=self.amax, nonfinite_count=self.nonfinite_count)
+        self._launch(x, None, None, None, amax_out=self.amax)
+        self._launch(x, data, data_t, scale_inv, from_amax=self.amax, count=self.nonfinite_count)
 
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:
         return isinstance(recipe, CurrentScaling) and self.dtype == recipe.fp8_format.dtype(role)
@@ -124,15 +182,18 @@ class DelayedScalingQuantizer(Quantizer):
         return self.amax_history.shape[0]
 
     def _cast(self, x, data, data_t, scale_inv) -> None:
-        pending = self.amax_history[0]  # () view: casts max-accumulate into it
         if self.calibrated:
-            self._run_cast(x, data, data_t, scale=self.scale, scale_inv_out=scale_inv, amax_out=pending)
+            launch = self._prepared.get((x.shape, x.dtype, data_t is not None, False))
+            if launch is not None:  # the steady state, inlined: one dict lookup and the launch
+                launch(x, data, data_t, scale_inv)
+            else:
+                self._launch(x, data, data_t, scale_inv, amax_out=self.amax_history[0])  # (): casts max into it
             return
+        pending = self.amax_history[0]
         self._calibration_amax.zero_()
         kernels.amax(x, self._calibration_amax)
         # A non-finite calibration amax keeps scale 1; the update counts it once (not here).
-        self._run_cast(x, data, data_t, scale=self.scale, scale_inv_out=scale_inv, amax_out=pending,
-                       from_amax=self._calibration_amax)
+        kernels.cast_trusted(x, data, data_t, self.scale, scale_inv, pending, self._calibration_amax)
         self.calibrated = True
 
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:

@@ -51,7 +51,7 @@ class Float8Tensor(torch.Tensor):
             cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
             dtype=orig_dtype, device=data.device, requires_grad=False)
         self._data = data
-        self._scale_inv = scale_inv.reshape(())
+        self._scale_inv = scale_inv if scale_inv.dim() == 0 else scale_inv.reshape(())
         self._role = role
         self._transpose = None
         self._transpose_version = -1
@@ -93,7 +93,8 @@ class Float8Tensor(torch.Tensor):
             buf = torch.zeros((cols, padded_rows(rows)), dtype=self._data.dtype, device=self._data.device)
             buf[:, :rows].copy_(self._data.reshape(rows, cols).t())
             self._set_transpose(buf)
-        return self._transpose if padded else self._transpose[:, :rows]
+        buf = self._transpose
+        return buf if padded or buf.shape[1] == rows else buf[:, :rows]
 
     def transpose_is_cached(self) -> bool:
         return self._transpose is not None and self._transpose_version == self._data._version

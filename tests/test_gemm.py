@@ -24,7 +24,7 @@ def exact(a, b):
 def test_fprop(m):
     x, w, bias = torch.randn(m, 48), torch.randn(32, 48), torch.randn(32)
     xq, wq = q(x), q(w)
-    y = gemm.fprop(xq, wq, CFG, torch.float32, bias)
+    y = gemm.fprop(xq.fp8_data, xq.scale_inv, wq.fp8_data, wq.scale_inv, CFG, torch.float32, bias)
     assert y.shape == (m, 32)
     torch.testing.assert_close(y.double(), exact(xq, wq.t()) + bias.double(), rtol=1e-6, atol=1e-5)
     assert sqnr_db(y, x @ w.t() + bias) > 25
@@ -32,15 +32,15 @@ def test_fprop(m):
 
 def test_fprop_fuses_bias_into_bf16_output():
     xq, wq, bias = q(torch.randn(16, 32)), q(torch.randn(16, 32)), torch.randn(16)
-    y = gemm.fprop(xq, wq, CFG, torch.bfloat16, bias)
+    y = gemm.fprop(xq.fp8_data, xq.scale_inv, wq.fp8_data, wq.scale_inv, CFG, torch.bfloat16, bias)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), exact(xq, wq.t()) + bias.bfloat16().double(), rtol=1e-2, atol=1e-2)
 
 
-def test_dgrad_uses_the_weights_transposed_copy():
+def test_dgrad_from_the_weights_transposed_copy():
     dy, w = torch.randn(13, 32), torch.randn(32, 48)
     dyq, wq = q(dy, torch.float8_e5m2), q(w)
-    dx = gemm.dgrad(dyq, wq, CFG, torch.float32)
+    dx = gemm.dgrad(dyq.fp8_data, dyq.scale_inv, wq.transpose_data(), wq.scale_inv, CFG, torch.float32)
     assert dx.shape == (13, 48) and wq.transpose_is_cached()
     torch.testing.assert_close(dx.double(), exact(dyq, wq), rtol=1e-6, atol=1e-5)
 

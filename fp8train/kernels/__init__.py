@@ -31,6 +31,42 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
     impl(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
 
 
+def cast_trusted(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tensor], scale: torch.Tensor,
+                 scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
+                 from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None) -> None:
+    """cast_amax (out_t None) or cast_transpose_amax of x's rows (x.shape[-1] columns)
+    without argument checks.
+
+    The per-cast hot path of quantizers, which allocate `out`/`out_t` and own the scale
+    buffers themselves; everyone else calls the checked functions above.
+    """
+    if x.is_cuda:
+        _triton_cast().launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    elif out_t is None:
+        reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    else:
+        cols = x.shape[-1]
+        reference.cast_transpose_amax(x.reshape(-1, cols), out.view(-1, cols), out_t, scale, scale_inv_out,
+                                      amax_out, from_amax, nonfinite_count)
+
+
+def prepare_cast(x: torch.Tensor, out: Optional[torch.Tensor], out_t: Optional[torch.Tensor],
+                 scale: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor],
+                 amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
+                 nonfinite_count: Optional[torch.Tensor] = None):
+    """`cast_trusted` (or, with out None, `amax`) prepared for repeated calls on tensors like
+    these with the same scale buffers: returns f(x, out, out_t, scale_inv_out). Nothing is
+    launched by the preparation itself. On CUDA the compiled kernel, grid and fixed arguments
+    are kept (cast.PreparedCast); elsewhere f runs the reference twin."""
+    if x.is_cuda:
+        return _triton_cast().PreparedCast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax,
+                                           nonfinite_count)
+    if out is None:
+        return lambda x, out, out_t, scale_inv_out: reference.amax(x, amax_out)
+    return lambda x, out, out_t, scale_inv_out: cast_trusted(x, out, out_t, scale, scale_inv_out, amax_out,
+                                                             from_amax, nonfinite_count)
+
+
 class ScaleUpdateBatch:
     """The delayed-scaling update of a fixed set of quantizers, one launch per call on CUDA.
 

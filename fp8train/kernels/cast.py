@@ -29,12 +29,15 @@ import triton.language as tl
 
 from .. import scaling
 from . import reference
+from .launcher import DirectKernel, hooks_installed
+from .launcher import device_guard as _device_guard
 from .scale_update import compute_scale
 
 _INF: tl.constexpr = tl.constexpr(float("inf"))
 _INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # float32 +inf as int32
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_MAX = {dtype: scaling.fp8_max(dtype) for dtype in _FP8_DTYPES}
 
 
 # --------------------------------------------------------------------------- launch shapes
@@ -76,7 +79,12 @@ def launch_configs(device: torch.device) -> Tuple[FlatConfig, TileConfig]:
     """
     if _override is not None:
         return _override
-    if device.type == "cuda":
+    return _default_configs(device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_configs(device_type: str) -> Tuple[FlatConfig, TileConfig]:
+    if device_type == "cuda":
         # Measured on the H200 (benchmarks/cast.py --variants, 2026-11-29): flat configs within
         # noise of each other at 94-96% of copy bandwidth; 128x64 tiles x 3 per SM gave 85%
         # for cast+transpose against 76% for 64x128 x 2.
@@ -106,8 +114,9 @@ def _sm_count(device: torch.device) -> int:
     return 3  # interpreter: a few programs, so the grid-stride loops really stride
 
 
-def _grid(work_items: int, programs_per_sm: int, device: torch.device) -> Tuple[int]:
-    return (max(1, min(work_items, programs_per_sm * _sm_count(device))),)
+def _grid(work_items: int, programs_per_sm: int, device: torch.device) -> int:
+    """Programs of a persistent 1-D grid: enough for the work, at most programs_per_sm per SM."""
+    return max(1, min(work_items, programs_per_sm * _sm_count(device)))
 
 
 # --------------------------------------------------------------------------- device code
@@ -279,11 +288,7 @@ def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv
     _check_input(x, "cast_amax")
     _check_fp8_out("cast_amax", "out", out, x.shape, x.device)
     _check_scales("cast_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
-    if x.numel() == 0:
-        reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
-        return
-    _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
-            fp8_max=scaling.fp8_max(out.dtype))
+    launch_cast(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
 
 
 def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale: torch.Tensor,
@@ -308,48 +313,139 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
     if out_t.dtype != out.dtype:
         raise ValueError(f"cast_transpose_amax: out ({out.dtype}) and out_t ({out_t.dtype}) must share an FP8 dtype")
     _check_scales("cast_transpose_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+
+
+def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
+    """cast_amax (out_t None) or cast_transpose_amax with arguments already checked.
+
+    For callers that own every buffer and have checked x (quantizers): the public wrappers
+    above check, then call this. With out_t, x's rows are (M, N) = (numel / N, x.shape[-1])
+    and x must be contiguous or a stack of rows (`_as_rows`).
+    """
     if x.numel() == 0:
-        reference.cast_transpose_amax(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        if out_t is None:
+            reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        else:
+            reference.cast_transpose_amax(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
         return
-    if x.dtype == torch.float32 and x.is_cuda:
+    fp8_max = _FP8_MAX[out.dtype]
+    if out_t is not None and x.dtype == torch.float32 and x.is_cuda:
         # triton 3.6 on sm_90 writes wrong bytes into out_t for tiles loaded as float32, whether
         # the tile is transposed as bytes or as floats (GPU tests, 2026-11-29; bf16/fp16 are
         # exact). Until that is understood: the row-major cast in Triton, then a torch copy of
         # its transposed bytes (one more read and write of 1-byte data).
-        _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
-                fp8_max=scaling.fp8_max(out.dtype))
-        out_t[:, :m].copy_(out.t())
+        n = x.shape[-1]
+        m = x.numel() // n
+        _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, fp8_max)
+        out_t[:, :m].copy_(out.view(m, n).t())
         out_t[:, m:].view(torch.uint8).zero_()
         return
-    _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
-            fp8_max=scaling.fp8_max(out.dtype))
+    _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, fp8_max)
 
 
 def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, fp8_max: float) -> None:
-    """Pick the kernel and launch it; absent optional tensors are flagged off (and never touched)."""
+    """Pick the kernel and launch it (arguments already checked)."""
+    kernel, grid, make_args = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, fp8_max)
+    with _device_guard(x.device):
+        kernel(grid, *make_args(x, out, out_t, scale_inv_out))
+
+
+def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, fp8_max: float):
+    """(kernel, grid, make_args) for one cast; absent optional tensors are flagged off (and
+    never touched). make_args(x, out, out_t, scale_inv_out) gives the runtime arguments, so
+    a PreparedCast can rebuild them for fresh buffers without planning again."""
     cast = out is not None
     dummy = amax_out if amax_out is not None else scale  # stands in for unused pointer args
-    pointers = (scale if cast else dummy, scale_inv_out if cast else dummy, dummy if amax_out is None else amax_out,
-                dummy if from_amax is None else from_amax, dummy if nonfinite_count is None else nonfinite_count)
-    flags = dict(FP8_MAX=fp8_max, CAST=cast, AMAX=amax_out is not None, FROM_AMAX=from_amax is not None,
-                 COUNT=from_amax is not None and nonfinite_count is not None)
-    flat_cfg, tile_cfg = launch_configs(x.device)
-    with _device_guard(x.device):
-        if out_t is None and x.is_contiguous():
-            n = x.numel()
-            grid = _grid(triton.cdiv(n, flat_cfg.block), flat_cfg.programs_per_sm, x.device)
-            _flat_kernel[grid](x, out if cast else x, *pointers, n,
-                               BLOCK=flat_cfg.block, num_warps=flat_cfg.num_warps, **flags)
+    amax_p = dummy if amax_out is None else amax_out
+    from_p = dummy if from_amax is None else from_amax
+    count_p = dummy if nonfinite_count is None else nonfinite_count
+    scale_p = scale if cast else dummy
+    flags = (fp8_max, cast, amax_out is not None, from_amax is not None,
+             from_amax is not None and nonfinite_count is not None)
+    device = x.device
+    flat_cfg, tile_cfg = launch_configs(device)
+    if out_t is None and x.is_contiguous():
+        n = x.numel()
+        grid = _grid(triton.cdiv(n, flat_cfg.block), flat_cfg.programs_per_sm, device)
+
+        def flat_args(x, out, out_t, scale_inv_out):
+            return x, out if cast else x, scale_p, scale_inv_out if cast else dummy, amax_p, from_p, count_p, n
+        return _flat(flat_cfg, *flags), grid, flat_args
+    m, n, row_stride = _row_layout(x)
+    mp = m if out_t is None else out_t.shape[1]
+    _check_tile_offsets(tile_cfg, row_stride, n, mp)
+    row_tiles = triton.cdiv(mp, tile_cfg.block_m)
+    grid = _grid(row_tiles * triton.cdiv(n, tile_cfg.block_n), tile_cfg.programs_per_sm, device)
+
+    def tile_args(x, out, out_t, scale_inv_out):
+        out_p = out if cast else x
+        return (x, out_p, out_t if out_t is not None else out_p, scale_p, scale_inv_out if cast else dummy,
+                amax_p, from_p, count_p, m, n, mp, row_stride)
+    return _tile(tile_cfg, out_t is not None, *flags), grid, tile_args
+
+
+class PreparedCast:
+    """launch_cast for a stream of same-shaped casts with fixed scale buffers (a quantizer's
+    steady state): the plan and the compiled binary come from the first call's tensors, and
+    each call only rebuilds the argument tuple and launches, about a third of the host time
+    of planning every time. Calls that do not match the prepared case (another device
+    current, x at a different 16-byte alignment, launch hooks installed, the float32
+    transpose fallback, empty x) go through launch_cast.
+
+    scale, amax_out, from_amax, nonfinite_count  as for launch_cast, fixed for all calls
+    out None (and scale None): the amax kernel alone, max-accumulating x's amax into amax_out
+    """
+
+    def __init__(self, x, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None, nonfinite_count=None):
+        self._fixed = (scale, amax_out, from_amax, nonfinite_count)
+        self._binary = None
+        if x.numel() == 0 or (out_t is not None and x.dtype == torch.float32):
             return
-        rows, m, n, row_stride = _as_rows(x)
-        mp = m if out_t is None else out_t.shape[1]
-        _check_tile_offsets(tile_cfg, row_stride, n, mp)
-        row_tiles = triton.cdiv(mp, tile_cfg.block_m)
-        grid = _grid(row_tiles * triton.cdiv(n, tile_cfg.block_n), tile_cfg.programs_per_sm, x.device)
-        _tile_kernel[grid](rows, out if cast else x, out_t if out_t is not None else (out if cast else x),
-                           *pointers, m, n, mp, row_stride,
-                           TRANSPOSE=out_t is not None, BLOCK_M=tile_cfg.block_m, BLOCK_N=tile_cfg.block_n,
-                           num_warps=tile_cfg.num_warps, **flags)
+        fp8_max = _FP8_MAX[out.dtype] if out is not None else 0.0
+        kernel, self._grid, self._make_args = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
+                                                    fp8_max)
+        self._device = x.device.index
+        self._x_aligned = x.data_ptr() & 15 == 0
+        self._binary = kernel.binary_for(*self._make_args(x, out, out_t, scale_inv_out))
+        self._tail = kernel.tail
+
+    def __call__(self, x, out, out_t, scale_inv_out) -> None:
+        binary = self._binary
+        if (binary is None or (x.data_ptr() & 15 == 0) != self._x_aligned or torch._C._cuda_getDevice() != self._device
+                or hooks_installed()):
+            scale, amax_out, from_amax, count = self._fixed
+            if out is None:
+                amax(x, amax_out)
+            else:
+                launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count)
+            return
+        binary.run(self._grid, 1, 1, torch._C._cuda_getCurrentRawStream(self._device), binary.function,
+                   binary.packed_metadata, None, None, None, *self._make_args(x, out, out_t, scale_inv_out),
+                   *self._tail)
+
+
+@functools.lru_cache(maxsize=None)
+def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bool, count: bool) -> DirectKernel:
+    return DirectKernel(_flat_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, AMAX=amax,
+                        FROM_AMAX=from_amax, COUNT=count, BLOCK=cfg.block)
+
+
+@functools.lru_cache(maxsize=None)
+def _tile(cfg: TileConfig, transpose: bool, fp8_max: float, cast: bool, amax: bool, from_amax: bool,
+          count: bool) -> DirectKernel:
+    return DirectKernel(_tile_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, TRANSPOSE=transpose,
+                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+
+
+def _row_layout(x: torch.Tensor) -> Tuple[int, int, int]:
+    """(M, N, row stride) of x seen as rows of its last dim; the kernel indexes x's storage
+    from x's own data pointer, so no view is made."""
+    cols = x.shape[-1] if x.dim() else 1
+    m = x.numel() // cols if cols else 0
+    if x.is_contiguous():
+        return m, cols, cols
+    return _as_rows(x)[1:]
 
 
 def _as_rows(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
@@ -404,7 +500,3 @@ def _check_scales(fn, device, scale, scale_inv_out, amax_out, from_amax, nonfini
             raise ValueError(f"{fn}: from_amax and amax_out must be different buffers")
     if nonfinite_count is not None:
         _check_scalar(fn, "nonfinite_count", nonfinite_count, torch.int32, device)
-
-
-def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -8,7 +8,6 @@ those of fp8train/scaling.py.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
@@ -16,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import scaling
+from .launcher import DirectKernel, device_guard, hooks_installed
 
 _UNRECORDED: tl.constexpr = tl.constexpr(scaling.UNRECORDED)
 _SCALE_MIN: tl.constexpr = tl.constexpr(scaling.SCALE_MIN)
@@ -129,17 +129,24 @@ class ScaleUpdateLaunch:
         self._num_quantizers = n
         self._length = length
         self._margin_factor = 2.0 ** -int(margin)  # exact in float32 for |margin| <= 126
-        self._algo_max = algo == "max"
-        self._block_h = max(32, triton.next_power_of_2(length))
-        self._num_warps = 1 if self._block_h <= 256 else 4
+        block_h = max(32, triton.next_power_of_2(length))
+        self._binary = None  # compiled kernel for these fixed arguments, from the first call
+        self._kernel = DirectKernel(_scale_update_kernel, num_warps=1 if block_h <= 256 else 4,
+                                    ALGO_MAX=algo == "max", BLOCK_H=block_h)
 
     def __call__(self) -> None:
-        with _device_guard(self._device):
-            _scale_update_kernel[(self._num_quantizers,)](
-                self._history_ptrs, self._scale_ptrs, self._count_ptrs, self._fp8_max,
-                self._length, self._margin_factor,
-                ALGO_MAX=self._algo_max, BLOCK_H=self._block_h, num_warps=self._num_warps,
-            )
+        args = (self._history_ptrs, self._scale_ptrs, self._count_ptrs, self._fp8_max, self._length,
+                self._margin_factor)
+        with device_guard(self._device):
+            if self._binary is None:
+                self._binary = self._kernel.binary_for(*args)
+            binary = self._binary
+            if binary is None or hooks_installed():
+                self._kernel(self._num_quantizers, *args)
+                return
+            # Fixed arguments: launch the kept binary directly (no per-call specialization key).
+            binary.run(self._num_quantizers, 1, 1, torch._C._cuda_getCurrentRawStream(self._device.index),
+                       binary.function, binary.packed_metadata, None, None, None, *args, *self._kernel.tail)
 
 
 def _check_buffer(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int, device: torch.device) -> None:
@@ -147,6 +154,3 @@ def _check_buffer(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int, de
         raise ValueError(f"scale update: {name} must be a contiguous {dtype} tensor of {numel} element(s) on "
                          f"{device}; got {t.dtype} {tuple(t.shape)} on {t.device}")
 
-
-def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -3,7 +3,7 @@ checkpoints), input checks, activation dtype and warn-once messages."""
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ QUANTIZER_NAMES: Dict[TensorRole, str] = {
     TensorRole.WEIGHT: "weight_quantizer",
     TensorRole.GRAD_OUTPUT: "grad_output_quantizer",
 }
+_NAMES = tuple(QUANTIZER_NAMES.values())  # role order of quantizers()
 
 
 class FP8Module(nn.Module):
@@ -30,6 +31,7 @@ class FP8Module(nn.Module):
         for name in QUANTIZER_NAMES.values():
             self.register_module(name, None)
         self._warned: set = set()
+        self._matched: Optional[tuple] = None  # (recipe, quantizers) of the last quantizers() call
         self.name: Optional[str] = None  # set by the user or fp8train.convert for messages
 
     def describe(self) -> str:
@@ -40,12 +42,17 @@ class FP8Module(nn.Module):
             self._warned.add(key)
             warnings.warn(f"{self.describe()}: {message}", stacklevel=3)
 
-    def quantizers(self, recipe: Recipe, device: torch.device) -> Dict[TensorRole, Quantizer]:
-        """This layer's quantizer per role for `recipe`, rebuilt if the recipe kind, format
-        or history length changed since they were made (their scaling state resets)."""
-        out = {}
+    def quantizers(self, recipe: Recipe, device: torch.device) -> Tuple[Quantizer, Quantizer, Quantizer]:
+        """This layer's (input, weight, grad_output) quantizers for `recipe`, rebuilt if the
+        recipe kind, format or history length changed since they were made (their scaling
+        state resets)."""
+        mods = self._modules
+        current = tuple(mods[name] for name in _NAMES)
+        if self._matched == (recipe, current):  # the usual call: same recipe, same quantizers
+            return current
+        out = []
         for role, name in QUANTIZER_NAMES.items():
-            q = getattr(self, name)
+            q = mods[name]
             if q is None or not q.matches(recipe, role):
                 if q is not None:
                     self.warn_once("recipe", f"recipe changed to {type(recipe).__name__}; its FP8 scaling state was reset")
@@ -53,8 +60,9 @@ class FP8Module(nn.Module):
                 setattr(self, name, q)
             elif isinstance(recipe, DelayedScaling):
                 q.configure(recipe)
-            out[role] = q
-        return out
+            out.append(q)
+        self._matched = (recipe, tuple(out))
+        return self._matched[1]
 
     def check_input(self, x, in_features: int, fp8: bool) -> None:
         if not isinstance(x, torch.Tensor):

@@ -68,23 +68,31 @@ class Linear(FP8Module):
         if recipe is None:
             return F.linear(x, self.weight, self.bias)
         act_dtype = activation_dtype(x)
-        if not gemm.dims_ok(self.in_features, self.out_features):
+        if not self._fp8_dims:
             self.warn_once("dims", f"FP8 GEMMs need dims that are multiples of 16; this layer runs in {act_dtype}")
             return _high_precision(x, self.weight, self.bias, act_dtype)
         gemm.check_device(x.device)
-        q = self.quantizers(recipe, self.weight.device)
+        q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)
         if isinstance(x, Float8Tensor):
-            self.check_fp8_input(x, q[TensorRole.INPUT])
+            self.check_fp8_input(x, q_input)
         grad = torch.is_grad_enabled()
-        w_fp8 = self._workspace.get(self.weight, q[TensorRole.WEIGHT], is_first_microbatch,
+        w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch,
                                     need_transpose=grad and x.requires_grad)
-        return _LinearFn.apply(x, self.weight, self.bias, w_fp8, q[TensorRole.INPUT],
-                               q[TensorRole.GRAD_OUTPUT], recipe.gemm, act_dtype,
+        return _LinearFn.apply(x, self.weight, self.bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
                                grad and self.weight.requires_grad)
+
+    @property
+    def _fp8_dims(self) -> bool:
+        return gemm.dims_ok(self.in_features, self.out_features)
 
 
 def _high_precision(x, weight, bias, dtype):
     return F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as (rows, last dim); 2-D tensors pass through without a view."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 class _LinearFn(torch.autograd.Function):
@@ -99,33 +107,36 @@ class _LinearFn(torch.autograd.Function):
                 q_input: Quantizer, q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype,
                 need_wgrad: bool):
         in_shape = x.shape
-        k = in_shape[-1]
         if isinstance(x, Float8Tensor):
-            x_q = x.reshape(-1, k)
+            x_data, x_scale_inv = _rows(x.fp8_data), x.scale_inv
+            x_t = x.transpose_data(padded=True) if need_wgrad else None
         else:
-            x_q = q_input.quantize(x.reshape(-1, k), transpose=need_wgrad)  # (M, K) + (K, Mp)
-        y = gemm.fprop(x_q, w_fp8, config, act_dtype, bias)  # (M, N)
+            x_data, x_t, x_scale_inv = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
+        y = gemm.fprop(x_data, x_scale_inv, w_fp8.fp8_data, w_fp8.scale_inv, config, act_dtype, bias)  # (M, N)
         if need_wgrad:
-            ctx.save_for_backward(x_q.transpose_data(padded=True), x_q.scale_inv)
+            ctx.save_for_backward(x_t, x_scale_inv)
         ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
         ctx.in_shape, ctx.act_dtype, ctx.need_wgrad = in_shape, act_dtype, need_wgrad
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.view(*in_shape[:-1], y.shape[-1])
+        return y if len(in_shape) == 2 else y.view(*in_shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        n = dy.shape[-1]
-        dy2 = dy.reshape(-1, n)
+        dy2 = _rows(dy)
+        if dy2.dtype != ctx.act_dtype:
+            dy2 = dy2.to(ctx.act_dtype)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.need_wgrad
-        dy_q = ctx.q_grad.quantize(dy2.to(ctx.act_dtype), transpose=need_wgrad)  # (M, N) + (N, Mp)
+        dy_data, dy_t, dy_scale_inv = ctx.q_grad.cast(dy2, transpose=need_wgrad)  # (M, N), (N, Mp)
         dx = dw = db = None
         if need_dgrad:
-            dx = gemm.dgrad(dy_q, ctx.w_fp8, ctx.config, ctx.act_dtype).view(ctx.in_shape)
+            w = ctx.w_fp8
+            dx = gemm.dgrad(dy_data, dy_scale_inv, w.transpose_data(), w.scale_inv, ctx.config, ctx.act_dtype)
+            if len(ctx.in_shape) != 2:
+                dx = dx.view(ctx.in_shape)
         if need_wgrad:
             x_t, x_scale_inv = ctx.saved_tensors
-            dw = gemm.wgrad(dy_q.transpose_data(padded=True), dy_q.scale_inv, x_t, x_scale_inv, ctx.config,
-                            ctx.weight_dtype)
+            dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
         if ctx.needs_input_grad[2]:
-            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            db = dy2.sum(0, dtype=ctx.bias_dtype)  # accumulates in float32 whatever the output dtype
         return dx, dw, db, None, None, None, None, None, None

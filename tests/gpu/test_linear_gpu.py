@@ -23,9 +23,9 @@ def test_gemm_roles_on_cublaslt(m, k, n):
     full = GemmConfig(fprop_fast_accum=False)
     # Full accumulation into float32. Hopper's FP8 tensor cores keep ~14 mantissa bits inside
     # each MMA chunk even then (measured 0.8e-4 at K=64, 1.3e-4 at K=8192), so 5e-4, not 1e-6.
-    y = gemm.fprop(xq, wq, full, torch.float32)
+    y = gemm.fprop(xq.fp8_data, xq.scale_inv, wq.fp8_data, wq.scale_inv, full, torch.float32)
     assert rel_err(y, xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).t()) < 5e-4
-    dx = gemm.dgrad(dyq, wq, full, torch.float32)
+    dx = gemm.dgrad(dyq.fp8_data, dyq.scale_inv, wq.transpose_data(), wq.scale_inv, full, torch.float32)
     assert rel_err(dx, dyq.dequantize(torch.float64) @ wq.dequantize(torch.float64)) < 5e-4
     dw = gemm.wgrad(dyq.transpose_data(padded=True), dyq.scale_inv, xq.transpose_data(padded=True), xq.scale_inv,
                     full, torch.float32)
@@ -36,8 +36,8 @@ def test_bias_is_fused_for_bf16_and_added_for_fp32():
     xq, wq = fp8train.quantize(torch.randn(64, 128, device=CUDA)), fp8train.quantize(torch.randn(32, 128, device=CUDA))
     bias = torch.randn(32, device=CUDA)
     ref = xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).t() + bias.double()
-    assert rel_err(gemm.fprop(xq, wq, GemmConfig(), torch.bfloat16, bias), ref) < 1e-2
-    assert rel_err(gemm.fprop(xq, wq, GemmConfig(), torch.float32, bias), ref) < 3e-3
+    assert rel_err(gemm.fprop(xq.fp8_data, xq.scale_inv, wq.fp8_data, wq.scale_inv, GemmConfig(), torch.bfloat16, bias), ref) < 1e-2
+    assert rel_err(gemm.fprop(xq.fp8_data, xq.scale_inv, wq.fp8_data, wq.scale_inv, GemmConfig(), torch.float32, bias), ref) < 3e-3
 
 
 def test_fast_accumulation_is_what_the_config_says():

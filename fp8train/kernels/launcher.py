@@ -1,0 +1,128 @@
+"""Launch a Triton kernel through its compiled binary, skipping Triton's per-call Python path.
+
+`kernel[grid](...)` binds arguments, builds a specialization key, hashes it and looks the
+binary up on every call: about 30 us of host time on the GPU machine, more than the
+kernel itself for the tensors of a small layer. A DirectKernel fixes the constexprs and
+launch options once, keys the compiled binary on exactly what Triton specializes on
+(argument dtypes, 16-byte alignment of pointers, integers that are 1, divisible by 16 or
+outside int32; floats are never specialized) plus the device, and then calls the binary's launcher itself.
+
+The binary for a new key comes from Triton (`warmup`: it compiles or loads it). Launches go
+through Triton's own path while a profiler hook is installed, under the interpreter, and
+for tensors off the current CUDA device. `binary_for` lets a caller that launches the same
+shapes again and again (a quantizer's prepared cast) keep the binary and skip even the key.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Dict, Tuple
+
+import torch
+import triton
+
+try:  # triton >= 3.3 keeps its runtime switches in `knobs`
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older triton: always take Triton's path
+    _knobs = None
+
+
+def _hook_active(hook) -> bool:
+    # triton 3.6 holds launch hooks in a HookChain (never None; empty `calls` means none);
+    # a user may also assign a plain callable.
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or len(calls) > 0
+
+
+def hooks_installed() -> bool:
+    """Whether a Triton launch hook (a profiler) is installed: launches must then go through Triton."""
+    if _knobs is None:
+        return True
+    runtime = _knobs.runtime
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+
+
+_I32_MIN, _I32_MAX = -2**31, 2**31 - 1
+
+
+def _spec(a: Any) -> Tuple:
+    """What Triton's specialization depends on for one runtime argument."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    if isinstance(a, float):
+        return ()  # passed as float32, never specialized
+    if isinstance(a, bool) or not isinstance(a, int):
+        raise TypeError(f"DirectKernel takes tensors, ints and floats as runtime arguments, got {type(a).__name__}")
+    return (a == 1, a & 15 == 0, _I32_MIN <= a <= _I32_MAX)
+
+
+class DirectKernel:
+    """One Triton kernel with fixed constexprs and launch options, launched on a 1-D grid.
+
+        k = DirectKernel(_flat_kernel, num_warps=8, BLOCK=4096, CAST=True, ...)
+        k(grid, x, out, ..., n)   # runtime arguments in the kernel's order, nothing else
+
+    The constexprs must be exactly the kernel's trailing `tl.constexpr` parameters.
+    Runtime arguments are tensors (on the current CUDA device), ints and floats.
+    """
+
+    def __init__(self, fn, num_warps: int, **constexprs):
+        params = inspect.signature(fn.fn).parameters
+        names = list(params)
+        wanted = [n for n, p in params.items() if str(p.annotation).endswith("constexpr")]
+        n_runtime = len(names) - len(constexprs)
+        if set(wanted) != set(constexprs) or names[n_runtime:] != wanted:
+            raise ValueError(f"DirectKernel: constexprs {sorted(constexprs)} must be exactly the trailing "
+                             f"constexpr parameters {wanted} of {fn.fn.__name__}")
+        self._fn = fn
+        self._options: Dict[str, Any] = dict(constexprs, num_warps=num_warps)
+        self._n_runtime = n_runtime
+        self.tail = tuple(constexprs[name] for name in names[n_runtime:])  # appended to every launch
+        self._direct = isinstance(fn, triton.runtime.jit.JITFunction)  # not under TRITON_INTERPRET
+        self._binaries: Dict[Tuple, Any] = {}
+
+    def __call__(self, grid: int, *args) -> None:
+        binary = self.binary_for(*args)
+        if binary is None:
+            self._fn[(grid,)](*args, **self._options)
+            return
+        binary.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(args[0].device.index), binary.function,
+                   binary.packed_metadata, None, None, None, *args, *self.tail)
+
+    def binary_for(self, *args):
+        """The compiled kernel for these arguments (compiled now if new), or None where the
+        launch must go through Triton: interpreter, CPU tensors, installed launch hooks, or
+        tensors off the current device. Launch it with `run(grid, 1, 1, stream, function,
+        packed_metadata, None, None, None, *args, *self.tail)`."""
+        if len(args) != self._n_runtime:
+            raise TypeError(f"DirectKernel: expected {self._n_runtime} runtime arguments, got {len(args)}")
+        first = args[0]
+        if not self._direct or not first.is_cuda or hooks_installed():
+            return None
+        device = torch.cuda.current_device()
+        if first.device.index != device:
+            return None  # Triton loads the binary for that device
+        key = (device,) + tuple(map(_spec, args))
+        binary = self._binaries.get(key)
+        if binary is None:
+            binary = self._fn.warmup(*args, grid=(1,), **self._options)  # compiles or loads; no launch
+            if hasattr(binary, "result"):  # an async-compile future in some versions
+                binary = binary.result()
+            binary.run  # loads the binary onto the current device
+            self._binaries[key] = binary
+        return binary
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def device_guard(device: torch.device):
+    """Make `device` current for a launch; free when it already is (the usual case)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return _NO_GUARD
+
+
+__all__ = ["DirectKernel", "device_guard", "hooks_installed"]

@@ -1,0 +1,137 @@
+"""DirectKernel (fp8train/kernels/launcher.py) on the GPU: launches through the cached binary
+must compute exactly what Triton's own launch path computes, for every specialization Triton
+makes (pointer alignment, integers equal to 1 or divisible by 16), and step aside for hooks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fp8train.kernels import cast, reference  # noqa: E402
+from fp8train.kernels.launcher import DirectKernel  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+E4M3 = torch.float8_e4m3fn
+
+
+def cast_both(x: torch.Tensor):
+    """Triton (via DirectKernel) and the reference twin on the same input: (got, want) fp8."""
+    scale = torch.tensor(3.0, device=DEV)
+    got = torch.full(x.shape, 0x5A, dtype=torch.uint8, device=DEV).view(E4M3)
+    want = torch.empty_like(got)
+    cast.cast_amax(x, got, scale, torch.empty((), device=DEV))
+    reference.cast_amax(x, want, scale.clone(), torch.empty((), device=DEV))
+    return got.view(torch.uint8), want.view(torch.uint8)
+
+
+@pytest.mark.parametrize("n", [1, 16, 17, 4096, 4097 * 3])
+def test_direct_launches_match_the_reference_at_every_alignment(n):
+    """The same sizes from 16-byte-aligned and misaligned addresses, aligned first, so a
+    binary specialized for alignment would be reused wrongly if the key missed it."""
+    base = torch.randn(n + 8, device=DEV).to(torch.bfloat16)
+    for offset in (0, 1, 3, 8, 0, 1):  # bf16 elements: 0 and 8 are 16-byte aligned
+        got, want = cast_both(base[offset:offset + n])
+        assert torch.equal(got, want), f"n={n} offset={offset}"
+
+
+def test_binaries_are_cached_per_specialization():
+    k = cast._flat(cast.launch_configs(torch.device(DEV))[0], 448.0, True, False, False, False)
+    before = len(k._binaries)
+    base = torch.randn(4096 + 8, device=DEV).to(torch.bfloat16)
+    for _ in range(3):
+        cast_both(base[:4096])
+    after_aligned = len(k._binaries)
+    cast_both(base[1:4097])
+    assert after_aligned <= before + 1 and len(k._binaries) == after_aligned + 1
+
+
+def test_launch_hooks_see_every_launch():
+    """With a profiler hook installed, launches go through Triton, which calls the hook."""
+    knobs = pytest.importorskip("triton.knobs")
+    seen = []
+    x = torch.randn(1000, device=DEV).to(torch.bfloat16)
+    cast_both(x)  # binary cached
+    saved = knobs.runtime.launch_enter_hook
+    knobs.runtime.launch_enter_hook = lambda metadata: seen.append(metadata)
+    try:
+        got, want = cast_both(x)
+    finally:
+        knobs.runtime.launch_enter_hook = saved
+    assert torch.equal(got, want) and len(seen) == 1
+
+
+def test_constexprs_must_be_the_trailing_parameters():
+    with pytest.raises(ValueError, match="trailing"):
+        DirectKernel(cast._flat_kernel, num_warps=4, BLOCK=64)
+    k = DirectKernel(cast._flat_kernel, num_warps=4, FP8_MAX=448.0, CAST=True, AMAX=False, FROM_AMAX=False,
+                     COUNT=False, BLOCK=64)
+    with pytest.raises(TypeError, match="runtime arguments"):
+        k(1, torch.empty(1, device=DEV))
+
+
+def test_launches_on_a_side_stream_run_on_that_stream():
+    x = torch.randn(1 << 20, device=DEV).to(torch.bfloat16)
+    cast_both(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # the side stream is busy; a cast on the wrong stream would run first
+        out = torch.zeros(x.shape, dtype=E4M3, device=DEV)
+        cast.cast_amax(x, out, torch.tensor(1.0, device=DEV), torch.empty((), device=DEV))
+        done = out.view(torch.uint8).ne(0).sum()
+    torch.cuda.current_stream().wait_stream(side)
+    assert done.item() > 0  # zero if the cast ran on another stream, before the side stream's zeros
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["rowmajor", "transposed"])
+@pytest.mark.parametrize("shape", [(256, 1024), (37, 48)], ids=str)
+def test_prepared_cast_matches_the_reference_on_every_call(shape, transpose):
+    """A PreparedCast fixed at the first call, then fed fresh inputs at other alignments and
+    fresh output buffers: every call equals the reference cast, delayed and current scaling."""
+    m, n = shape
+    mp = -(-m // 16) * 16
+    base = torch.randn(m * n + 8, device=DEV).to(torch.bfloat16)
+    history = torch.full((4,), -1.0, device=DEV)
+    for mode in ("delayed", "current"):
+        scale = torch.tensor(0.75, device=DEV)
+        amax_buf = torch.zeros((), device=DEV)
+        count = torch.zeros((), dtype=torch.int32, device=DEV)
+
+        def buffers():
+            return (torch.empty(m, n, dtype=E4M3, device=DEV),
+                    torch.empty(n, mp, dtype=E4M3, device=DEV) if transpose else None,
+                    torch.empty(1, device=DEV))
+        x0 = base[:m * n].view(m, n)
+        out, out_t, si = buffers()
+        if mode == "delayed":
+            fixed = dict(amax_out=history[0])
+        else:
+            fixed = dict(from_amax=amax_buf, nonfinite_count=count)
+        prepared = cast.PreparedCast(x0, out, out_t, scale, si, **fixed)
+        amax_only = cast.PreparedCast(x0, None, None, None, None, amax_out=amax_buf)
+        for offset in (0, 1, 8, 3, 0):
+            x = base[offset:offset + m * n].view(m, n)
+            out, out_t, si = buffers()
+            want = torch.empty_like(out)
+            want_t = torch.empty_like(out_t) if transpose else None
+            want_scale, want_si = scale.clone(), torch.empty(1, device=DEV)
+            if mode == "current":
+                amax_buf.zero_()
+                amax_only(x, None, None, None)
+                assert amax_buf.item() == reference.abs_max(x).item()
+                from_amax = amax_buf.clone()
+            else:
+                from_amax = None
+            if transpose:
+                reference.cast_transpose_amax(x, want, want_t, want_scale, want_si, from_amax=from_amax)
+            else:
+                reference.cast_amax(x, want, want_scale, want_si, from_amax=from_amax)
+            prepared(x, out, out_t, si)
+            assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), f"{mode} offset={offset}"
+            if transpose:
+                assert torch.equal(out_t.view(torch.uint8), want_t.view(torch.uint8)), f"{mode} offset={offset}"
+            assert torch.equal(si, want_si) and torch.equal(scale, want_scale)
+        if mode == "delayed":
+            assert history[0].item() == reference.abs_max(base).item()  # every call max-accumulated
