@@ -1,5 +1,6 @@
 """fp8train: FP8 mixed-precision training for PyTorch on Hopper GPUs."""
 from .autocast import autocast
+from .convert import convert
 from .modules import Linear
 from .quantize import quantize
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
@@ -10,7 +11,7 @@ from .tensor import Float8Tensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "autocast", "Linear", "quantize", "Float8Tensor", "Format", "GemmConfig", "DelayedScaling",
+    "autocast", "convert", "Linear", "quantize", "Float8Tensor", "Format", "GemmConfig", "DelayedScaling",
     "CurrentScaling", "TensorRole", "GemmRole", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
     "update_delayed_scales",
 ]

@@ -60,17 +60,23 @@ class Quantizer(nn.Module):
         if out.shape != x.shape or out.fp8_dtype != self.dtype or out.device != x.device:
             raise ValueError(f"{self.role.name} quantizer: workspace {out!r} does not fit a {tuple(x.shape)} "
                              f"{x.dtype} tensor cast to {self.dtype}")
+        self.requantize(x, out, transpose=transpose)
+        return out
+
+    def requantize(self, x: torch.Tensor, out: Float8Tensor, *, transpose: bool = False) -> None:
+        """quantize(x, out=out) for a caller that has checked that `out` fits x (a weight
+        workspace, every step): payload, scale_inv and transposed buffer rewritten in place."""
         x = self._checked(x)
         out._mark_rewritten()
         data_t = None
         if transpose:
             data_t = out._transpose
-            if data_t is None or data_t.shape != self._transpose_shape(x):
-                data_t = torch.empty(self._transpose_shape(x), dtype=self.dtype, device=x.device)
-        self._cast(x, out.fp8_data, data_t, out.scale_inv)
+            shape = self._transpose_shape(x)
+            if data_t is None or data_t.shape != shape:
+                data_t = torch.empty(shape, dtype=self.dtype, device=x.device)
+        self._cast(x, out._data, data_t, out._scale_inv)
         if data_t is not None:
             out._set_transpose(data_t)
-        return out
 
     def cast(self, x: torch.Tensor, *, transpose: bool = False) -> "Cast":
         """The hot path of `quantize` for layers: the same cast into fresh buffers, returned
@@ -88,9 +94,7 @@ class Quantizer(nn.Module):
         if x.dtype not in _CASTABLE or isinstance(x, Float8Tensor):
             raise TypeError(f"{self.role.name} quantizer: expected a bfloat16, float16 or float32 tensor, "
                             f"got {'a Float8Tensor' if isinstance(x, Float8Tensor) else x.dtype}")
-        if x.requires_grad:
-            x = x.detach()
-        return x if x.is_contiguous() else x.contiguous()
+        return x if x.is_contiguous() else x.contiguous()  # kernels read it by pointer: no detach needed
 
     @staticmethod
     def _transpose_shape(x: torch.Tensor):

@@ -50,7 +50,10 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{field.name} must be a bool, got {value!r}")
 
     def fast_accum(self, role: GemmRole) -> bool:
-        return getattr(self, f"{role.value}_fast_accum")
+        return getattr(self, _FAST_ACCUM_FIELD[role])
+
+
+_FAST_ACCUM_FIELD = {role: f"{role.value}_fast_accum" for role in GemmRole}
 
 
 def _check_format(owner: str, fmt) -> None:

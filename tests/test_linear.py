@@ -99,16 +99,24 @@ def test_torch_autocast_sets_the_activation_dtype():
 # ---------------------------------------------------------------- weight workspace
 @pytest.fixture
 def weight_casts(monkeypatch):
-    """Count casts made by weight quantizers."""
+    """Count casts made by weight quantizers: False for a new Float8Tensor, True for an
+    in-place re-cast of the existing workspace."""
     calls = []
-    real = fp8train.DelayedScalingQuantizer.quantize
+    real_quantize = fp8train.DelayedScalingQuantizer.quantize
+    real_requantize = fp8train.DelayedScalingQuantizer.requantize
 
-    def spy(self, x, **kw):
+    def spy_quantize(self, x, **kw):
+        if self.role is TensorRole.WEIGHT and kw.get("out") is None:
+            calls.append(False)
+        return real_quantize(self, x, **kw)
+
+    def spy_requantize(self, x, out, **kw):
         if self.role is TensorRole.WEIGHT:
-            calls.append(kw.get("out") is not None)
-        return real(self, x, **kw)
+            calls.append(True)
+        return real_requantize(self, x, out, **kw)
 
-    monkeypatch.setattr(fp8train.DelayedScalingQuantizer, "quantize", spy)
+    monkeypatch.setattr(fp8train.DelayedScalingQuantizer, "quantize", spy_quantize)
+    monkeypatch.setattr(fp8train.DelayedScalingQuantizer, "requantize", spy_requantize)
     return calls
 
 

@@ -42,7 +42,9 @@ def cast_trusted(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tenso
     """
     if x.is_cuda:
         _triton_cast().launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
-    elif out_t is None:
+        return
+    x = x.detach()  # the twins write with torch ops, which autograd would record
+    if out_t is None:
         reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     else:
         cols = x.shape[-1]
@@ -62,7 +64,7 @@ def prepare_cast(x: torch.Tensor, out: Optional[torch.Tensor], out_t: Optional[t
         return _triton_cast().PreparedCast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax,
                                            nonfinite_count)
     if out is None:
-        return lambda x, out, out_t, scale_inv_out: reference.amax(x, amax_out)
+        return lambda x, out, out_t, scale_inv_out: reference.amax(x.detach(), amax_out)
     return lambda x, out, out_t, scale_inv_out: cast_trusted(x, out, out_t, scale, scale_inv_out, amax_out,
                                                              from_amax, nonfinite_count)
 

@@ -42,6 +42,7 @@ class Linear(FP8Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.reset_parameters()
         self._workspace = WeightWorkspace()
+        self._fp8_dims = gemm.dims_ok(in_features, out_features)
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialisation, so converted and fresh layers start alike.
@@ -80,10 +81,6 @@ class Linear(FP8Module):
                                     need_transpose=grad and x.requires_grad)
         return _LinearFn.apply(x, self.weight, self.bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
                                grad and self.weight.requires_grad)
-
-    @property
-    def _fp8_dims(self) -> bool:
-        return gemm.dims_ok(self.in_features, self.out_features)
 
 
 def _high_precision(x, weight, bias, dtype):

@@ -29,5 +29,8 @@ class WeightWorkspace:
                 and ws.dtype == weight.dtype and ws.fp8_dtype == quantizer.dtype)
         if is_first_microbatch is False and fits:
             return ws  # the transposed copy, if missing, is built from the FP8 payload on demand
-        self.fp8 = quantizer.quantize(weight, transpose=need_transpose, out=ws if fits else None)
+        if fits:
+            quantizer.requantize(weight, ws, transpose=need_transpose)
+        else:
+            self.fp8 = quantizer.quantize(weight, transpose=need_transpose)
         return self.fp8

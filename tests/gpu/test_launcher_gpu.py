@@ -37,14 +37,19 @@ def test_direct_launches_match_the_reference_at_every_alignment(n):
 
 
 def test_binaries_are_cached_per_specialization():
-    k = cast._flat(cast.launch_configs(torch.device(DEV))[0], 448.0, True, False, False, False)
-    before = len(k._binaries)
+    """A fresh DirectKernel: one binary per alignment class, reused on repeated launches."""
+    k = DirectKernel(cast._flat_kernel, num_warps=4, FP8_MAX=448.0, CAST=True, AMAX=False, FROM_AMAX=False,
+                     COUNT=False, BLOCK=64)
     base = torch.randn(4096 + 8, device=DEV).to(torch.bfloat16)
-    for _ in range(3):
-        cast_both(base[:4096])
-    after_aligned = len(k._binaries)
-    cast_both(base[1:4097])
-    assert after_aligned <= before + 1 and len(k._binaries) == after_aligned + 1
+    scale, scale_inv = torch.tensor(2.0, device=DEV), torch.empty((), device=DEV)
+    for offset in (0, 0, 8, 1, 1, 3):  # 0 and 8: 16-byte aligned; 1 and 3: not
+        x = base[offset:offset + 4096]
+        out = torch.empty(4096, dtype=E4M3, device=DEV)
+        k(4, x, out, scale, scale_inv, scale, scale, scale, 4096)
+        want = torch.empty_like(out)
+        reference.cast_amax(x, want, scale.clone(), torch.empty((), device=DEV))
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), f"offset={offset}"
+    assert len(k._binaries) == 2
 
 
 def test_launch_hooks_see_every_launch():

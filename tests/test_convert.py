@@ -1,0 +1,89 @@
+"""fp8train.convert on CPU: which layers are swapped, shared parameters, exact outputs outside
+autocast, training inside, and the clear errors."""
+import pytest
+import torch
+from torch import nn
+
+import fp8train
+from helpers import sqnr_db
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 64, bias=False)
+        self.odd = nn.Linear(64, 10)  # 10 is not a multiple of 16: stays nn.Linear
+
+    def forward(self, x):
+        h = self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) + x
+        return self.odd(h)
+
+
+def model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(Block(), nn.ReLU(), nn.Sequential(nn.Linear(10, 32), nn.Linear(32, 16))).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_swaps_eligible_linears_in_place_and_keeps_outputs(dtype):
+    m = model(dtype=dtype)
+    params_before = {n: p for n, p in m.named_parameters()}
+    x = torch.randn(3, 7, 64, dtype=dtype)
+    want = m(x)
+    assert fp8train.convert(m) is m
+    kinds = {n: type(mod) for n, mod in m.named_modules()}
+    assert kinds["0.up"] is fp8train.Linear and kinds["0.down"] is fp8train.Linear
+    assert kinds["2.1"] is fp8train.Linear
+    assert kinds["0.odd"] is nn.Linear and kinds["2.0"] is nn.Linear  # in_features 10 / out_features 10
+    assert m[0].up.name == "0.up"
+    for n, p in m.named_parameters():  # the very same Parameter objects
+        assert p is params_before[n], n
+    assert torch.equal(m(x), want)
+
+
+def test_filter_fn_and_recipe():
+    m = model()
+    seen = []
+
+    def only_up(name, module):
+        seen.append(name)
+        return name.endswith("up")
+    fp8train.convert(m, recipe=fp8train.CurrentScaling(), filter_fn=only_up)
+    assert isinstance(m[0].up, fp8train.Linear) and type(m[0].down) is nn.Linear
+    assert set(seen) == {"0.up", "0.down", "2.1"}
+    assert isinstance(m[0].up.input_quantizer, fp8train.CurrentScalingQuantizer)
+    assert "0.up.input_quantizer.scale" in m.state_dict()
+
+
+def test_converted_model_trains_in_fp8_with_a_prebuilt_optimizer():
+    m = model()
+    ref = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)  # built before conversion
+    fp8train.convert(m)
+    x, target = torch.randn(32, 64), torch.randn(32, 16)
+    for _ in range(3):
+        with fp8train.autocast(recipe=fp8train.DelayedScaling()):
+            loss = torch.nn.functional.mse_loss(m(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(p.grad is not None for p in m.parameters())
+    assert not torch.equal(m[0].up.weight, ref[0].up.weight)  # the optimizer updated the shared parameter
+    with fp8train.autocast():
+        y = m(x)
+    assert sqnr_db(y, m(x)) > 20  # FP8 forward close to the same model in high precision
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        fp8train.convert(object())
+    with pytest.raises(TypeError, match="filter_fn"):
+        fp8train.convert(model(), filter_fn=3)
+    with pytest.raises(ValueError):
+        fp8train.convert(model(), recipe="delayed")
+    m = model()
+    m[0].up.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="hooks"):
+        fp8train.convert(m)
