@@ -7,7 +7,7 @@ Float8Tensor (optionally with the transposed copy the backward GEMMs need) in on
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -83,11 +83,19 @@ class Quantizer(nn.Module):
         as plain tensors (no Float8Tensor is built: its construction costs more host time
         than the launch)."""
         x = self._checked(x)
-        device = x.device
-        data = torch.empty(x.shape, dtype=self.dtype, device=device)
+        out = self.allocate(x.shape, x.device, transpose=transpose)
+        self._cast(x, *out)
+        return out
+
+    def allocate(self, shape, device, *, transpose: bool = False) -> "Cast":
+        """Uninitialised output buffers of one cast of a tensor of `shape` (for producers)."""
+        data = torch.empty(shape, dtype=self.dtype, device=device)
         scale_inv = torch.empty(1, dtype=torch.float32, device=device)  # (1,): cheaper to allocate than ()
-        data_t = torch.empty(self._transpose_shape(x), dtype=self.dtype, device=device) if transpose else None
-        self._cast(x, data, data_t, scale_inv)
+        if not transpose:
+            return Cast(data, None, scale_inv)
+        cols = shape[-1]
+        data_t = torch.empty((cols, padded_rows(data.numel() // cols if cols else 0)), dtype=self.dtype,
+                             device=device)
         return Cast(data, data_t, scale_inv)
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +110,21 @@ class Quantizer(nn.Module):
         return cols, padded_rows(x.numel() // cols if cols else 0)
 
     def _cast(self, x, data, data_t, scale_inv) -> None:
+        raise NotImplementedError
+
+    def produce(self, first_pass: Callable[[torch.Tensor], None],
+                cast: Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]],
+                               None]) -> None:
+        """Quantize through a producer kernel (norm, activation) that casts what it computes.
+
+        first_pass(amax_out)  max-accumulates the amax of the values the producer will cast
+                              into amax_out and writes no output; run only when the scale
+                              must come from those values (current scaling, calibration)
+        cast(scale, amax_out, from_amax, nonfinite_count)
+                              the producer's FP8 launch, with the cast kernels' contract
+                              (kernels.reference.cast_amax); from_amax is not None exactly
+                              when first_pass ran just before
+        """
         raise NotImplementedError
 
     def _launch(self, x, data, data_t, scale_inv, amax_out=None, from_amax=None, count=None) -> None:
@@ -158,6 +181,11 @@ class CurrentScalingQuantizer(Quantizer):
         self._launch(x, None, None, None, amax_out=self.amax)
         self._launch(x, data, data_t, scale_inv, from_amax=self.amax, count=self.nonfinite_count)
 
+    def produce(self, first_pass, cast) -> None:
+        self.amax.zero_()
+        first_pass(self.amax)
+        cast(self.scale, None, self.amax, self.nonfinite_count)
+
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:
         return isinstance(recipe, CurrentScaling) and self.dtype == recipe.fp8_format.dtype(role)
 
@@ -198,6 +226,15 @@ class DelayedScalingQuantizer(Quantizer):
         kernels.amax(x, self._calibration_amax)
         # A non-finite calibration amax keeps scale 1; the update counts it once (not here).
         kernels.cast_trusted(x, data, data_t, self.scale, scale_inv, pending, self._calibration_amax)
+        self.calibrated = True
+
+    def produce(self, first_pass, cast) -> None:
+        if self.calibrated:
+            cast(self.scale, self.amax_history[0], None, None)
+            return
+        self._calibration_amax.zero_()
+        first_pass(self._calibration_amax)
+        cast(self.scale, self.amax_history[0], self._calibration_amax, None)
         self.calibrated = True
 
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:

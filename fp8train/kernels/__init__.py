@@ -94,6 +94,52 @@ class ScaleUpdateBatch:
         self._launch()
 
 
+def norm_stats(x, weight, bias, eps, mean_out, rstd_out, amax_out=None) -> None:
+    """LayerNorm (mean_out given) / RMSNorm row statistics, optionally the amax of the
+    normalized output (norm_reference.norm_stats: the contract)."""
+    _family(x, "norm").norm_stats(x, weight, bias, eps, mean_out, rstd_out, amax_out)
+
+
+def norm_fwd_fp8(x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, scale_inv_out, amax_out=None,
+                 from_amax=None, nonfinite_count=None, y_out=None, stats_ready=False) -> None:
+    """Normalization straight into FP8 (+ transposed copy, amax, optional high-precision y)."""
+    _family(x, "norm").norm_fwd_fp8(x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, scale_inv_out,
+                                    amax_out, from_amax, nonfinite_count, y_out, stats_ready)
+
+
+def norm_bwd(dy, x, weight, mean, rstd, dx_out, dweight_out, dbias_out=None) -> None:
+    _family(x, "norm").norm_bwd(dy, x, weight, mean, rstd, dx_out, dweight_out, dbias_out)
+
+
+def act_amax(h, act, amax_out) -> None:
+    _family(h, "activation").act_amax(h, act, amax_out)
+
+
+def act_fwd_fp8(h, act, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None,
+                nonfinite_count=None) -> None:
+    """act(h) straight into FP8 (+ transposed copy, amax): activation_reference.act_fwd_fp8."""
+    _family(h, "activation").act_fwd_fp8(h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
+                                         nonfinite_count)
+
+
+def act_bwd_amax(da, h, act, amax_out) -> None:
+    _family(h, "activation").act_bwd_amax(da, h, act, amax_out)
+
+
+def act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None,
+                nonfinite_count=None, dbias_out=None) -> None:
+    """dh = da * act'(h) straight into FP8 (+ transposed copy, amax, bias gradient)."""
+    _family(h, "activation").act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
+                                         nonfinite_count, dbias_out)
+
+
+def _family(x: torch.Tensor, name: str):
+    """The Triton module of a kernel family on CUDA, its pure-torch twin module elsewhere."""
+    import importlib
+
+    return importlib.import_module(f".{name}" if x.is_cuda else f".{name}_reference", __name__)
+
+
 def _triton_cast():
     # Imported on first CUDA use only: CPU machines need neither triton nor a GPU.
     from . import cast as _cast

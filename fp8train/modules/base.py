@@ -13,26 +13,35 @@ from ..recipe import DelayedScaling, Recipe
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
 
-# Submodule name of each role's quantizer; these names appear in state_dict keys.
+# Submodule name of each role's quantizer, after the GEMM's prefix; these names appear in
+# state_dict keys ("input_quantizer" for Linear, "fc1_input_quantizer" in LayerNormMLP).
 QUANTIZER_NAMES: Dict[TensorRole, str] = {
     TensorRole.INPUT: "input_quantizer",
     TensorRole.WEIGHT: "weight_quantizer",
     TensorRole.GRAD_OUTPUT: "grad_output_quantizer",
 }
-_NAMES = tuple(QUANTIZER_NAMES.values())  # role order of quantizers()
 
 
 class FP8Module(nn.Module):
     """Base of fp8train layers. Quantizers are created on the first FP8 forward (the recipe
-    decides their kind) or when a checkpoint holding them is loaded."""
+    decides their kind) or when a checkpoint holding them is loaded.
+
+    GEMMS names the prefix of each FP8 GEMM layer the module runs; each has an input, a
+    weight and a grad-output quantizer (QUANTIZER_NAMES after its prefix).
+    """
+
+    GEMMS: Tuple[str, ...] = ("",)
 
     def __init__(self):
         super().__init__()
-        for name in QUANTIZER_NAMES.values():
+        for name in self._quantizer_names():
             self.register_module(name, None)
         self._warned: set = set()
-        self._matched: Optional[tuple] = None  # (recipe, quantizers) of the last quantizers() call
+        self._matched: Dict[str, tuple] = {}  # per GEMM: (recipe, quantizers) of the last quantizers() call
         self.name: Optional[str] = None  # set by the user or fp8train.convert for messages
+
+    def _quantizer_names(self):
+        return [gemm + name for gemm in self.GEMMS for name in QUANTIZER_NAMES.values()]
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -42,16 +51,17 @@ class FP8Module(nn.Module):
             self._warned.add(key)
             warnings.warn(f"{self.describe()}: {message}", stacklevel=3)
 
-    def quantizers(self, recipe: Recipe, device: torch.device) -> Tuple[Quantizer, Quantizer, Quantizer]:
-        """This layer's (input, weight, grad_output) quantizers for `recipe`, rebuilt if the
-        recipe kind, format or history length changed since they were made (their scaling
-        state resets)."""
+    def quantizers(self, recipe: Recipe, device: torch.device, gemm: str = "") -> Tuple[Quantizer, Quantizer, Quantizer]:
+        """The (input, weight, grad_output) quantizers of GEMM `gemm` (a GEMMS prefix) for
+        `recipe`, rebuilt if the recipe kind, format or history length changed since they
+        were made (their scaling state resets)."""
         mods = self._modules
-        current = tuple(mods[name] for name in _NAMES)
-        if self._matched == (recipe, current):  # the usual call: same recipe, same quantizers
+        names = [gemm + name for name in QUANTIZER_NAMES.values()]
+        current = tuple(mods[name] for name in names)
+        if self._matched.get(gemm) == (recipe, current):  # the usual call: same recipe, same quantizers
             return current
         out = []
-        for role, name in QUANTIZER_NAMES.items():
+        for role, name in zip(QUANTIZER_NAMES, names):
             q = mods[name]
             if q is None or not q.matches(recipe, role):
                 if q is not None:
@@ -61,8 +71,8 @@ class FP8Module(nn.Module):
             elif isinstance(recipe, DelayedScaling):
                 q.configure(recipe)
             out.append(q)
-        self._matched = (recipe, tuple(out))
-        return self._matched[1]
+        self._matched[gemm] = (recipe, tuple(out))
+        return self._matched[gemm][1]
 
     def check_input(self, x, in_features: int, fp8: bool) -> None:
         if not isinstance(x, torch.Tensor):
@@ -90,15 +100,19 @@ class FP8Module(nn.Module):
         # Quantizers are created lazily: materialise the ones the checkpoint holds so the
         # default loading below (which recurses into submodules after this) fills them.
         device = next((p.device for p in self.parameters(recurse=False)), None)
-        for role, name in QUANTIZER_NAMES.items():
-            sub = prefix + name + "."
-            state = {k[len(sub):]: v for k, v in state_dict.items() if k.startswith(sub)}
-            if not state:
-                continue
-            current = getattr(self, name)
-            if current is None or not _same_shape(current, state):
-                setattr(self, name, quantizer_from_state(role, state, device=device))
+        for gemm in self.GEMMS:
+            for role, base_name in QUANTIZER_NAMES.items():
+                self._materialise(state_dict, prefix, role, gemm + base_name, device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _materialise(self, state_dict, prefix: str, role: TensorRole, name: str, device) -> None:
+        sub = prefix + name + "."
+        state = {k[len(sub):]: v for k, v in state_dict.items() if k.startswith(sub)}
+        if not state:
+            return
+        current = getattr(self, name)
+        if current is None or not _same_shape(current, state):
+            setattr(self, name, quantizer_from_state(role, state, device=device))
 
 
 def _same_shape(q: Quantizer, state: dict) -> bool:

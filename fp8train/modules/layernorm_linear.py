@@ -1,0 +1,141 @@
+"""fp8train.LayerNormLinear: LayerNorm/RMSNorm -> Linear, the norm writing the GEMM's FP8 input."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import gemm
+from ..autocast import active_recipe
+from ..quantizer import Quantizer
+from ..recipe import GemmConfig
+from .base import FP8Module, activation_dtype
+from .linear import _rows
+from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
+from .weight_workspace import WeightWorkspace
+
+
+class LayerNormLinear(FP8Module):
+    """y = Linear(Norm(x)); with return_layernorm_output=True, forward returns (y, Norm(x)).
+
+    Outside fp8train.autocast it computes exactly what torch.nn.LayerNorm (or RMSNorm)
+    followed by torch.nn.Linear compute. Inside, one kernel normalizes x and writes the
+    FP8 GEMM input, its transposed copy (for wgrad) and its amax (current scaling: a
+    statistics pass that takes the amax first); the backward runs dgrad, wgrad and the
+    norm backward. forward(x, is_first_microbatch): see WeightWorkspace.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: str = "LayerNorm",
+                 eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None,
+                 return_layernorm_output: bool = False):
+        super().__init__()
+        for what, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"LayerNormLinear: {what} must be a positive int, got {v!r}")
+        check_norm_args("LayerNormLinear", normalization, eps)
+        self.in_features, self.out_features = in_features, out_features
+        self.normalization, self.eps = normalization, float(eps)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
+        make_norm_params(self, in_features, normalization, factory)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.reset_parameters()
+        self._workspace = WeightWorkspace()
+        self._fp8_dims = gemm.dims_ok(in_features, out_features)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            nn.init.zeros_(self.layer_norm_bias)
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's initialisation
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def describe(self) -> str:
+        name = f" '{self.name}'" if self.name else ""
+        return f"LayerNormLinear{name}(in={self.in_features}, out={self.out_features})"
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"normalization={self.normalization}, eps={self.eps}")
+
+    @property
+    def weight_fp8(self):
+        return self._workspace.fp8
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        recipe = active_recipe()
+        self.check_input(x, self.in_features, fp8=recipe is not None)
+        if recipe is None or not self._fp8_dims:
+            if recipe is not None:
+                self.warn_once("dims", "FP8 GEMMs need dims that are multiples of 16; this layer runs in "
+                                       f"{activation_dtype(x)}")
+            return self._high_precision(x, activation_dtype(x) if recipe is not None else None)
+        gemm.check_device(x.device)
+        q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)
+        grad = torch.is_grad_enabled()
+        need_dgrad = grad and (x.requires_grad or self.layer_norm_weight.requires_grad)
+        w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch, need_transpose=need_dgrad)
+        y, ln_out = _LayerNormLinearFn.apply(
+            x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, w_fp8, q_input, q_grad,
+            recipe.gemm, activation_dtype(x), self.eps, self.normalization == "LayerNorm",
+            grad and self.weight.requires_grad, self.return_layernorm_output)
+        return (y, ln_out) if self.return_layernorm_output else y
+
+    def _high_precision(self, x, dtype):
+        ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
+        if dtype is None:
+            y = F.linear(ln, self.weight, self.bias)
+        else:
+            y = F.linear(ln.to(dtype), self.weight.to(dtype), self.bias.to(dtype) if self.bias is not None else None)
+        return (y, ln) if self.return_layernorm_output else y
+
+
+class _LayerNormLinearFn(torch.autograd.Function):
+    """Forward: fused norm -> FP8 (+ X^T), fprop. Backward: cast of dY (+ dY^T), dgrad, wgrad,
+    norm backward. Saved: x (for the norm backward), mean/rstd, X^T FP8 and its scale_inv."""
+
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, w_fp8, q_input: Quantizer, q_grad: Quantizer,
+                config: GemmConfig, act_dtype, eps: float, layer: bool, need_wgrad: bool, want_ln: bool):
+        x2 = _rows(x).contiguous()  # (M, K)
+        xq, mean, rstd, ln_out = norm_fp8(x2, ln_weight, ln_bias, layer, eps, q_input, need_wgrad, want_ln)
+        y = gemm.fprop(xq.data, xq.scale_inv, w_fp8.fp8_data, w_fp8.scale_inv, config, act_dtype, bias)  # (M, N)
+        ctx.save_for_backward(x2, ln_weight, ln_bias, mean, rstd, xq.data_t, xq.scale_inv)
+        ctx.w_fp8, ctx.q_grad, ctx.config, ctx.act_dtype = w_fp8, q_grad, config, act_dtype
+        ctx.in_shape, ctx.need_wgrad = x.shape, need_wgrad
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        lead = x.shape[:-1]
+        y = y.view(*lead, y.shape[-1])
+        if ln_out is None:
+            return y, None
+        return y, ln_out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy, d_ln_out):
+        x2, ln_weight, ln_bias, mean, rstd, x_t, x_scale_inv = ctx.saved_tensors
+        dy2 = _rows(dy)
+        if dy2.dtype != ctx.act_dtype:
+            dy2 = dy2.to(ctx.act_dtype)
+        need_wgrad = ctx.needs_input_grad[3] and ctx.need_wgrad
+        dy_data, dy_t, dy_scale_inv = ctx.q_grad.cast(dy2, transpose=need_wgrad)  # (M, N), (N, Mp)
+        dx = d_lnw = d_lnb = dw = db = None
+        if any(ctx.needs_input_grad[:3]):
+            w = ctx.w_fp8
+            d_ln = gemm.dgrad(dy_data, dy_scale_inv, w.transpose_data(), w.scale_inv, ctx.config, ctx.act_dtype)
+            if d_ln_out is not None:
+                d_ln = d_ln + _rows(d_ln_out).to(d_ln.dtype)
+            dx, d_lnw, d_lnb = norm_backward(d_ln, x2, ln_weight, ln_bias, mean, rstd, ctx.needs_input_grad[0])
+        if need_wgrad:
+            dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
+        if ctx.needs_input_grad[4]:
+            db = dy2.sum(0, dtype=ctx.bias_dtype)
+        if dx is not None:
+            dx = dx.view(ctx.in_shape)
+        return dx, d_lnw, d_lnb, dw, db, None, None, None, None, None, None, None, None, None

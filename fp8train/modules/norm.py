@@ -1,0 +1,81 @@
+"""The normalization in front of LayerNormLinear / LayerNormMLP: its parameters, its high-
+precision form (outside autocast) and its fused FP8 forward and backward (inside)."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from ..quantizer import Cast, Quantizer
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def check_norm_args(owner: str, normalization: str, eps) -> None:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"{owner}: normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{owner}: eps must be a finite number >= 0, got {eps!r}")
+
+
+def make_norm_params(module: nn.Module, size: int, normalization: str, factory: dict) -> None:
+    """Register layer_norm_weight (gamma, ones) and, for LayerNorm, layer_norm_bias (beta,
+    zeros) on `module` (names as in TransformerEngine, so checkpoints map one to one)."""
+    module.layer_norm_weight = nn.Parameter(torch.ones(size, **factory))
+    if normalization == "LayerNorm":
+        module.layer_norm_bias = nn.Parameter(torch.zeros(size, **factory))
+    else:
+        module.register_parameter("layer_norm_bias", None)
+
+
+def norm_high_precision(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], normalization: str,
+                        eps: float) -> torch.Tensor:
+    """What torch.nn.LayerNorm / torch.nn.RMSNorm compute (the layer outside autocast)."""
+    if normalization == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layer: bool, eps: float,
+             q: Quantizer, transpose: bool, want_y: bool
+             ) -> Tuple[Cast, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+    """Normalize x2 (M, K) straight into FP8 with quantizer q (current scaling: a statistics
+    pass that also takes the amax, then the cast; delayed: one launch).
+
+    Returns (cast, mean (M,) float32 or None for RMSNorm, rstd (M,) float32, y) where y is
+    the high-precision normalized output in x2's dtype, written only when want_y.
+    """
+    m, k = x2.shape
+    mean = torch.empty(m, dtype=torch.float32, device=x2.device) if layer else None
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    out = q.allocate((m, k), x2.device, transpose=transpose)
+    y = torch.empty_like(x2) if want_y else None
+
+    def first_pass(amax_out):
+        kernels.norm_stats(x2, weight, bias, eps, mean, rstd, amax_out)
+
+    def cast(scale, amax_out, from_amax, count):
+        kernels.norm_fwd_fp8(x2, weight, bias, eps, mean, rstd, out.data, out.data_t, scale, out.scale_inv,
+                             amax_out, from_amax, count, y, stats_ready=from_amax is not None)
+
+    q.produce(first_pass, cast)
+    return out, mean, rstd, y
+
+
+def norm_backward(d_norm: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  mean: Optional[torch.Tensor], rstd: torch.Tensor, need_dx: bool
+                  ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+    """(dx (M, K) in x2's dtype or None, dweight, dbias or None) of the normalization."""
+    dx = torch.empty_like(x2)
+    dweight = torch.empty_like(weight)
+    dbias = torch.empty_like(bias) if bias is not None else None
+    kernels.norm_bwd(d_norm, x2, weight, mean, rstd, dx, dweight, dbias)
+    return (dx if need_dx else None), dweight, dbias
+
+
+__all__ = ["NORMALIZATIONS", "check_norm_args", "make_norm_params", "norm_high_precision", "norm_fp8",
+           "norm_backward"]
