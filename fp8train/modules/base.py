@@ -2,6 +2,7 @@
 checkpoints), input checks, activation dtype and warn-once messages."""
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Dict, Optional, Tuple
 
@@ -56,8 +57,8 @@ class FP8Module(nn.Module):
         `recipe`, rebuilt if the recipe kind, format or history length changed since they
         were made (their scaling state resets)."""
         mods = self._modules
-        names = [gemm + name for name in QUANTIZER_NAMES.values()]
-        current = tuple(mods[name] for name in names)
+        names = _names_of(gemm)
+        current = (mods[names[0]], mods[names[1]], mods[names[2]])
         if self._matched.get(gemm) == (recipe, current):  # the usual call: same recipe, same quantizers
             return current
         out = []
@@ -113,6 +114,11 @@ class FP8Module(nn.Module):
         current = getattr(self, name)
         if current is None or not _same_shape(current, state):
             setattr(self, name, quantizer_from_state(role, state, device=device))
+
+
+@functools.lru_cache(maxsize=None)
+def _names_of(gemm: str) -> Tuple[str, str, str]:
+    return tuple(gemm + name for name in QUANTIZER_NAMES.values())
 
 
 def _same_shape(q: Quantizer, state: dict) -> bool:
