@@ -5,11 +5,14 @@ F.relu, F.silu(gate) * up; backward: torch.autograd through those forms), the FP
 bit for bit against reference.saturating_cast / cast_transpose_amax of the twin's float32
 values (and ml_dtypes), the scale / amax contract of reference.cast_transpose_amax, dbias,
 and the argument checks. Tolerances against float64 (the twins compute in float32):
-  forward   |a - a64| <= 1e-6 + 1e-5 |a64|   (the erf form cancels in 1 + erf for x < 0)
+  forward   |a - a64| <= 1e-6 + 1e-5 |a64|   (F.gelu's float64 erf form itself cancels for
+                                             x < -5, and the twin's exponent rounding
+                                             reaches 1.1e-5 of gelu near x = -12)
   backward  |dh - dh64| <= 1e-5 max|da| + 1e-5 |dh64|   (gelu_tanh's 1 - s near s = 1)
   dbias     |db - db64| <= 1e-6 sum_rows |dh64| + fp32 / bf16 / fp16 rounding of the result
 """
 import math
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -143,6 +146,63 @@ def test_special_values_follow_torch_float32(act):
         x = h.clone().requires_grad_()
         F.relu(x).backward(da)
         assert_bytes_equal(act_ref.act_grad(da, h, act), x.grad, "relu' vs autograd")
+
+
+def test_fma_rounds_once():
+    """fma(a, b, c) is a * b + c rounded once, like the GPU's fma.rn.f32: also where rounding
+    the float64 sum to float32 would round twice (a tie after the first rounding)."""
+    one = 1 + 2.0**-12  # one * one = 1 + 2^-11 + 2^-24: a float32 tie, broken by c = +-2^-60
+    got = act_ref.fma(torch.tensor([one, -one]), torch.tensor([one, one]), torch.tensor([2.0**-60, -2.0**-60]))
+    want = 1 + 2.0**-11 + 2.0**-23
+    assert got.tolist() == [want, -want]
+    assert (torch.tensor([one]).double() ** 2 + 2.0**-60).float().item() != want  # two roundings miss it
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4000, generator=g), torch.randn(4000, generator=g)
+    c = torch.randn(4000, generator=g) * torch.exp2(torch.randint(-30, 10, (4000,), generator=g).float())
+    exact = [Fraction(x) * Fraction(y) + Fraction(z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+    # float32 neighbours of float64(exact) bracket the exact value; the nearer one (ties to even) is the fma
+    got = act_ref.fma(a, b, c)
+    lo = torch.tensor([float(e) for e in exact], dtype=torch.float64).float()
+    for e, g_, l_ in zip(exact, got.tolist(), lo.tolist()):
+        cands = [l_, float(np.nextafter(np.float32(l_), np.float32(math.inf))),
+                 float(np.nextafter(np.float32(l_), np.float32(-math.inf)))]
+        best = min(cands, key=lambda v: (abs(Fraction(v) - e), int(np.float32(v).view(np.int32)) & 1))
+        assert g_ == best
+    specials = act_ref.fma(torch.tensor([math.inf, 0.0, -0.0, 2.0]), torch.tensor([0.0, 5.0, 5.0, math.inf]),
+                           torch.tensor([1.0, -0.0, -0.0, -math.inf]))
+    assert specials[0].isnan() and specials[3].isnan()
+    assert_bytes_equal(specials[1:3], torch.tensor([0.0, -0.0]), "signed zeros")
+
+
+def test_gelu_keeps_relative_precision_in_its_tail():
+    """gelu and gelu' for x in [-12, -3] within 2e-5 (relative) of float64 erfc forms: no
+    1 + erf cancellation (the erf form is off by 10% at x = -5, 100% past -5.55). 2e-5: the
+    exponent, up to 72 in size, is rounded to float32 (6e-8 relative) a few times."""
+    x = torch.linspace(-12.0, -3.0, 20001)
+    x64 = x.double()
+    cdf64 = 0.5 * torch.special.erfc(-x64 / math.sqrt(2))
+    pdf64 = torch.exp(-x64 * x64 / 2) / math.sqrt(2 * math.pi)
+    a = act_ref.act_forward(x[None], "gelu")[0].double()
+    dh = act_ref.act_grad(torch.ones(1, x.numel()), x[None], "gelu")[0].double()
+    for got, want, what in ((a, x64 * cdf64, "gelu"), (dh, cdf64 + x64 * pdf64, "gelu'")):
+        rel = ((got - want).abs() / want.abs()).max().item()
+        assert rel <= 2e-5, f"{what}: relative error {rel:.3g}"
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "swiglu"])
+def test_infinite_gradients_follow_the_cut(act):
+    """da = +-inf gives +-inf where act'(x) != 0 and NaN where it is exactly 0: gelu' is 0 past
+    x = -12 (the twin's cut) and tiny but nonzero just inside it; same for the others' tails."""
+    x = torch.tensor([[-1e4, -12.5, -12.0, -11.0, -5.0, 0.5, 30.0]])
+    f = x.shape[1]
+    h = torch.cat([x, torch.full_like(x, 1.5)], dim=1) if act == "swiglu" else x
+    dh = act_ref.act_grad(torch.full((1, f), math.inf), h, act)[:, :f]
+    d1 = act_ref.act_grad(torch.ones(1, f), h, act)[:, :f]
+    assert torch.equal(dh.isnan(), d1 == 0)
+    assert torch.equal(dh[d1 != 0], (d1[d1 != 0].sign() * math.inf))
+    if act == "gelu":
+        assert (d1[0, :2] == 0).all() and (d1[0, 2:5] != 0).all()
+        assert_bytes_equal(act_ref.act_forward(x, act)[0, :2], torch.tensor([-0.0, -0.0]), "gelu past the cut")
 
 
 # --------------------------------------------------------------------------- FP8 outputs

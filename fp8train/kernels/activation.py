@@ -13,12 +13,16 @@ cast._tile_kernel (same scale resolution, saturation, amax bits and byte transpo
                    to a float32 scratch that the host reduces with torch.sum (deterministic:
                    no float atomics). For swiglu one tile of da yields two output tiles,
                    dgate at columns [c, c + BN) and dup at [F + c, F + c + BN).
-Every program does a single `atomic_max` for the amax at its end.
+Every program does a single `atomic_max` for the amax at its end. On CUDA the transposed
+copy is for now a torch copy of out's bytes after the kernel (_FUSED_TRANSPOSE_ON_CUDA says
+why); the interpreter runs the in-kernel transpose.
 
-Differences from the twin: the float32 expressions are the twin's op for op, but the GPU
-evaluates erf and exp with its own approximations (exp is ex2.approx) and may fuse a
-multiply-add, so a value can differ from the twin's in its last float32 bits and, rarely,
-round to the neighbouring fp8 value. The GPU tests bound that (see tests/gpu).
+Differences from the twin: none in the float32 expressions, which are the twin's op for op
+with every multiply-add an explicit tl.math.fma (the twin's `fma` rounds exactly like it),
+except exp2: the GPU's is ex2.approx (within 2 ulps, subnormal results flushed), torch's
+is its own. The twin's Note shows how each formula keeps that a difference of a few ulps
+in the float32 result, so a byte rarely lands on the neighbouring fp8 value; the GPU tests
+bound that (see tests/gpu).
 """
 from __future__ import annotations
 
@@ -48,6 +52,20 @@ _INV_SQRT_2PI: tl.constexpr = tl.constexpr(ref.INV_SQRT_2PI)
 _TANH_2K: tl.constexpr = tl.constexpr(ref.TANH_2K)
 _TANH_C: tl.constexpr = tl.constexpr(ref.TANH_C)
 _TANH_3C: tl.constexpr = tl.constexpr(ref.TANH_3C)
+_LOG2E: tl.constexpr = tl.constexpr(ref.LOG2E)
+_NEG_LOG2E: tl.constexpr = tl.constexpr(ref.NEG_LOG2E)
+_NEG_HALF_LOG2E: tl.constexpr = tl.constexpr(ref.NEG_HALF_LOG2E)
+_GELU_CUT: tl.constexpr = tl.constexpr(ref.GELU_CUT)
+_ERFC_0: tl.constexpr = tl.constexpr(ref.ERFC_FIT[0])
+_ERFC_1: tl.constexpr = tl.constexpr(ref.ERFC_FIT[1])
+_ERFC_2: tl.constexpr = tl.constexpr(ref.ERFC_FIT[2])
+_ERFC_3: tl.constexpr = tl.constexpr(ref.ERFC_FIT[3])
+_ERFC_4: tl.constexpr = tl.constexpr(ref.ERFC_FIT[4])
+_ERFC_5: tl.constexpr = tl.constexpr(ref.ERFC_FIT[5])
+_ERFC_6: tl.constexpr = tl.constexpr(ref.ERFC_FIT[6])
+_ERFC_7: tl.constexpr = tl.constexpr(ref.ERFC_FIT[7])
+_ERFC_8: tl.constexpr = tl.constexpr(ref.ERFC_FIT[8])
+_ERFC_9: tl.constexpr = tl.constexpr(ref.ERFC_FIT[9])
 
 
 # --------------------------------------------------------------------------- launch shapes
@@ -102,17 +120,50 @@ def override_config(config: ActConfig) -> Iterator[None]:
 
 @triton.jit
 def _sigmoid(z):
-    """ref._sigmoid: IEEE 1 / (1 + exp(-z)); Triton's own tl.sigmoid divides approximately."""
-    return tl.math.div_rn(1.0, 1.0 + tl.exp(-z))
+    """ref._sigmoid: (sigmoid(z), exp(-z)), IEEE 1 / (1 + exp(-z)) (tl.sigmoid divides approximately)."""
+    e = tl.exp2(z * _NEG_LOG2E)
+    return tl.math.div_rn(1.0, 1.0 + e), e
+
+
+@triton.jit
+def _sigmoid_complement(z, s, e):
+    """ref._sigmoid_complement: 1 - sigmoid(z) as exp(-z) sigmoid(z) for z >= 0, 1 - s below."""
+    return tl.where(z >= 0.0, e * s, 1.0 - s)
+
+
+@triton.jit
+def _normal_cdf(x):
+    """ref._normal_cdf: Phi(x) = erfc(-x / sqrt 2) / 2 by the same fit, fma for fma."""
+    t = tl.math.div_rn(1.0, 1.0 + 0.5 * tl.abs(x * _SQRT1_2))
+    q = tl.math.fma(_ERFC_9, t, _ERFC_8)
+    q = tl.math.fma(q, t, _ERFC_7)
+    q = tl.math.fma(q, t, _ERFC_6)
+    q = tl.math.fma(q, t, _ERFC_5)
+    q = tl.math.fma(q, t, _ERFC_4)
+    q = tl.math.fma(q, t, _ERFC_3)
+    q = tl.math.fma(q, t, _ERFC_2)
+    q = tl.math.fma(q, t, _ERFC_1)
+    q = tl.math.fma(q, t, _ERFC_0)
+    half = 0.5 * (t * tl.exp2(tl.math.fma(x * x, -0.5, q) * _LOG2E))  # erfc(|x| / sqrt 2) / 2
+    cdf = tl.where(x < 0.0, half, 1.0 - half)
+    return tl.where(x > _GELU_CUT, 1.0, tl.where(x < -_GELU_CUT, 0.0, cdf))
+
+
+@triton.jit
+def _normal_pdf(x):
+    """ref._normal_pdf: exp(-x^2 / 2) / sqrt(2 pi), 0 where |x| > GELU_CUT."""
+    pdf = tl.exp2((x * x) * _NEG_HALF_LOG2E) * _INV_SQRT_2PI
+    return tl.where(tl.abs(x) > _GELU_CUT, 0.0, pdf)
 
 
 @triton.jit
 def _act(x, ACT: tl.constexpr):
     """ref.act_forward for the one-input activations (float32 in, float32 out)."""
     if ACT == _GELU:
-        a = (x * 0.5) * (1.0 + tl.math.erf(x * _SQRT1_2))
+        a = x * _normal_cdf(x)
     elif ACT == _GELU_TANH:
-        a = x * _sigmoid((x * _TANH_2K) * (1.0 + _TANH_C * (x * x)))
+        s, _ = _sigmoid((x * _TANH_2K) * tl.math.fma(x * x, _TANH_C, 1.0))
+        a = x * s
     else:  # _RELU: -0.0 and NaN pass through, like F.relu
         a = tl.where(x < 0.0, 0.0, x)
     return a
@@ -122,14 +173,13 @@ def _act(x, ACT: tl.constexpr):
 def _act_grad(g, x, ACT: tl.constexpr):
     """ref.act_grad for the one-input activations: g * act'(x) (float32)."""
     if ACT == _GELU:
-        cdf = 0.5 * (1.0 + tl.math.erf(x * _SQRT1_2))
-        pdf = tl.exp((x * x) * -0.5) * _INV_SQRT_2PI
-        dh = g * (cdf + x * pdf)
+        dh = g * tl.math.fma(x, _normal_pdf(x), _normal_cdf(x))
     elif ACT == _GELU_TANH:
         x2 = x * x
-        s = _sigmoid((x * _TANH_2K) * (1.0 + _TANH_C * x2))
-        dz = _TANH_2K * (1.0 + _TANH_3C * x2)
-        dh = g * (s + ((x * s) * (1.0 - s)) * dz)
+        z = (x * _TANH_2K) * tl.math.fma(x2, _TANH_C, 1.0)
+        s, e = _sigmoid(z)
+        dz = _TANH_2K * tl.math.fma(x2, _TANH_3C, 1.0)
+        dh = g * tl.math.fma((x * s) * _sigmoid_complement(z, s, e), dz, s)
     else:  # _RELU: torch's threshold_backward, so NaN x passes g through
         dh = tl.where(x <= 0.0, 0.0, g)
     return dh
@@ -200,7 +250,8 @@ def _act_fwd_kernel(
         x = tl.load(h_tile + offs, mask=in_x, other=0.0).to(tl.float32)
         if ACT == _SWIGLU:
             up = tl.load(h_tile + F + offs, mask=in_x, other=0.0).to(tl.float32)
-            a = (x * _sigmoid(x)) * up
+            s, _ = _sigmoid(x)
+            a = (x * s) * up
         else:
             a = _act(x, ACT)
         if AMAX:
@@ -264,8 +315,8 @@ def _act_bwd_kernel(
         dbias_row = dbias_ptr + tl.cast(row_tile, tl.int64) * Fh + col0  # row_tile: a Python int when interpreted
         if ACT == _SWIGLU:
             up = tl.load(h_tile + F + offs_h, mask=in_x, other=0.0).to(tl.float32)
-            s = _sigmoid(x)
-            dgate = (g * up) * (s * (1.0 + x * (1.0 - s)))
+            s, e = _sigmoid(x)
+            dgate = (g * up) * (s * tl.math.fma(x, _sigmoid_complement(x, s, e), 1.0))
             dup = g * (x * s)
             if AMAX:
                 acc = tl.maximum(acc, tl.max(_abs_bits(dgate), axis=1))
@@ -410,18 +461,35 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
                 dbias_out.copy_(partial.sum(dim=0))
 
 
-def _transpose_plan(out_t, *inputs):
-    """(out_t the kernel writes, out_t to fill from out afterwards): the second for float32 inputs on CUDA.
+# Whether the kernels write out_t themselves on CUDA (the byte transpose through shared
+# memory, TRANSPOSE); otherwise they write out only and torch copies its transposed bytes.
+# Off: with triton 3.6 on sm_90 the in-kernel transpose wrote bytes that no tile held into
+# out_t (NaN bytes in the zero padding, runs of foreign bytes, different bytes from run to
+# run and under CUDA-graph replay), and in the backward into out as well, for bf16 inputs
+# too (GPU tests, 2026-11-29: 167 failures, every one in a launch with TRANSPOSE; launches
+# without it, the float32 path below with NaN / inf inputs included, were right). The
+# source is cast._tile_kernel's, which that run found exact, and the interpreter tests find
+# it right; the symptom is triton-lang/triton#11111 (an fp8 tile stored both row-major and
+# transposed through shared memory gets foreign bytes in the transposed copy; blamed on the
+# bundled ptxas 12.x). Until a GPU run shows a toolchain where it is exact, the copy costs
+# one more read of out and a write pass of its own: 17% (swiglu forward) to 33% (backward)
+# more bytes than the fused kernels, in a torch transpose kernel that is slower than copy
+# bandwidth.
+_FUSED_TRANSPOSE_ON_CUDA = False
 
-    cast.cast_transpose_amax found that triton 3.6 on sm_90 writes wrong bytes into out_t
-    for tiles loaded as float32, even through the byte transpose used here (GPU tests,
-    2026-11-29; bf16/fp16 loads are exact). The quantized tile is the same kind of value
-    here, but the load layout that seems to trigger it is the input's, so float32 inputs get
-    cast.py's workaround: the row-major cast in Triton, then a torch copy of its bytes.
+
+def _transpose_plan(out_t, *inputs):
+    """(out_t the kernel writes, out_t to fill from out afterwards): see _FUSED_TRANSPOSE_ON_CUDA.
+
+    Off CUDA (the interpreter) the kernel writes out_t itself, so the interpreter tests keep
+    checking the in-kernel transpose. On CUDA, float32 inputs never take it (cast.py found
+    wrong out_t bytes for tiles loaded as float32 first, and has the same workaround).
     """
-    if out_t is not None and any(t.dtype == torch.float32 and t.is_cuda for t in inputs):
-        return None, out_t
-    return out_t, None
+    if out_t is None or not inputs[0].is_cuda:
+        return out_t, None
+    if _FUSED_TRANSPOSE_ON_CUDA and not any(t.dtype == torch.float32 for t in inputs):
+        return out_t, None
+    return None, out_t
 
 
 def _finish_transpose(out, copy_t) -> None:

@@ -9,21 +9,55 @@ activation in between:
             and optionally dbias = dh.sum(0) (fc1's bias gradient)
 
 Activations (`act`):
-  "gelu"       0.5 x (1 + erf(x / sqrt 2))            = F.gelu(x)
+  "gelu"       x * Phi(x), Phi the normal cdf            = F.gelu(x)
   "gelu_tanh"  0.5 x (1 + tanh(k (x + c x^3)))         = F.gelu(x, approximate="tanh")
   "relu"       max(x, 0), -0.0 and NaN kept            = F.relu(x)
   "swiglu"     h (M, 2F) = [gate | up]: silu(gate) * up = F.silu(h[:, :F]) * h[:, F:]
-All math is float32, written out op by op below; the Triton kernels evaluate the same
-expressions in the same order, so the two differ only where their erf / exp differ in the
-last float32 bit (and where the GPU compiler fuses a multiply-add). gelu_tanh is evaluated
-as x * sigmoid(2 k (x + c x^3)), the same function: it needs no tanh (Triton has none) and
-keeps full relative precision for negative x, where 1 + tanh(...) cancels.
-
 Gradients are those of torch.autograd through the torch forms above:
-  gelu       0.5 (1 + erf(x / sqrt 2)) + x exp(-x^2 / 2) / sqrt(2 pi)
+  gelu       Phi(x) + x phi(x),  phi the normal density
   gelu_tanh  s + x s (1 - s) z'(x),  s = sigmoid(z), z = 2 k (x + c x^3)
   relu       da where x > 0, 0 where x <= 0; NaN x passes da through (torch's threshold_backward)
   swiglu     dgate = da * up * s (1 + gate (1 - s)), s = sigmoid(gate);  dup = da * silu(gate)
+
+Note: how the float32 math is written, and why. The Triton kernels evaluate these
+expressions op for op, so kernel and twin differ only where the GPU's exp2 (ex2.approx)
+differs from torch.exp2 in the last bits; every formula is chosen so that such a
+difference stays a difference of a few float32 ulps in the result:
+  * Every multiply-add is an explicit fused multiply-add, `fma` here (exactly rounded, in
+    float64 with round-to-odd) and tl.math.fma in the kernel. The GPU compiler contracts
+    a plain `a * b + c` into an fma on its own, and near a cancellation the two roundings
+    differ by far more than an ulp of the result.
+  * exp(v) is written exp2(v * LOG2E): the product is rounded the same way on both sides,
+    so only exp2 itself differs (torch.exp's argument is exact, tl.exp's is not).
+  * Phi(x) = erfc(-x / sqrt 2) / 2, with erfc(z) for z >= 0 from the Numerical Recipes
+    Chebyshev fit t exp(-z^2 + P(t)), t = 1 / (1 + z / 2) (relative error < 1.1e-7), and
+    Phi = 1 - erfc(z) / 2 for x >= 0. The form 0.5 (1 + erf(x / sqrt 2)) cancels for x < 0
+    (at x = -5 one float32 ulp of erf is 10% of Phi), so any two erf implementations
+    disagree there by whole fp8 steps; erf itself is not used. In float32, gelu(x) is within
+    1e-6 (relative) of the exact value for x > -3 and within 1.1e-5 down to x = -12, where
+    the rounding of the exponent (about -72) dominates; torch's float32 F.gelu returns -0.0
+    from x = -5.55 on.
+  * sigmoid(z) = 1 / (1 + exp(-z)) (IEEE division), and 1 - sigmoid(z) = exp(-z) sigmoid(z)
+    for z >= 0 (1 - s would cancel as s -> 1), 1 - s for z < 0.
+  * gelu_tanh is evaluated as x * sigmoid(2 k (x + c x^3)), the same function: it needs no
+    tanh (Triton has none) and keeps full relative precision for negative x, where
+    1 + tanh(...) cancels.
+  * |x| > GELU_CUT (12): phi(x) = 0 and Phi(x) = 0 (x < 0) or 1. Past 12 both are below
+    3e-32, and a little further they leave the normal float32 range, where the GPU's exp2
+    flushes to zero and torch's does not; cutting at 12 makes them zero on both sides, so
+    that da = +-inf gives the same NaN / inf on both sides.
+
+Special inputs: torch's float32 results (F.gelu, F.silu, autograd), with one exception.
+  x = NaN           act NaN, dh NaN (relu: dh = da, torch's threshold_backward)
+  x = +inf          gelu, gelu_tanh, silu: +inf; gelu', gelu_tanh', silu': NaN (inf * 0)
+  x = -inf          gelu, gelu_tanh, silu: NaN (-inf * 0); their derivatives NaN
+  x = -0.0          act -0.0 (relu, gelu, gelu_tanh)
+  da = +-inf        dh = da * act'(x): +-inf where act'(x) != 0, NaN where it is 0
+  x < -12 (gelu)    act -0.0 and act' = 0, so dh = da * 0 (NaN for da = +-inf). The
+                    exception: torch's float32 gelu' is a tiny nonzero number down to
+                    x = -14.3 (then dh = +-inf for da = +-inf).
+Subnormal inputs and products are kept (IEEE on both sides). Outside the float32 range the
+saturating cast clamps: +-inf and huge values become +-fp8_max, NaN stays NaN.
 
 Note: scale conventions (q = fp8(v * scale), scale_inv = 1 / scale, amax of the unscaled
 float32 values, NaN counted as +inf) are those of fp8train/scaling.py and
@@ -50,6 +84,14 @@ INV_SQRT_2PI = 0.3989422804014327   # 1 / sqrt(2 pi)
 TANH_2K = 1.5957691216057308        # 2 sqrt(2 / pi): z = 2 k x (1 + c x^2)
 TANH_C = 0.044715                   # c
 TANH_3C = 0.134145                  # 3 c, in z'(x) = 2 k (1 + 3 c x^2)
+LOG2E = 1.4426950408889634          # exp(v) = exp2(v * LOG2E)
+NEG_LOG2E = -LOG2E                  # exp(-z) = exp2(z * NEG_LOG2E)
+NEG_HALF_LOG2E = -0.5 * LOG2E       # exp(-x^2 / 2) = exp2(x^2 * NEG_HALF_LOG2E)
+GELU_CUT = 12.0                     # |x| past this: phi(x) = 0, Phi(x) = 0 or 1 (see Note)
+# erfc(z) ~ t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), P(t) = sum_i ERFC_FIT[i] t^i (Numerical
+# Recipes' erfcc, a Chebyshev fit with relative error < 1.1e-7 for z >= 0).
+ERFC_FIT = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398, 1.48851587,
+            -0.82215223, 0.17087277)
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -58,25 +100,73 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # --------------------------------------------------------------------------- float32 math
 
 
-def _sigmoid(z: torch.Tensor) -> torch.Tensor:
-    # IEEE 1 / (1 + exp(-z)) (the kernel: div_rn); exp(-z) = inf gives exactly 0.
-    return torch.reciprocal(1.0 + torch.exp(-z))
+def fma(a, b, c) -> torch.Tensor:
+    """a * b + c rounded once to float32, as the GPU's fma.rn.f32 (tl.math.fma) computes it.
+
+    a, b, c: float32 tensors or Python floats (rounded to float32 first, as the kernels'
+    constants are), broadcast together. In float64 the product is exact (24 x 24 bits);
+    the sum is made exact by TwoSum and rounded to odd, and rounding that to float32 is
+    then a single correct rounding (53 >= 24 + 2 bits). NaN, inf and signed zeros follow
+    IEEE fma.
+    """
+    device = next(t.device for t in (a, b, c) if isinstance(t, torch.Tensor))
+    a, b, c = (torch.as_tensor(t, dtype=torch.float32, device=device).double() for t in (a, b, c))
+    p = a * b
+    s = p + c
+    s_p = s - p
+    err = (p - (s - s_p)) + (c - s_p)  # s + err == p + c exactly (TwoSum), s finite
+    inexact_even = (err != 0) & ((s.view(torch.int64) & 1) == 0) & s.isfinite()
+    s = torch.where(inexact_even, torch.nextafter(s, torch.copysign(torch.full_like(s, torch.inf), err)), s)
+    return s.float()
+
+
+def _sigmoid(z: torch.Tensor):
+    """(sigmoid(z), exp(-z)) float32: IEEE 1 / (1 + exp(-z)); exp(-z) = inf gives exactly 0."""
+    e = torch.exp2(z * NEG_LOG2E)
+    return torch.reciprocal(1.0 + e), e
+
+
+def _sigmoid_complement(z: torch.Tensor, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """1 - sigmoid(z) without cancellation: exp(-z) sigmoid(z) for z >= 0, 1 - s below."""
+    return torch.where(z >= 0.0, e * s, 1.0 - s)
+
+
+def _normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    """Phi(x) = erfc(-x / sqrt 2) / 2 (see Note): 0 below -GELU_CUT, 1 above GELU_CUT, NaN at NaN.
+
+    erfc(a), a = |x| / sqrt 2, is Numerical Recipes' t exp(-a^2 + P(t)), t = 1 / (1 + a / 2),
+    with a^2 taken as x^2 / 2 (one rounding, where squaring the rounded a would double its
+    error); then Phi = erfc(a) / 2 for x < 0 and 1 - erfc(a) / 2 for x >= 0.
+    """
+    t = torch.reciprocal(1.0 + 0.5 * ((x * SQRT1_2).abs()))
+    q = fma(ERFC_FIT[-1], t, ERFC_FIT[-2])
+    for coefficient in reversed(ERFC_FIT[:-2]):
+        q = fma(q, t, coefficient)
+    half = 0.5 * (t * torch.exp2(fma(x * x, -0.5, q) * LOG2E))  # erfc(a) / 2
+    cdf = torch.where(x < 0.0, half, 1.0 - half)
+    return torch.where(x > GELU_CUT, 1.0, torch.where(x < -GELU_CUT, 0.0, cdf))
+
+
+def _normal_pdf(x: torch.Tensor) -> torch.Tensor:
+    """phi(x) = exp(-x^2 / 2) / sqrt(2 pi), 0 where |x| > GELU_CUT."""
+    pdf = torch.exp2((x * x) * NEG_HALF_LOG2E) * INV_SQRT_2PI
+    return torch.where(x.abs() > GELU_CUT, 0.0, pdf)
 
 
 def act_forward(h: torch.Tensor, act: str) -> torch.Tensor:
     """a = act(h) as float32: (M, F) for h (M, F), or (M, F) for swiglu's h (M, 2F)."""
     x = h.float()
     if act == "gelu":
-        return (x * 0.5) * (1.0 + torch.erf(x * SQRT1_2))
+        return x * _normal_cdf(x)
     if act == "gelu_tanh":
-        z = (x * TANH_2K) * (1.0 + TANH_C * (x * x))
-        return x * _sigmoid(z)
+        z = (x * TANH_2K) * fma(x * x, TANH_C, 1.0)
+        return x * _sigmoid(z)[0]
     if act == "relu":
         return torch.where(x < 0.0, 0.0, x)
     if act == "swiglu":
         f = x.shape[1] // 2
         gate, up = x[:, :f], x[:, f:]
-        return (gate * _sigmoid(gate)) * up
+        return (gate * _sigmoid(gate)[0]) * up
     raise ValueError(_unknown_act("act_forward", act))
 
 
@@ -85,21 +175,20 @@ def act_grad(da: torch.Tensor, h: torch.Tensor, act: str) -> torch.Tensor:
     g = da.float()
     x = h.float()
     if act == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(x * SQRT1_2))
-        pdf = torch.exp((x * x) * -0.5) * INV_SQRT_2PI
-        return g * (cdf + x * pdf)
+        return g * fma(x, _normal_pdf(x), _normal_cdf(x))
     if act == "gelu_tanh":
         x2 = x * x
-        s = _sigmoid((x * TANH_2K) * (1.0 + TANH_C * x2))
-        dz = TANH_2K * (1.0 + TANH_3C * x2)
-        return g * (s + ((x * s) * (1.0 - s)) * dz)
+        z = (x * TANH_2K) * fma(x2, TANH_C, 1.0)
+        s, e = _sigmoid(z)
+        dz = TANH_2K * fma(x2, TANH_3C, 1.0)
+        return g * fma((x * s) * _sigmoid_complement(z, s, e), dz, s)
     if act == "relu":
         return torch.where(x <= 0.0, 0.0, g)
     if act == "swiglu":
         f = x.shape[1] // 2
         gate, up = x[:, :f], x[:, f:]
-        s = _sigmoid(gate)
-        dgate = (g * up) * (s * (1.0 + gate * (1.0 - s)))
+        s, e = _sigmoid(gate)
+        dgate = (g * up) * (s * fma(gate, _sigmoid_complement(gate, s, e), 1.0))
         dup = g * (gate * s)
         return torch.cat([dgate, dup], dim=1)
     raise ValueError(_unknown_act("act_grad", act))

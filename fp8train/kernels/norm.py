@@ -20,6 +20,9 @@ the chunks read last: the second read comes from L1 when a step holds a whole ro
 configs up to K = 4096) and mostly from L2 otherwise. The cast's amax costs one atomic max
 per program, as in cast.py.
 
+On CUDA the transposed copy is for now a torch copy of out's bytes after the row kernel
+(_FUSED_TRANSPOSE_ON_CUDA says why); the interpreter runs the in-kernel one (TileConfig).
+
 Why two loops over one row block for the transposed copy (TileConfig): a tile of out_t needs
 the statistics of its BLOCK_M rows over the whole K before it can be written, and those rows
 do not fit on chip. The alternative, a stats launch and then cast.py-style 2-D tiles over
@@ -246,11 +249,14 @@ def _norm_fwd_kernel(
                 x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
                 if LAYER:
-                    y = (x - mean[:, None]) * rstd[:, None] * w[None, :]  # norm_reference.normalize's order
+                    xhat = (x - mean[:, None]) * rstd[:, None]  # norm_reference.normalize's order
                 else:
-                    y = x * rstd[:, None] * w[None, :]
-                if HAS_BIAS:
-                    y = y + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                    xhat = x * rstd[:, None]
+                if HAS_BIAS:  # one rounding, as the twin's fma (the compiler would fuse y = xhat * w + b anyway)
+                    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                    y = tl.math.fma(xhat, w[None, :], b[None, :])
+                else:
+                    y = xhat * w[None, :]
                 if AMAX:  # masked elements hold b or NaN (rows past M): keep them out
                     acc = tl.maximum(acc, tl.max(_abs_bits(tl.where(mask, y, 0.0)), axis=1))
                 row_major = rows64[:, None] * K + cols[None, :]  # (BLOCK_M, BLOCK_N) into out / y_out
@@ -361,6 +367,19 @@ def _xhat_g(x_rows, dy_rows, w_ptr, cols, mask, mean, rstd, K, LAYER: tl.constex
 # --------------------------------------------------------------------------- host wrappers
 
 
+# Whether norm_fwd_fp8 writes out_t from inside the kernel on CUDA (TileConfig, the byte
+# transpose through shared memory); otherwise the row kernel writes out and torch copies its
+# transposed bytes. Off: with triton 3.6 on sm_90 the in-kernel transpose wrote foreign bytes
+# into out_t, different from run to run, for bf16 and fp16 inputs whenever the kernel also
+# computed the statistics (GPU tests, 2026-11-29: out_t vs out.T and two poisoned runs
+# disagreed in 19 tests; float32 inputs, already routed around it as in cast.py, and the
+# row-major outputs were right). The source is cast._tile_kernel's byte transpose, which the
+# interpreter tests find right; the symptom matches triton-lang/triton#11111 (an fp8 tile
+# stored row-major and transposed gets foreign bytes in the transposed copy; blamed on the
+# bundled ptxas 12.x). The copy costs one more read of out and a torch transpose kernel.
+_FUSED_TRANSPOSE_ON_CUDA = False
+
+
 def norm_stats(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
                mean_out: Optional[torch.Tensor], rstd_out: torch.Tensor,
                amax_out: Optional[torch.Tensor] = None) -> None:
@@ -389,10 +408,8 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return
     args = (x, weight, bias, eps, mean_out, rstd_out, out)
     scalars = (scale, scale_inv_out, amax_out, from_amax, nonfinite_count, y_out)
-    if out_t is not None and x.dtype == torch.float32 and x.is_cuda:
-        # triton 3.6 on sm_90 wrote wrong bytes into transposed copies of tiles loaded as
-        # float32 (cast.py, docs/design.md). Same way round as there: the row-major kernel,
-        # then a torch copy of its transposed bytes.
+    if out_t is not None and x.is_cuda and not (_FUSED_TRANSPOSE_ON_CUDA and x.dtype != torch.float32):
+        # The row-major kernel, then a torch copy of its transposed bytes: see _FUSED_TRANSPOSE_ON_CUDA.
         _launch_fwd(*args, None, *scalars, stats_ready=stats_ready)
         out_t[:, :m].copy_(out.t())
         out_t[:, m:].view(torch.uint8).zero_()

@@ -7,6 +7,7 @@ float32 tolerances: the kernels sum in another order). Scale conventions: fp8tra
 Note: one normalization, two flavours, chosen by `mean_out` / `mean`:
   LayerNorm (mean given)   mean = sum(x) / K,  var = sum((x - mean)^2) / K  (biased)
                            y = (x - mean) * rstd * weight + bias,  rstd = 1 / sqrt(var + eps)
+                           (* weight + bias: one fused multiply-add, see `normalize`)
   RMSNorm   (mean None)    y = x * rstd * weight,  rstd = 1 / sqrt(sum(x^2) / K + eps); no bias
 All arithmetic is float32 whatever the input dtypes; y is float32 until it is stored.
 
@@ -24,6 +25,7 @@ import torch
 
 from .. import scaling
 from . import reference
+from .activation_reference import fma
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -44,11 +46,18 @@ def row_stats(x: torch.Tensor, eps: float, layer: bool):
 
 def normalize(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               mean: Optional[torch.Tensor], rstd: torch.Tensor) -> torch.Tensor:
-    """y (M, K) float32 = (x - mean) * rstd * weight + bias, evaluated in exactly this order."""
+    """y (M, K) float32 = (x - mean) * rstd * weight + bias, evaluated in exactly this order,
+    with `* weight + bias` one fused multiply-add (one rounding, as the kernel's tl.math.fma).
+
+    Two roundings there would leave the kernel, whose compiler fuses that multiply-add
+    anyway, up to an ulp of xhat * weight away from the twin, which is many ulps of a y
+    that bias nearly cancels (a byte 3 fp8 steps off in the GPU tests of 2026-11-29).
+    """
     xf = x.float()
     xhat = (xf - mean[:, None]) * rstd[:, None] if mean is not None else xf * rstd[:, None]
-    y = xhat * weight.float()
-    return y + bias.float() if bias is not None else y
+    if bias is None:
+        return xhat * weight.float()
+    return fma(xhat, weight.float(), bias.float())
 
 
 # --------------------------------------------------------------------------- the twins

@@ -2,16 +2,23 @@
 
 Both sides run on CUDA tensors: `fp8train.kernels.activation.*` (Triton) and
 `fp8train.kernels.activation_reference.*` (torch). The float32 expressions are the same op
-for op, but Triton's erf / exp (ex2.approx) are not torch's and the compiler may fuse a
-multiply-add, so a float32 value can differ in its last bits and, rarely, land on the
-neighbouring fp8 value. Hence:
+for op, every multiply-add an explicit fma on both sides; only exp2 differs (the GPU's
+ex2.approx against torch.exp2, each within about 2 ulps), and the twin's Note shows how each
+formula keeps that a difference of a few float32 ulps in the result (no erf, no 1 + erf
+cancellation, no 1 - sigmoid near 1, a common cut at |x| = 12 for gelu's tails). A byte then
+lands on the neighbouring fp8 value only when its value lies within those few ulps of a
+rounding boundary: for a few 1e-6 of the elements (about 2^-22 relative against an fp8 step
+of at least 2^-4), more only next to a zero of act', where bf16 inputs put few elements.
+The 1e-3 allowance leaves a wide margin over that, and a byte 2 steps off, or a NaN moved,
+means a formula that amplifies a rounding difference. Hence:
   fp8 bytes     NaN at the same places; elsewhere at most 1 fp8 ulp apart, and on fewer
                 than 1e-3 of the elements (one element allowed in tensors under 1000)
   amax          within rel 1e-5 (non-finite: equal)
   dbias         within 1e-5 * sum_rows |dh| per column, plus the rounding of dbias_out's dtype
   exact         scale, scale_inv and nonfinite_count when the scale comes from a given
-                from_amax or is given; the kernel's out_t[:, :M] against its own out.T; out_t's
-                zero padding; every element written (outputs poisoned with two byte patterns).
+                from_amax or is given; the kernel's out_t[:, :M] against its own out.T (for
+                now a torch copy on CUDA: activation._FUSED_TRANSPOSE_ON_CUDA); out_t's zero
+                padding; every element written (outputs poisoned with two byte patterns).
 """
 from __future__ import annotations
 
@@ -263,6 +270,34 @@ def test_bandwidth_size(act):
     da = make_input((m, f), torch.bfloat16, spread=1e-3, specials=False)
     check_fwd(h, act, E4M3, CURRENT, mp=m)
     check_bwd(da, h, act, E5M2, DELAYED, mp=m)
+
+
+def bf16_grid(limit: float) -> torch.Tensor:
+    """Every bfloat16 value in [-limit, limit] (both zeros, the subnormals), then +inf, -inf, NaN."""
+    top = int(torch.tensor(limit, dtype=torch.bfloat16).view(torch.int16))
+    bits = torch.arange(top + 1, dtype=torch.int32, device=DEV)
+    both = torch.cat([bits, bits - 32768]).to(torch.int16)  # the second half with the sign bit set
+    specials = torch.tensor([math.inf, -math.inf, math.nan], device=DEV).to(torch.bfloat16)
+    return torch.cat([both.view(torch.bfloat16), specials])
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**40, 2.0**100], ids=["s1", "s2^40", "s2^100"])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_tails_and_special_products(fp8, act, scale):
+    """Every bf16 input in [-16, 16] and +-inf, NaN, each against da = 1, +-inf, NaN, huge, tiny
+    and -2.5, at scales that bring the far tails (gelu down to 1e-32 at x = -12) into the fp8
+    range: the erfc form, the cut at |x| = 12 and the NaN / inf rules of the twin's Note
+    hold on the GPU too."""
+    grid = bf16_grid(16.0)  # (N,)
+    da_values = torch.tensor([1.0, math.inf, -math.inf, math.nan, 3e4, 1e-30, -2.5], device=DEV)
+    m = da_values.numel()
+    h = grid.expand(m, -1).contiguous()  # (M, N): row i meets da_values[i]
+    if act == "swiglu":
+        h = torch.cat([h, torch.full_like(h, 1.5)], dim=1)  # gate = the grid, up = 1.5
+    da = da_values.to(torch.bfloat16)[:, None].expand(m, grid.numel()).contiguous()
+    check_fwd(h, act, fp8, ("delayed", scale), mp=16)
+    check_bwd(da, h, act, fp8, ("delayed", scale), mp=16)
 
 
 # --------------------------------------------------------------------------- amax and scales

@@ -4,11 +4,12 @@ Run with `TRITON_INTERPRET=1 python -m pytest tests/interpret` (skipped otherwis
 
 The interpreter's fp32 -> fp8 and bf16 -> fp32 conversions are not the hardware's (see
 test_kernels_interpret.py), so most tests swap in exact ones (fixture `exact_conversions`).
-Even then the kernel's erf / exp are numpy's and the twin's are torch's, which may differ
-in the last float32 bit; so fp8 outputs are compared by value within one fp8 ulp (the
-ordered byte distance), with NaN at the same places, and amax / dbias within float
-tolerances. Exact: the kernel's own out_t[:, :M] against its out.T, the zero padding, and
-scale / scale_inv / nonfinite_count when the scale comes from a given from_amax.
+Even then the kernel's exp2 is numpy's and the twin's is torch's, which may differ in the
+last float32 bit (every other operation, the fmas included, rounds the same on both
+sides); so fp8 outputs are compared by value within one fp8 ulp (the ordered byte
+distance), with NaN at the same places, and amax / dbias within float tolerances.
+Exact: the kernel's own out_t[:, :M] against its out.T, the zero padding, and scale /
+scale_inv / nonfinite_count when the scale comes from a given from_amax.
 """
 from __future__ import annotations
 
@@ -223,6 +224,42 @@ def test_bwd_shapes(act, shape, mode, config):
     with activation.override_config(config(act)):
         run_bwd(da, h, act, E5M2, mode, mp=(m + 15) // 16 * 16 + 16)
         run_bwd(da, h, act, E4M3, mode, mp=None, dbias_dtype=torch.bfloat16 if mode == "delayed" else None)
+
+
+@pytest.fixture
+def twin_exp2(monkeypatch):
+    """The interpreter's exp2 computed by torch.exp2, the twin's: what is left between kernel
+    and twin is then their float32 formulas alone."""
+    exp2 = lambda data: torch.exp2(torch.from_numpy(np.ascontiguousarray(data))).numpy()
+    monkeypatch.setattr(_interpreter.InterpreterBuilder, "create_exp2", lambda self, arg: self.unary_op(arg, exp2))
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_same_float32_formulas_as_the_twin(act, fp8, exact_conversions, twin_exp2):
+    """With the twin's exp2 the kernel's bytes and amax equal the twin's bit for bit (NaN: at
+    the same places; its sign and payload mean nothing), specials and far tails included
+    (scale 2^60 shows gelu down to x = -11): the kernel evaluates the twin's expressions op
+    for op, its fmas rounding as the twin's `fma`."""
+    h = make_h(37, 130, act, torch.float32, spread=6.0)
+    da = make_h(37, 130, "relu", torch.float32, spread=6.0)
+    with activation.override_config(CPU_CONFIG):
+        for scale in (3.7, 2.0**60):
+            for kernel, twin, args in ((activation.act_fwd_fp8, act_ref.act_fwd_fp8, (h, act)),
+                                       (activation.act_bwd_fp8, act_ref.act_bwd_fp8, (da, h, act))):
+                n = h.shape[1] if kernel is activation.act_bwd_fp8 else act_ref.out_features(h, act)
+                outs = []
+                for fn in (kernel, twin):
+                    out, s = poisoned((37, n), fp8), [torch.tensor(scale), torch.tensor(0.0), torch.tensor(-1.0)]
+                    fn(*args, out, None, *s)
+                    outs.append((out, s[2]))
+                (out, amax), (want, want_amax) = outs
+                nan = want.float().isnan()
+                assert torch.equal(out.float().isnan(), nan), f"{kernel.__name__}: NaN positions differ"
+                got_bytes, want_bytes = out.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]
+                assert torch.equal(got_bytes, want_bytes), f"{kernel.__name__} out at scale {scale}: " \
+                    f"{int((got_bytes != want_bytes).sum())} bytes differ"
+                assert_bits_equal(amax, want_amax, f"{kernel.__name__} amax")
 
 
 @pytest.mark.parametrize("act", ACTS)
