@@ -1,0 +1,85 @@
+"""Byte transpose of an FP8 tensor into a padded transposed copy, on CUDA in Triton.
+
+Twin: `transpose_reference` below (a torch copy). Meant for where a kernel writes only its
+row-major FP8 output and the transposed copy the wgrad GEMM needs is made afterwards (the
+float32 cast path and the activation/norm kernels, see docs/design.md), which today use
+torch's strided copy of a transposed view: ~0.3 TB/s on the H200, 1.7 ms of the T1 step.
+
+Status (2026-11-29): checked under the Triton interpreter only; not yet run on the GPU
+(tests/gpu/test_transpose_gpu.py), so nothing calls it yet. Once that test passes, the three
+torch copies (activation._finish_transpose, norm.norm_fwd_fp8, cast.launch_cast) switch to
+`transpose_into`.
+
+Why no tl.trans: the kernels whose in-kernel `tl.trans` of fp8 bytes wrote wrong bytes on
+the H200 (triton 3.6) motivate a different route here. Each tile is *loaded* already in
+transposed index order (element [c, r] = src[r, c]) and stored row by row into dst; the
+compiler's own layout conversion between the coalesced load and the coalesced store does
+the exchange through shared memory.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .launcher import DirectKernel, device_guard
+
+_BLOCK_M, _BLOCK_N, _WARPS, _PER_SM = 64, 64, 4, 4
+
+
+@triton.jit
+def _transpose_kernel(
+    src_ptr,   # (M, N) uint8 view of the fp8 payload, row-major
+    dst_ptr,   # (N, Mp) uint8 view of the transposed copy, row-major; columns M..Mp-1 get zeros
+    M, N, Mp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.cdiv(Mp, BLOCK_M) * tiles_n
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    for t in range(pid, num_tiles, nprog):
+        rows = (t // tiles_n) * BLOCK_M + r  # (BLOCK_M,) rows of src = columns of dst
+        cols = (t % tiles_n) * BLOCK_N + c   # (BLOCK_N,) columns of src = rows of dst
+        col_ok = (cols < N)[:, None]
+        v = tl.load(src_ptr + tl.cast(rows, tl.int64)[None, :] * N + cols[:, None],
+                    mask=col_ok & (rows < M)[None, :], other=0)  # (BLOCK_N, BLOCK_M); 0 past row M: padding
+        tl.store(dst_ptr + tl.cast(cols, tl.int64)[:, None] * Mp + rows[None, :], v,
+                 mask=col_ok & (rows < Mp)[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel() -> DirectKernel:
+    return DirectKernel(_transpose_kernel, num_warps=_WARPS, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+
+
+def transpose_reference(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst[:, :M] = src.T and dst[:, M:] = 0 (bytes); src (M, N), dst (N, Mp), Mp >= M."""
+    m = src.shape[0]
+    dst[:, :m].copy_(src.t())
+    dst[:, m:].view(torch.uint8).zero_()
+
+
+def transpose_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """transpose_reference, by the Triton kernel on CUDA. src (M, N) and dst (N, Mp) are
+    contiguous tensors of one 1-byte dtype on one device."""
+    if src.dim() != 2 or dst.dim() != 2 or dst.shape[0] != src.shape[1] or dst.shape[1] < src.shape[0]:
+        raise ValueError(f"transpose_into: need src (M, N) and dst (N, Mp >= M); got {tuple(src.shape)} and "
+                         f"{tuple(dst.shape)}")
+    if src.element_size() != 1 or dst.dtype != src.dtype or not (src.is_contiguous() and dst.is_contiguous()) \
+            or src.device != dst.device:
+        raise ValueError(f"transpose_into: src and dst must be contiguous 1-byte tensors of one dtype and device; "
+                         f"got {src.dtype} on {src.device} and {dst.dtype} on {dst.device}")
+    m, n = src.shape
+    mp = dst.shape[1]
+    if not src.is_cuda or m * n == 0 or max(m, n, mp) >= 2**31 // max(_BLOCK_M, _BLOCK_N):
+        transpose_reference(src, dst)
+        return
+    tiles = triton.cdiv(mp, _BLOCK_M) * triton.cdiv(n, _BLOCK_N)
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
+    with device_guard(src.device):
+        _kernel()(max(1, min(tiles, _PER_SM * sms)), src.view(torch.uint8), dst.view(torch.uint8), m, n, mp)
