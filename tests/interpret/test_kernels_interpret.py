@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,7 +26,6 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
     pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
-from triton.runtime import interpreter as _interpreter  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fp8train import scaling  # noqa: E402
@@ -58,21 +56,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 # --------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture
-def exact_conversions(monkeypatch):
-    """Exact conversions in the interpreter: fp32 -> fp8 by ml_dtypes (RNE), bf16 -> fp32 by a shift."""
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    targets = {tl.float8e4nv: ml_dtypes.float8_e4m3fn, tl.float8e5: ml_dtypes.float8_e5m2}
-    original = _interpreter._convert_float
-
-    def convert(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst in targets and rounding_mode == _interpreter._ir.ROUNDING_MODE.RTNE:
-            return np.asarray(data, dtype=np.float32).astype(targets[dst]).view(np.uint8)
-        if src == tl.bfloat16 and dst == tl.float32:  # exact widening; the interpreter flushes subnormals
-            return np.asarray(data).view(np.uint16).astype(np.uint32) << np.uint32(16)
-        return original(data, src, dst, rounding_mode)
-
-    monkeypatch.setattr(_interpreter, "_convert_float", convert)
+# exact_conversions: tests/interpret/conftest.py
 
 
 @pytest.fixture(params=CONFIGS)
