@@ -73,8 +73,8 @@ from typing import Optional
 
 import torch
 
-from .. import scaling
 from . import reference
+from .checks import check_fp8_outputs, check_scalar, check_scales
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
 
@@ -94,7 +94,6 @@ ERFC_FIT = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.2788
             -0.82215223, 0.17087277)
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # --------------------------------------------------------------------------- float32 math
@@ -255,16 +254,10 @@ def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, act: str, out: torch.Tensor, 
 
 def _cast_outputs(v, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
     """reference.cast_transpose_amax of the float32 values v, with out_t optional."""
-    s = reference._resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
-    q = reference.saturating_cast(v, s, out.dtype)
-    out.copy_(q)
-    if out_t is not None:
-        m = v.shape[0]
-        out_t[:, :m].copy_(q.t())
-        out_t[:, m:].view(torch.uint8).zero_()
-    scale_inv_out.copy_(scaling.scale_inverse(s))
-    if amax_out is not None:
-        reference.amax(v, amax_out)
+    if out_t is None:
+        reference.cast_amax(v, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    else:
+        reference.cast_transpose_amax(v, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -278,7 +271,7 @@ def out_features(h: torch.Tensor, act: str) -> int:
 def check_amax_args(fn: str, h, act, amax_out) -> None:
     _check_act(fn, act)
     _check_h(fn, h, act)
-    _check_scalar(fn, "amax_out", amax_out, torch.float32, h.device)
+    check_scalar(fn, "amax_out", amax_out, torch.float32, h.device)
 
 
 def check_bwd_amax_args(fn: str, da, h, act, amax_out) -> None:
@@ -289,8 +282,8 @@ def check_bwd_amax_args(fn: str, da, h, act, amax_out) -> None:
 def check_fwd_args(fn: str, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
     _check_act(fn, act)
     _check_h(fn, h, act)
-    _check_outputs(fn, h.shape[0], out_features(h, act), h.device, out, out_t)
-    _check_scales(fn, h.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    check_fp8_outputs(fn, h.shape[0], out_features(h, act), h.device, out, out_t)
+    check_scales(fn, h.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
 
 
 def check_bwd_args(fn: str, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
@@ -298,8 +291,8 @@ def check_bwd_args(fn: str, da, h, act, out, out_t, scale, scale_inv_out, amax_o
     _check_act(fn, act)
     _check_h(fn, h, act)
     _check_da(fn, da, h, act)
-    _check_outputs(fn, h.shape[0], h.shape[1], h.device, out, out_t)
-    _check_scales(fn, h.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    check_fp8_outputs(fn, h.shape[0], h.shape[1], h.device, out, out_t)
+    check_scales(fn, h.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     if dbias_out is not None:
         if (dbias_out.dtype not in _INPUT_DTYPES or dbias_out.shape != (h.shape[1],)
                 or dbias_out.device != h.device or not dbias_out.is_contiguous()):
@@ -343,41 +336,3 @@ def _check_da(fn: str, da: torch.Tensor, h: torch.Tensor, act: str) -> None:
                          f"got {tuple(da.shape)} on {da.device}")
 
 
-def _check_fp8(fn: str, name: str, t: torch.Tensor, shape, device: torch.device) -> None:
-    if t.dtype not in _FP8_DTYPES:
-        raise ValueError(f"{fn}: {name} must be float8_e4m3fn or float8_e5m2; got {t.dtype}")
-    if t.shape != shape or t.device != device or not t.is_contiguous():
-        raise ValueError(f"{fn}: {name} must be a contiguous tensor of shape {tuple(shape)} on {device}; "
-                         f"got {tuple(t.shape)} (contiguous={t.is_contiguous()}) on {t.device}")
-
-
-def _check_outputs(fn: str, m: int, n: int, device, out, out_t) -> None:
-    _check_fp8(fn, "out", out, (m, n), device)
-    if out_t is None:
-        return
-    if out_t.dim() != 2 or out_t.shape[0] != n or out_t.shape[1] < m:
-        raise ValueError(f"{fn}: out_t must be (N, Mp) = ({n}, >= {m}) for out of shape ({m}, {n}); "
-                         f"got {tuple(out_t.shape)}")
-    _check_fp8(fn, "out_t", out_t, out_t.shape, device)
-    if out_t.dtype != out.dtype:
-        raise ValueError(f"{fn}: out ({out.dtype}) and out_t ({out_t.dtype}) must share an FP8 dtype")
-
-
-def _check_scalar(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
-    if t.numel() != 1 or t.dtype != dtype or t.device != device:
-        raise ValueError(f"{fn}: {name} must be a one-element {dtype} tensor on {device}; "
-                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-
-
-def _check_scales(fn, device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
-    _check_scalar(fn, "scale", scale, torch.float32, device)
-    _check_scalar(fn, "scale_inv_out", scale_inv_out, torch.float32, device)
-    if amax_out is not None:
-        _check_scalar(fn, "amax_out", amax_out, torch.float32, device)
-    if from_amax is not None:
-        _check_scalar(fn, "from_amax", from_amax, torch.float32, device)
-        if amax_out is not None and amax_out.data_ptr() == from_amax.data_ptr():
-            # The kernel reads from_amax in every program while others max into amax_out.
-            raise ValueError(f"{fn}: from_amax and amax_out must be different buffers")
-    if nonfinite_count is not None:
-        _check_scalar(fn, "nonfinite_count", nonfinite_count, torch.int32, device)

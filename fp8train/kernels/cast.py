@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .. import scaling
 from . import reference
+from .checks import FP8_DTYPES, check_fp8_out, check_fp8_outputs, check_scalar, check_scales
 from .launcher import DirectKernel, hooks_installed
 from .launcher import device_guard as _device_guard
 from .scale_update import compute_scale
@@ -36,8 +37,7 @@ from .scale_update import compute_scale
 _INF: tl.constexpr = tl.constexpr(float("inf"))
 _INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # float32 +inf as int32
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_FP8_MAX = {dtype: scaling.fp8_max(dtype) for dtype in _FP8_DTYPES}
+_FP8_MAX = {dtype: scaling.fp8_max(dtype) for dtype in FP8_DTYPES}
 
 
 # --------------------------------------------------------------------------- launch shapes
@@ -270,7 +270,7 @@ def _tile_kernel(
 def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
     """reference.amax on the GPU: amax_out <- max(amax_out, abs_max(x)), no sync."""
     _check_input(x, "amax")
-    _check_scalar("amax", "amax_out", amax_out, torch.float32, x.device)
+    check_scalar("amax", "amax_out", amax_out, torch.float32, x.device)
     if x.numel() == 0:
         reference.amax(x, amax_out)
         return
@@ -286,8 +286,8 @@ def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv
     (any contiguous tensor, or row slices of one); out must be contiguous.
     """
     _check_input(x, "cast_amax")
-    _check_fp8_out("cast_amax", "out", out, x.shape, x.device)
-    _check_scales("cast_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    check_fp8_out("cast_amax", "out", out, x.shape, x.device)
+    check_scales("cast_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     launch_cast(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
 
 
@@ -305,14 +305,8 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
         raise ValueError(f"cast_transpose_amax: x must be 2-D (M, N); got shape {tuple(x.shape)}")
     _check_input(x, "cast_transpose_amax")
     m, n = x.shape
-    _check_fp8_out("cast_transpose_amax", "out", out, x.shape, x.device)
-    if out_t.dim() != 2 or out_t.shape[0] != n or out_t.shape[1] < m:
-        raise ValueError(f"cast_transpose_amax: out_t must be (N, Mp) = ({n}, >= {m}) for x of shape "
-                         f"{tuple(x.shape)}; got {tuple(out_t.shape)}")
-    _check_fp8_out("cast_transpose_amax", "out_t", out_t, out_t.shape, x.device)
-    if out_t.dtype != out.dtype:
-        raise ValueError(f"cast_transpose_amax: out ({out.dtype}) and out_t ({out_t.dtype}) must share an FP8 dtype")
-    _check_scales("cast_transpose_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    check_fp8_outputs("cast_transpose_amax", m, n, x.device, out, out_t)
+    check_scales("cast_transpose_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
 
 
@@ -472,31 +466,3 @@ def _check_tile_offsets(cfg: TileConfig, row_stride: int, n: int, mp: int) -> No
 def _check_input(x: torch.Tensor, fn: str) -> None:
     if x.dtype not in _INPUT_DTYPES:
         raise ValueError(f"{fn}: x must be bfloat16, float16 or float32; got {x.dtype}")
-
-
-def _check_fp8_out(fn: str, name: str, t: torch.Tensor, shape, device: torch.device) -> None:
-    if t.dtype not in _FP8_DTYPES:
-        raise ValueError(f"{fn}: {name} must be float8_e4m3fn or float8_e5m2; got {t.dtype}")
-    if t.shape != shape or t.device != device or not t.is_contiguous():
-        raise ValueError(f"{fn}: {name} must be a contiguous tensor of shape {tuple(shape)} on {device}; "
-                         f"got {tuple(t.shape)} (contiguous={t.is_contiguous()}) on {t.device}")
-
-
-def _check_scalar(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
-    if t.numel() != 1 or t.dtype != dtype or t.device != device:
-        raise ValueError(f"{fn}: {name} must be a one-element {dtype} tensor on {device}; "
-                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-
-
-def _check_scales(fn, device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
-    _check_scalar(fn, "scale", scale, torch.float32, device)
-    _check_scalar(fn, "scale_inv_out", scale_inv_out, torch.float32, device)
-    if amax_out is not None:
-        _check_scalar(fn, "amax_out", amax_out, torch.float32, device)
-    if from_amax is not None:
-        _check_scalar(fn, "from_amax", from_amax, torch.float32, device)
-        if amax_out is not None and amax_out.data_ptr() == from_amax.data_ptr():
-            # The kernel reads from_amax in every program while others max into amax_out.
-            raise ValueError(f"{fn}: from_amax and amax_out must be different buffers")
-    if nonfinite_count is not None:
-        _check_scalar(fn, "nonfinite_count", nonfinite_count, torch.int32, device)

@@ -25,6 +25,7 @@ import torch
 
 from .. import scaling
 from . import reference
+from .checks import check_scalar, check_scales
 from .activation_reference import fma
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -176,7 +177,7 @@ def check_stats_args(fn, x, weight, bias, eps, mean_out, rstd_out, amax_out) -> 
         _check_vector(fn, "mean_out", mean_out, m, (torch.float32,), dev)
     _check_vector(fn, "rstd_out", rstd_out, m, (torch.float32,), dev)
     if amax_out is not None:
-        _check_scalar(fn, "amax_out", amax_out, torch.float32, dev)
+        check_scalar(fn, "amax_out", amax_out, torch.float32, dev)
 
 
 def check_fwd_args(fn, x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, scale_inv_out,
@@ -193,15 +194,7 @@ def check_fwd_args(fn, x, weight, bias, eps, mean_out, rstd_out, out, out_t, sca
         _check_matrix(fn, "out_t", out_t, tuple(out_t.shape), (out.dtype,), dev)
     if y_out is not None:
         _check_matrix(fn, "y_out", y_out, (m, k), (x.dtype,), dev)
-    _check_scalar(fn, "scale", scale, torch.float32, dev)
-    _check_scalar(fn, "scale_inv_out", scale_inv_out, torch.float32, dev)
-    if from_amax is not None:
-        _check_scalar(fn, "from_amax", from_amax, torch.float32, dev)
-        if amax_out is not None and amax_out.data_ptr() == from_amax.data_ptr():
-            # The kernel reads from_amax in every program while others max into amax_out.
-            raise ValueError(f"{fn}: from_amax and amax_out must be different buffers")
-    if nonfinite_count is not None:
-        _check_scalar(fn, "nonfinite_count", nonfinite_count, torch.int32, dev)
+    check_scales(fn, dev, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
 
 
 def check_bwd_args(fn, dy, x, weight, mean, rstd, dx_out, dweight_out, dbias_out) -> None:
@@ -265,10 +258,3 @@ def _check_matrix(fn: str, name: str, t: torch.Tensor, shape, dtypes, device: to
     if t.shape != shape or t.device != device or not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be a contiguous tensor of shape {tuple(shape)} on {device}; "
                          f"got {tuple(t.shape)} (contiguous={t.is_contiguous()}) on {t.device}")
-
-
-def _check_scalar(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
-    _require_tensor(fn, name, t, f"a one-element {dtype} tensor")
-    if t.numel() != 1 or t.dtype != dtype or t.device != device:
-        raise ValueError(f"{fn}: {name} must be a one-element {dtype} tensor on {device}; "
-                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
