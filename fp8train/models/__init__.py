@@ -1,0 +1,3 @@
+from .gpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig"]
