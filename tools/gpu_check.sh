@@ -6,7 +6,7 @@ what=${1:-all}
 shift || true
 OUT=${OUT:-/tmp/fp8train-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 if [[ $what == tests || $what == all ]]; then
   timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE --tb=short 2>&1 > "$OUT/test-gpu.log"

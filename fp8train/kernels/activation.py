@@ -14,8 +14,8 @@ cast._tile_kernel (same scale resolution, saturation, amax bits and byte transpo
                    no float atomics). For swiglu one tile of da yields two output tiles,
                    dgate at columns [c, c + BN) and dup at [F + c, F + c + BN).
 Every program does a single `atomic_max` for the amax at its end. On CUDA the transposed
-copy is for now a torch copy of out's bytes after the kernel (_FUSED_TRANSPOSE_ON_CUDA says
-why); the interpreter runs the in-kernel transpose.
+copy is for now written from out's bytes after the kernel by kernels/transpose.py
+(_FUSED_TRANSPOSE_ON_CUDA says why); the interpreter runs the in-kernel transpose.
 
 Differences from the twin: none in the float32 expressions, which are the twin's op for op
 with every multiply-add an explicit tl.math.fma (the twin's `fma` rounds exactly like it),
@@ -39,6 +39,7 @@ from .. import scaling
 from . import activation_reference as ref
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
 from .launcher import DirectKernel
+from .transpose import transpose_into
 
 # Activation codes (constexpr ACT), in the order of ref.ACTIVATIONS.
 _GELU: tl.constexpr = tl.constexpr(0)
@@ -462,7 +463,7 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
 
 
 # Whether the kernels write out_t themselves on CUDA (the byte transpose through shared
-# memory, TRANSPOSE); otherwise they write out only and torch copies its transposed bytes.
+# memory, TRANSPOSE); otherwise they write out only and transpose.py copies its transposed bytes.
 # Off: with triton 3.6 on sm_90 the in-kernel transpose wrote bytes that no tile held into
 # out_t (NaN bytes in the zero padding, runs of foreign bytes, different bytes from run to
 # run and under CUDA-graph replay), and in the backward into out as well, for bf16 inputs
@@ -473,8 +474,7 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
 # transposed through shared memory gets foreign bytes in the transposed copy; blamed on the
 # bundled ptxas 12.x). Until a GPU run shows a toolchain where it is exact, the copy costs
 # one more read of out and a write pass of its own: 17% (swiglu forward) to 33% (backward)
-# more bytes than the fused kernels, in a torch transpose kernel that is slower than copy
-# bandwidth.
+# more bytes than the fused kernels.
 _FUSED_TRANSPOSE_ON_CUDA = False
 
 
@@ -494,9 +494,7 @@ def _transpose_plan(out_t, *inputs):
 
 def _finish_transpose(out, copy_t) -> None:
     if copy_t is not None:
-        m = out.shape[0]
-        copy_t[:, :m].copy_(out.t())
-        copy_t[:, m:].view(torch.uint8).zero_()
+        transpose_into(out, copy_t)
 
 
 def _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count):

@@ -33,6 +33,7 @@ from .checks import FP8_DTYPES, check_fp8_out, check_fp8_outputs, check_scalar, 
 from .launcher import DirectKernel, hooks_installed
 from .launcher import device_guard as _device_guard
 from .scale_update import compute_scale
+from .transpose import transpose_into
 
 _INF: tl.constexpr = tl.constexpr(float("inf"))
 _INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # float32 +inf as int32
@@ -327,13 +328,12 @@ def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfin
     if out_t is not None and x.dtype == torch.float32 and x.is_cuda:
         # triton 3.6 on sm_90 writes wrong bytes into out_t for tiles loaded as float32, whether
         # the tile is transposed as bytes or as floats (GPU tests, 2026-11-29; bf16/fp16 are
-        # exact). Until that is understood: the row-major cast in Triton, then a torch copy of
-        # its transposed bytes (one more read and write of 1-byte data).
+        # exact). Until that is understood: the row-major cast in Triton, then a byte transpose of
+        # its transposed bytes by kernels/transpose.py (one more read and write of 1-byte data).
         n = x.shape[-1]
         m = x.numel() // n
         _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, fp8_max)
-        out_t[:, :m].copy_(out.view(m, n).t())
-        out_t[:, m:].view(torch.uint8).zero_()
+        transpose_into(out.view(m, n), out_t)
         return
     _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, fp8_max)
 

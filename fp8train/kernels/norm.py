@@ -20,8 +20,8 @@ the chunks read last: the second read comes from L1 when a step holds a whole ro
 configs up to K = 4096) and mostly from L2 otherwise. The cast's amax costs one atomic max
 per program, as in cast.py.
 
-On CUDA the transposed copy is for now a torch copy of out's bytes after the row kernel
-(_FUSED_TRANSPOSE_ON_CUDA says why); the interpreter runs the in-kernel one (TileConfig).
+On CUDA the transposed copy is for now written from out's bytes after the row kernel by
+kernels/transpose.py (_FUSED_TRANSPOSE_ON_CUDA says why); the interpreter runs the in-kernel one (TileConfig).
 
 Why two loops over one row block for the transposed copy (TileConfig): a tile of out_t needs
 the statistics of its BLOCK_M rows over the whole K before it can be written, and those rows
@@ -47,6 +47,7 @@ from . import norm_reference
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
 from .launcher import DirectKernel, device_guard
 from .norm_reference import check_bwd_args, check_fwd_args, check_stats_args
+from .transpose import transpose_into
 
 # --------------------------------------------------------------------------- launch shapes
 
@@ -368,15 +369,15 @@ def _xhat_g(x_rows, dy_rows, w_ptr, cols, mask, mean, rstd, K, LAYER: tl.constex
 
 
 # Whether norm_fwd_fp8 writes out_t from inside the kernel on CUDA (TileConfig, the byte
-# transpose through shared memory); otherwise the row kernel writes out and torch copies its
-# transposed bytes. Off: with triton 3.6 on sm_90 the in-kernel transpose wrote foreign bytes
+# transpose through shared memory); otherwise the row kernel writes out and transpose.py copies
+# its transposed bytes. Off: with triton 3.6 on sm_90 the in-kernel transpose wrote foreign bytes
 # into out_t, different from run to run, for bf16 and fp16 inputs whenever the kernel also
 # computed the statistics (GPU tests, 2026-11-29: out_t vs out.T and two poisoned runs
 # disagreed in 19 tests; float32 inputs, already routed around it as in cast.py, and the
 # row-major outputs were right). The source is cast._tile_kernel's byte transpose, which the
 # interpreter tests find right; the symptom matches triton-lang/triton#11111 (an fp8 tile
 # stored row-major and transposed gets foreign bytes in the transposed copy; blamed on the
-# bundled ptxas 12.x). The copy costs one more read of out and a torch transpose kernel.
+# bundled ptxas 12.x). The copy costs one more read and write of out's bytes.
 _FUSED_TRANSPOSE_ON_CUDA = False
 
 
@@ -409,10 +410,9 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     args = (x, weight, bias, eps, mean_out, rstd_out, out)
     scalars = (scale, scale_inv_out, amax_out, from_amax, nonfinite_count, y_out)
     if out_t is not None and x.is_cuda and not (_FUSED_TRANSPOSE_ON_CUDA and x.dtype != torch.float32):
-        # The row-major kernel, then a torch copy of its transposed bytes: see _FUSED_TRANSPOSE_ON_CUDA.
+        # The row-major kernel, then kernels/transpose.py: see _FUSED_TRANSPOSE_ON_CUDA.
         _launch_fwd(*args, None, *scalars, stats_ready=stats_ready)
-        out_t[:, :m].copy_(out.t())
-        out_t[:, m:].view(torch.uint8).zero_()
+        transpose_into(out, out_t)
         return
     _launch_fwd(*args, out_t, *scalars, stats_ready=stats_ready)
 

@@ -1,14 +1,11 @@
 """Byte transpose of an FP8 tensor into a padded transposed copy, on CUDA in Triton.
 
-Twin: `transpose_reference` below (a torch copy). Meant for where a kernel writes only its
-row-major FP8 output and the transposed copy the wgrad GEMM needs is made afterwards (the
-float32 cast path and the activation/norm kernels, see docs/design.md), which today use
-torch's strided copy of a transposed view: ~0.3 TB/s on the H200, 1.7 ms of the T1 step.
-
-Status (2026-11-29): checked under the Triton interpreter only; not yet run on the GPU
-(tests/gpu/test_transpose_gpu.py), so nothing calls it yet. Once that test passes, the three
-torch copies (activation._finish_transpose, norm.norm_fwd_fp8, cast.launch_cast) switch to
-`transpose_into`.
+Twin: `transpose_reference` below (a torch copy). Used where a kernel writes only its
+row-major FP8 output and the transposed copy the wgrad GEMM needs is made afterwards: the
+float32 cast path and the activation/norm kernels (docs/design.md, "Known limits"). It
+replaced torch's strided copy of a transposed view, ~0.3 TB/s on the H200: 1.7 ms of the T1
+step before, 0.23 ms for the same three copies after (GPU tests and benchmarks/mlp.py,
+2026-11-29).
 
 Why no tl.trans: the kernels whose in-kernel `tl.trans` of fp8 bytes wrote wrong bytes on
 the H200 (triton 3.6) motivate a different route here. Each tile is *loaded* already in
