@@ -27,6 +27,7 @@ class Cast(NamedTuple):
     data: torch.Tensor               # x's shape, fp8, row-major
     data_t: Optional[torch.Tensor]   # (cols, padded_rows(rows)) fp8 transposed copy, zero padded; or None
     scale_inv: torch.Tensor          # (1,) float32, this cast's own 1/scale
+    dbias: Optional[torch.Tensor] = None  # (cols,) float32 column sums of x's rows (cast(dbias=True))
 
 
 class Quantizer(nn.Module):
@@ -78,12 +79,16 @@ class Quantizer(nn.Module):
         if data_t is not None:
             out._set_transpose(data_t)
 
-    def cast(self, x: torch.Tensor, *, transpose: bool = False) -> "Cast":
+    def cast(self, x: torch.Tensor, *, transpose: bool = False, dbias: bool = False) -> "Cast":
         """The hot path of `quantize` for layers: the same cast into fresh buffers, returned
         as plain tensors (no Float8Tensor is built: its construction costs more host time
-        than the launch)."""
+        than the launch). dbias: also the float32 column sums of x's rows, from the same
+        read (the bias gradient, when x is a grad-output)."""
         x = self._checked(x)
         out = self.allocate(x.shape, x.device, transpose=transpose)
+        if dbias:
+            cols = x.shape[-1] if x.dim() else 1
+            out = Cast(out.data, out.data_t, out.scale_inv, torch.empty(cols, dtype=torch.float32, device=x.device))
         self._cast(x, *out)
         return out
 
@@ -109,7 +114,7 @@ class Quantizer(nn.Module):
         cols = x.shape[-1]
         return cols, padded_rows(x.numel() // cols if cols else 0)
 
-    def _cast(self, x, data, data_t, scale_inv) -> None:
+    def _cast(self, x, data, data_t, scale_inv, dbias_out=None) -> None:
         raise NotImplementedError
 
     def produce(self, first_pass: Callable[[torch.Tensor], None],
@@ -127,19 +132,21 @@ class Quantizer(nn.Module):
         """
         raise NotImplementedError
 
-    def _launch(self, x, data, data_t, scale_inv, amax_out=None, from_amax=None, count=None) -> None:
+    def _launch(self, x, data, data_t, scale_inv, amax_out=None, from_amax=None, count=None,
+                dbias_out=None) -> None:
         """One kernel launch of this quantizer's steady state through a prepared launch
-        (kernels.prepare_cast), kept per (shape, dtype, transposed?, cast or amax only). The
-        buffers named here must be this quantizer's own, fixed for the key: preparations are
-        dropped whenever the buffers may have moved (`_forget_prepared`)."""
-        key = (x.shape, x.dtype, data_t is not None, data is None)
+        (kernels.prepare_cast), kept per (shape, dtype, transposed?, cast or amax only, dbias?).
+        The buffers named here must be this quantizer's own, fixed for the key: preparations
+        are dropped whenever the buffers may have moved (`_forget_prepared`)."""
+        key = (x.shape, x.dtype, data_t is not None, data is None, dbias_out is not None)
         launch = self._prepared.get(key)
         if launch is None:
             if len(self._prepared) >= 64:  # many input shapes (variable lengths): start over
                 self._prepared.clear()
             launch = self._prepared[key] = kernels.prepare_cast(
-                x, data, data_t, self.scale if data is not None else None, scale_inv, amax_out, from_amax, count)
-        launch(x, data, data_t, scale_inv)
+                x, data, data_t, self.scale if data is not None else None, scale_inv, amax_out, from_amax, count,
+                dbias=dbias_out is not None)
+        launch(x, data, data_t, scale_inv, dbias_out)
 
     def _forget_prepared(self) -> None:
         self._prepared = {}
@@ -176,10 +183,11 @@ class CurrentScalingQuantizer(Quantizer):
         super().__init__(role, dtype, device)
         self.register_buffer("amax", torch.zeros((), device=device))
 
-    def _cast(self, x, data, data_t, scale_inv) -> None:
+    def _cast(self, x, data, data_t, scale_inv, dbias_out=None) -> None:
         self.amax.zero_()
         self._launch(x, None, None, None, amax_out=self.amax)
-        self._launch(x, data, data_t, scale_inv, from_amax=self.amax, count=self.nonfinite_count)
+        self._launch(x, data, data_t, scale_inv, from_amax=self.amax, count=self.nonfinite_count,
+                     dbias_out=dbias_out)
 
     def produce(self, first_pass, cast) -> None:
         self.amax.zero_()
@@ -213,19 +221,19 @@ class DelayedScalingQuantizer(Quantizer):
     def history_len(self) -> int:
         return self.amax_history.shape[0]
 
-    def _cast(self, x, data, data_t, scale_inv) -> None:
+    def _cast(self, x, data, data_t, scale_inv, dbias_out=None) -> None:
         if self.calibrated:
-            launch = self._prepared.get((x.shape, x.dtype, data_t is not None, False))
+            launch = self._prepared.get((x.shape, x.dtype, data_t is not None, False, dbias_out is not None))
             if launch is not None:  # the steady state, inlined: one dict lookup and the launch
-                launch(x, data, data_t, scale_inv)
-            else:
-                self._launch(x, data, data_t, scale_inv, amax_out=self.amax_history[0])  # (): casts max into it
+                launch(x, data, data_t, scale_inv, dbias_out)
+            else:  # amax_history[0] is (): casts max into it
+                self._launch(x, data, data_t, scale_inv, amax_out=self.amax_history[0], dbias_out=dbias_out)
             return
         pending = self.amax_history[0]
         self._calibration_amax.zero_()
         kernels.amax(x, self._calibration_amax)
         # A non-finite calibration amax keeps scale 1; the update counts it once (not here).
-        kernels.cast_trusted(x, data, data_t, self.scale, scale_inv, pending, self._calibration_amax)
+        kernels.cast_trusted(x, data, data_t, self.scale, scale_inv, pending, self._calibration_amax, None, dbias_out)
         self.calibrated = True
 
     def produce(self, first_pass, cast) -> None:

@@ -18,55 +18,59 @@ def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
 
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
               amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
-              nonfinite_count: Optional[torch.Tensor] = None) -> None:
-    impl = _triton_cast().cast_amax if x.is_cuda else reference.cast_amax
-    impl(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+              nonfinite_count: Optional[torch.Tensor] = None, dbias_out: Optional[torch.Tensor] = None) -> None:
+    impl = _triton_cast().cast_amax if x.is_cuda else _checked_twin("cast_amax")
+    impl(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
 
 
 def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale: torch.Tensor,
                         scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                         from_amax: Optional[torch.Tensor] = None,
-                        nonfinite_count: Optional[torch.Tensor] = None) -> None:
-    impl = _triton_cast().cast_transpose_amax if x.is_cuda else reference.cast_transpose_amax
-    impl(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+                        nonfinite_count: Optional[torch.Tensor] = None,
+                        dbias_out: Optional[torch.Tensor] = None) -> None:
+    impl = _triton_cast().cast_transpose_amax if x.is_cuda else _checked_twin("cast_transpose_amax")
+    impl(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
 
 
 def cast_trusted(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tensor], scale: torch.Tensor,
                  scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
-                 from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None) -> None:
+                 from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,
+                 dbias_out: Optional[torch.Tensor] = None) -> None:
     """cast_amax (out_t None) or cast_transpose_amax of x's rows (x.shape[-1] columns)
-    without argument checks.
+    without argument checks; dbias_out (N,) float32 gets the column sums of x's rows.
 
     The per-cast hot path of quantizers, which allocate `out`/`out_t` and own the scale
     buffers themselves; everyone else calls the checked functions above.
     """
     if x.is_cuda:
-        _triton_cast().launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        _triton_cast().launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                                   dbias_out)
         return
     x = x.detach()  # the twins write with torch ops, which autograd would record
     if out_t is None:
-        reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
     else:
         cols = x.shape[-1]
         reference.cast_transpose_amax(x.reshape(-1, cols), out.view(-1, cols), out_t, scale, scale_inv_out,
-                                      amax_out, from_amax, nonfinite_count)
+                                      amax_out, from_amax, nonfinite_count, dbias_out)
 
 
 def prepare_cast(x: torch.Tensor, out: Optional[torch.Tensor], out_t: Optional[torch.Tensor],
                  scale: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor],
                  amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
-                 nonfinite_count: Optional[torch.Tensor] = None):
+                 nonfinite_count: Optional[torch.Tensor] = None, dbias: bool = False):
     """`cast_trusted` (or, with out None, `amax`) prepared for repeated calls on tensors like
-    these with the same scale buffers: returns f(x, out, out_t, scale_inv_out). Nothing is
-    launched by the preparation itself. On CUDA the compiled kernel, grid and fixed arguments
-    are kept (cast.PreparedCast); elsewhere f runs the reference twin."""
+    these with the same scale buffers: returns f(x, out, out_t, scale_inv_out, dbias_out=None)
+    (dbias_out only when prepared with dbias). Nothing is launched by the preparation itself.
+    On CUDA the compiled kernel, grid and fixed arguments are kept (cast.PreparedCast);
+    elsewhere f runs the reference twin."""
     if x.is_cuda:
         return _triton_cast().PreparedCast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax,
-                                           nonfinite_count)
+                                           nonfinite_count, dbias)
     if out is None:
-        return lambda x, out, out_t, scale_inv_out: reference.amax(x.detach(), amax_out)
-    return lambda x, out, out_t, scale_inv_out: cast_trusted(x, out, out_t, scale, scale_inv_out, amax_out,
-                                                             from_amax, nonfinite_count)
+        return lambda x, out, out_t, scale_inv_out, dbias_out=None: reference.amax(x.detach(), amax_out)
+    return lambda x, out, out_t, scale_inv_out, dbias_out=None: cast_trusted(
+        x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
 
 
 class ScaleUpdateBatch:
@@ -131,6 +135,17 @@ def act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out=None, fro
     """dh = da * act'(h) straight into FP8 (+ transposed copy, amax, bias gradient)."""
     _family(h, "activation").act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
                                          nonfinite_count, dbias_out)
+
+
+def _checked_twin(name: str):
+    """The twin of a public cast with the GPU wrapper's dbias check (the twins check nothing else)."""
+    twin = getattr(reference, name)
+
+    def run(x, *args):
+        from .checks import check_dbias
+        check_dbias(name, args[-1], x.shape[-1] if x.dim() else 1, x.device)
+        twin(x, *args)
+    return run
 
 
 def _family(x: torch.Tensor, name: str):

@@ -8,7 +8,9 @@ Two kernels serve the three wrappers:
                  blocks, 16-byte vector loads, one atomic amax per program.
   _tile_kernel   x as (rows, cols) with any row stride: a persistent loop over 2-D tiles;
                  with TRANSPOSE it also writes each tile transposed (through shared memory)
-                 into out_t and fills out_t's padding columns with zeros.
+                 into out_t and fills out_t's padding columns with zeros; with DBIAS it
+                 writes each tile's column sums (float32) into a partial-sum buffer that the
+                 host reduces: the bias gradient of a grad-output cast, from the same read.
 Every program takes part in the amax with a single `atomic_max` at its end, so a cast
 costs (programs) atomics, a small multiple of the SM count, not one per block.
 
@@ -29,7 +31,7 @@ import triton.language as tl
 
 from .. import scaling
 from . import reference
-from .checks import FP8_DTYPES, check_fp8_out, check_fp8_outputs, check_scalar, check_scales
+from .checks import FP8_DTYPES, check_dbias, check_fp8_out, check_fp8_outputs, check_scalar, check_scales
 from .launcher import DirectKernel, hooks_installed
 from .launcher import device_guard as _device_guard
 from .scale_update import compute_scale
@@ -220,9 +222,11 @@ def _tile_kernel(
     amax_ptr,       # () float32 running amax: one atomic max per program (AMAX)
     from_amax_ptr,  # () float32 amax the scale is computed from (FROM_AMAX)
     count_ptr,      # () int32 nonfinite count, +1 when from_amax is inf/NaN (COUNT)
+    partial_ptr,    # (row tiles, N) float32: row i = column sums of x's rows [i*BLOCK_M, (i+1)*BLOCK_M) (DBIAS)
     M, N, Mp, stride_xm,
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
-    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, DBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -248,6 +252,9 @@ def _tile_kernel(
         x = tl.load(x_tile + r[:, None] * stride_xm + c[None, :], mask=in_x, other=0.0).to(tl.float32)
         if AMAX:
             acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=1))
+        if DBIAS:
+            # Rows past M were loaded as 0 (the padding tiles of out_t write zero sums).
+            tl.store(partial_ptr + tl.cast(t // tiles_n, tl.int64) * N + cols, tl.sum(x, axis=0), mask=cols < N)
         if CAST:
             y = _saturate(x, scale, FP8_MAX)  # (BLOCK_M, BLOCK_N)
             if TRANSPOSE:
@@ -280,7 +287,7 @@ def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
 
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
               amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
-              nonfinite_count: Optional[torch.Tensor] = None) -> None:
+              nonfinite_count: Optional[torch.Tensor] = None, dbias_out: Optional[torch.Tensor] = None) -> None:
     """reference.cast_amax on the GPU (same contract; see there).
 
     x must have unit stride in its last dim and leading dims that fold into one row stride
@@ -289,13 +296,15 @@ def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv
     _check_input(x, "cast_amax")
     check_fp8_out("cast_amax", "out", out, x.shape, x.device)
     check_scales("cast_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
-    launch_cast(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    check_dbias("cast_amax", dbias_out, x.shape[-1] if x.dim() else 1, x.device)
+    launch_cast(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
 
 
 def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale: torch.Tensor,
                         scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                         from_amax: Optional[torch.Tensor] = None,
-                        nonfinite_count: Optional[torch.Tensor] = None) -> None:
+                        nonfinite_count: Optional[torch.Tensor] = None,
+                        dbias_out: Optional[torch.Tensor] = None) -> None:
     """reference.cast_transpose_amax on the GPU (same contract; see there).
 
     x      (M, N), unit column stride, any row stride >= N
@@ -308,10 +317,11 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
     m, n = x.shape
     check_fp8_outputs("cast_transpose_amax", m, n, x.device, out, out_t)
     check_scales("cast_transpose_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
-    launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    check_dbias("cast_transpose_amax", dbias_out, n, x.device)
+    launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
 
 
-def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
+def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out=None) -> None:
     """cast_amax (out_t None) or cast_transpose_amax with arguments already checked.
 
     For callers that own every buffer and have checked x (quantizers): the public wrappers
@@ -320,9 +330,10 @@ def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfin
     """
     if x.numel() == 0:
         if out_t is None:
-            reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+            reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
         else:
-            reference.cast_transpose_amax(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+            reference.cast_transpose_amax(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                                          dbias_out)
         return
     fp8_max = _FP8_MAX[out.dtype]
     if out_t is not None and x.dtype == torch.float32 and x.is_cuda:
@@ -332,23 +343,31 @@ def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfin
         # its transposed bytes by kernels/transpose.py (one more read and write of 1-byte data).
         n = x.shape[-1]
         m = x.numel() // n
-        _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, fp8_max)
+        _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, fp8_max)
         transpose_into(out.view(m, n), out_t)
         return
-    _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, fp8_max)
+    _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, fp8_max)
 
 
-def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, fp8_max: float) -> None:
+def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
+            fp8_max: float) -> None:
     """Pick the kernel and launch it (arguments already checked)."""
-    kernel, grid, make_args = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, fp8_max)
+    kernel, grid, make_args, partial_rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
+                                                  dbias_out is not None, fp8_max)
+    partial = None
+    if dbias_out is not None:
+        partial = torch.empty((partial_rows, dbias_out.shape[0]), dtype=torch.float32, device=x.device)
     with _device_guard(x.device):
-        kernel(grid, *make_args(x, out, out_t, scale_inv_out))
+        kernel(grid, *make_args(x, out, out_t, scale_inv_out, partial))
+    if partial is not None:
+        torch.sum(partial, dim=0, out=dbias_out)
 
 
-def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, fp8_max: float):
-    """(kernel, grid, make_args) for one cast; absent optional tensors are flagged off (and
-    never touched). make_args(x, out, out_t, scale_inv_out) gives the runtime arguments, so
-    a PreparedCast can rebuild them for fresh buffers without planning again."""
+def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: bool, fp8_max: float):
+    """(kernel, grid, make_args, partial rows) for one cast; absent optional tensors are
+    flagged off (and never touched). make_args(x, out, out_t, scale_inv_out, partial) gives
+    the runtime arguments, so a PreparedCast can rebuild them for fresh buffers without
+    planning again; `partial` is the (partial rows, N) float32 buffer of a cast with dbias."""
     cast = out is not None
     dummy = amax_out if amax_out is not None else scale  # stands in for unused pointer args
     amax_p = dummy if amax_out is None else amax_out
@@ -359,24 +378,24 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, fp8_max: f
              from_amax is not None and nonfinite_count is not None)
     device = x.device
     flat_cfg, tile_cfg = launch_configs(device)
-    if out_t is None and x.is_contiguous():
+    if out_t is None and not dbias and x.is_contiguous():
         n = x.numel()
         grid = _grid(triton.cdiv(n, flat_cfg.block), flat_cfg.programs_per_sm, device)
 
-        def flat_args(x, out, out_t, scale_inv_out):
+        def flat_args(x, out, out_t, scale_inv_out, partial):
             return x, out if cast else x, scale_p, scale_inv_out if cast else dummy, amax_p, from_p, count_p, n
-        return _flat(flat_cfg, *flags), grid, flat_args
+        return _flat(flat_cfg, *flags), grid, flat_args, 0
     m, n, row_stride = _row_layout(x)
     mp = m if out_t is None else out_t.shape[1]
     _check_tile_offsets(tile_cfg, row_stride, n, mp)
     row_tiles = triton.cdiv(mp, tile_cfg.block_m)
     grid = _grid(row_tiles * triton.cdiv(n, tile_cfg.block_n), tile_cfg.programs_per_sm, device)
 
-    def tile_args(x, out, out_t, scale_inv_out):
+    def tile_args(x, out, out_t, scale_inv_out, partial):
         out_p = out if cast else x
         return (x, out_p, out_t if out_t is not None else out_p, scale_p, scale_inv_out if cast else dummy,
-                amax_p, from_p, count_p, m, n, mp, row_stride)
-    return _tile(tile_cfg, out_t is not None, *flags), grid, tile_args
+                amax_p, from_p, count_p, partial if partial is not None else dummy, m, n, mp, row_stride)
+    return _tile(tile_cfg, out_t is not None, *flags, dbias), grid, tile_args, row_tiles
 
 
 class PreparedCast:
@@ -389,22 +408,29 @@ class PreparedCast:
 
     scale, amax_out, from_amax, nonfinite_count  as for launch_cast, fixed for all calls
     out None (and scale None): the amax kernel alone, max-accumulating x's amax into amax_out
+    dbias  whether calls pass dbias_out; the partial-sum buffer is the preparation's own,
+           reused by every call (each call's sum reads it right after the launch, in stream
+           order)
     """
 
-    def __init__(self, x, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None, nonfinite_count=None):
+    def __init__(self, x, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None, nonfinite_count=None,
+                 dbias=False):
         self._fixed = (scale, amax_out, from_amax, nonfinite_count)
         self._binary = None
         if x.numel() == 0 or (out_t is not None and x.dtype == torch.float32):
             return
         fp8_max = _FP8_MAX[out.dtype] if out is not None else 0.0
-        kernel, self._grid, self._make_args = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
-                                                    fp8_max)
+        kernel, self._grid, self._make_args, rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
+                                                          dbias, fp8_max)
+        self._partial = None
+        if dbias:
+            self._partial = torch.empty((rows, x.shape[-1]), dtype=torch.float32, device=x.device)
         self._device = x.device.index
         self._x_aligned = x.data_ptr() & 15 == 0
-        self._binary = kernel.binary_for(*self._make_args(x, out, out_t, scale_inv_out))
+        self._binary = kernel.binary_for(*self._make_args(x, out, out_t, scale_inv_out, self._partial))
         self._tail = kernel.tail
 
-    def __call__(self, x, out, out_t, scale_inv_out) -> None:
+    def __call__(self, x, out, out_t, scale_inv_out, dbias_out=None) -> None:
         binary = self._binary
         if (binary is None or (x.data_ptr() & 15 == 0) != self._x_aligned or torch._C._cuda_getDevice() != self._device
                 or hooks_installed()):
@@ -412,11 +438,14 @@ class PreparedCast:
             if out is None:
                 amax(x, amax_out)
             else:
-                launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count)
+                launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count, dbias_out)
             return
+        partial = self._partial
         binary.run(self._grid, 1, 1, torch._C._cuda_getCurrentRawStream(self._device), binary.function,
-                   binary.packed_metadata, None, None, None, *self._make_args(x, out, out_t, scale_inv_out),
+                   binary.packed_metadata, None, None, None, *self._make_args(x, out, out_t, scale_inv_out, partial),
                    *self._tail)
+        if dbias_out is not None:
+            torch.sum(partial, dim=0, out=dbias_out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -427,9 +456,10 @@ def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bo
 
 @functools.lru_cache(maxsize=None)
 def _tile(cfg: TileConfig, transpose: bool, fp8_max: float, cast: bool, amax: bool, from_amax: bool,
-          count: bool) -> DirectKernel:
+          count: bool, dbias: bool) -> DirectKernel:
     return DirectKernel(_tile_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, TRANSPOSE=transpose,
-                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, DBIAS=dbias, BLOCK_M=cfg.block_m,
+                        BLOCK_N=cfg.block_n)
 
 
 def _row_layout(x: torch.Tensor) -> Tuple[int, int, int]:

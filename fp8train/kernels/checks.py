@@ -54,4 +54,16 @@ def check_fp8_outputs(fn: str, m: int, n: int, device: torch.device, out, out_t)
         raise ValueError(f"{fn}: out ({out.dtype}) and out_t ({out_t.dtype}) must share an FP8 dtype")
 
 
-__all__ = ["FP8_DTYPES", "check_scalar", "check_scales", "check_fp8_out", "check_fp8_outputs"]
+def check_dbias(fn: str, dbias_out, n: int, device: torch.device) -> None:
+    """dbias_out: None, or an (N,) float32 tensor for the column sums of x's rows."""
+    if dbias_out is None:
+        return
+    if (not isinstance(dbias_out, torch.Tensor) or dbias_out.dtype != torch.float32 or dbias_out.shape != (n,)
+            or dbias_out.device != device or not dbias_out.is_contiguous()):
+        got = (f"{dbias_out.dtype} {tuple(dbias_out.shape)} on {dbias_out.device}"
+               if isinstance(dbias_out, torch.Tensor) else type(dbias_out).__name__)
+        raise ValueError(f"{fn}: dbias_out must be a contiguous float32 tensor of shape ({n},) on {device}; "
+                         f"got {got}")
+
+
+__all__ = ["FP8_DTYPES", "check_scalar", "check_scales", "check_fp8_out", "check_fp8_outputs", "check_dbias"]

@@ -44,25 +44,33 @@ def saturating_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
               amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
-              nonfinite_count: Optional[torch.Tensor] = None) -> None:
+              nonfinite_count: Optional[torch.Tensor] = None, dbias_out: Optional[torch.Tensor] = None) -> None:
     """Cast x into `out` (same shape, fp8) and write `scale_inv_out = 1 / scale`.
 
     scale            () float32; read, or with `from_amax` first set to
                      compute_scale(from_amax, scale) (current scaling)
     amax_out         () float32 or None; max-accumulates abs_max(x) (delayed scaling history[0])
     nonfinite_count  () int32 or None; +1 when `from_amax` is inf/NaN
+    dbias_out        (N,) float32 or None; the column sums of x's rows (N = x.shape[-1]) in
+                     float32: the bias gradient when x is a grad-output. The GPU sums in
+                     another order (tiles, then their partial sums): equal within float32
+                     rounding, not bit for bit.
     """
     s = _resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
     out.copy_(saturating_cast(x, s, out.dtype))
     scale_inv_out.copy_(scaling.scale_inverse(s))
     if amax_out is not None:
         amax(x, amax_out)
+    if dbias_out is not None:
+        cols = x.shape[-1] if x.dim() else 1
+        dbias_out.copy_(x.detach().reshape(-1, cols).float().sum(0))
 
 
 def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale: torch.Tensor,
                         scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                         from_amax: Optional[torch.Tensor] = None,
-                        nonfinite_count: Optional[torch.Tensor] = None) -> None:
+                        nonfinite_count: Optional[torch.Tensor] = None,
+                        dbias_out: Optional[torch.Tensor] = None) -> None:
     """`cast_amax` of a 2-D x (M, N) that also writes the transposed copy.
 
     out    (M, N) fp8 row-major
@@ -78,6 +86,8 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
     scale_inv_out.copy_(scaling.scale_inverse(s))
     if amax_out is not None:
         amax(x, amax_out)
+    if dbias_out is not None:
+        dbias_out.copy_(x.detach().float().sum(0))
 
 
 def scale_update(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],

@@ -110,7 +110,6 @@ class _LayerNormLinearFn(torch.autograd.Function):
         ctx.w_fp8, ctx.q_grad, ctx.config, ctx.act_dtype = w_fp8, q_grad, config, act_dtype
         ctx.in_shape, ctx.need_wgrad = x.shape, need_wgrad
         ctx.weight_dtype = weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
         lead = x.shape[:-1]
         y = y.view(*lead, y.shape[-1])
         if ln_out is None:
@@ -124,8 +123,9 @@ class _LayerNormLinearFn(torch.autograd.Function):
         if dy2.dtype != ctx.act_dtype:
             dy2 = dy2.to(ctx.act_dtype)
         need_wgrad = ctx.needs_input_grad[3] and ctx.need_wgrad
-        dy_data, dy_t, dy_scale_inv = ctx.q_grad.cast(dy2, transpose=need_wgrad)  # (M, N), (N, Mp)
-        dx = d_lnw = d_lnb = dw = db = None
+        # (M, N), (N, Mp); db (N,) float32 from the same read of dY (autograd casts it to the bias dtype)
+        dy_data, dy_t, dy_scale_inv, db = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[4])
+        dx = d_lnw = d_lnb = dw = None
         if any(ctx.needs_input_grad[:3]):
             w = ctx.w_fp8
             d_ln = gemm.dgrad(dy_data, dy_scale_inv, w.transpose_data(), w.scale_inv, ctx.config, ctx.act_dtype)
@@ -134,8 +134,6 @@ class _LayerNormLinearFn(torch.autograd.Function):
             dx, d_lnw, d_lnb = norm_backward(d_ln, x2, ln_weight, ln_bias, mean, rstd, ctx.needs_input_grad[0])
         if need_wgrad:
             dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
-        if ctx.needs_input_grad[4]:
-            db = dy2.sum(0, dtype=ctx.bias_dtype)
         if dx is not None:
             dx = dx.view(ctx.in_shape)
         return dx, d_lnw, d_lnb, dw, db, None, None, None, None, None, None, None, None, None

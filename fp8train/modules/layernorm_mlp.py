@@ -145,23 +145,23 @@ class _LayerNormMLPFn(torch.autograd.Function):
         ctx.w_fp8 = (w1_fp8, w2_fp8)
         ctx.q_grad = (q1_grad, q2_grad)
         ctx.config, ctx.act_dtype, ctx.activation, ctx.in_shape = config, act_dtype, activation, x.shape
-        ctx.dtypes = (w1.dtype, b1.dtype if b1 is not None else None, w2.dtype, b2.dtype if b2 is not None else None)
+        ctx.dtypes = (w1.dtype, b1.dtype if b1 is not None else None, w2.dtype)
         return y.view(x.shape[:-1] + (y.shape[-1],))
 
     @staticmethod
     def backward(ctx, dy):
         x2, ln_weight, ln_bias, mean, rstd, x_t, x_si, h, a_t, a_si = ctx.saved_tensors
         (w1_fp8, w2_fp8), (q1_grad, q2_grad) = ctx.w_fp8, ctx.q_grad
-        w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
+        w1_dtype, b1_dtype, w2_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         config, act_dtype = ctx.config, ctx.act_dtype
         dy2 = _rows(dy)
         if dy2.dtype != act_dtype:
             dy2 = dy2.to(act_dtype)
-        dy_data, dy_t, dy_si = q2_grad.cast(dy2, transpose=True)  # (M, K), (K, Mp)
+        # (M, K), (K, Mp); db2 (K,) float32 from the same read of dY (autograd casts it to b2's dtype)
+        dy_data, dy_t, dy_si, db2 = q2_grad.cast(dy2, transpose=True, dbias=needs[6])
         da = gemm.dgrad(dy_data, dy_si, w2_fp8.transpose_data(), w2_fp8.scale_inv, config, act_dtype)  # (M, F)
         dw2 = gemm.wgrad(dy_t, dy_si, a_t, a_si, config, w2_dtype) if needs[5] else None
-        db2 = dy2.sum(0, dtype=b2_dtype) if needs[6] else None
         dhq = q1_grad.allocate(h.shape, h.device, transpose=True)  # (M, F1), (F1, Mp)
         db1 = torch.empty(h.shape[1], dtype=b1_dtype, device=h.device) if needs[4] else None
         q1_grad.produce(

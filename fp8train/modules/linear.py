@@ -108,14 +108,13 @@ class _LinearFn(torch.autograd.Function):
             x_data, x_scale_inv = _rows(x.fp8_data), x.scale_inv
             x_t = x.transpose_data(padded=True) if need_wgrad else None
         else:
-            x_data, x_t, x_scale_inv = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
+            x_data, x_t, x_scale_inv, _ = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
         y = gemm.fprop(x_data, x_scale_inv, w_fp8.fp8_data, w_fp8.scale_inv, config, act_dtype, bias)  # (M, N)
         if need_wgrad:
             ctx.save_for_backward(x_t, x_scale_inv)
         ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
         ctx.in_shape, ctx.act_dtype, ctx.need_wgrad = in_shape, act_dtype, need_wgrad
         ctx.weight_dtype = weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
         return y if len(in_shape) == 2 else y.view(*in_shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -124,8 +123,9 @@ class _LinearFn(torch.autograd.Function):
         if dy2.dtype != ctx.act_dtype:
             dy2 = dy2.to(ctx.act_dtype)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.need_wgrad
-        dy_data, dy_t, dy_scale_inv = ctx.q_grad.cast(dy2, transpose=need_wgrad)  # (M, N), (N, Mp)
-        dx = dw = db = None
+        # (M, N), (N, Mp); db (N,) float32 from the same read of dY (autograd casts it to the bias dtype)
+        dy_data, dy_t, dy_scale_inv, db = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[2])
+        dx = dw = None
         if need_dgrad:
             w = ctx.w_fp8
             dx = gemm.dgrad(dy_data, dy_scale_inv, w.transpose_data(), w.scale_inv, ctx.config, ctx.act_dtype)
@@ -134,6 +134,4 @@ class _LinearFn(torch.autograd.Function):
         if need_wgrad:
             x_t, x_scale_inv = ctx.saved_tensors
             dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
-        if ctx.needs_input_grad[2]:
-            db = dy2.sum(0, dtype=ctx.bias_dtype)  # accumulates in float32 whatever the output dtype
         return dx, dw, db, None, None, None, None, None, None

@@ -355,3 +355,84 @@ def test_cuda_graph_capture_matches_eager():
         for key in ("histories", "scales", "counts"):
             for i, (g, e) in enumerate(zip(graphed[key], eager[key])):
                 assert_bitwise(g, e, f"replay {replay}: {key}[{i}]")
+
+
+# --------------------------------------------------------------------------- bias gradient
+
+# The bias gradient rides on a grad-output cast (dbias_out): per-tile column sums in float32,
+# then a sum of the tile rows. Compared with a float64 sum: the error of a float32 sum of
+# M terms in that order is bounded by ~(log2 BLOCK_M + M / BLOCK_M) * 2^-24 * sum|x| per
+# column; 2^-16 * sum|x| leaves room and still fails on a dropped or doubled row or tile.
+DBIAS_SHAPES = [(1, 16), (3, 17), (129, 64), (1000, 1003), (4097, 520), (2, 7, 33)]
+
+
+def check_dbias(got: torch.Tensor, x: torch.Tensor) -> None:
+    x2 = x.reshape(-1, x.shape[-1]).double()
+    want = x2.sum(0)
+    bound = x2.abs().sum(0) * 2.0**-16 + 1e-30
+    err = (got.double() - want).abs()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (err <= bound).all(), f"dbias: worst error {float((err / bound).max()):.3g}x the bound"
+
+
+@pytest.mark.parametrize("shape", DBIAS_SHAPES, ids=str)
+@pytest.mark.parametrize("x_dtype", INPUTS)
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transpose"])
+@pytest.mark.parametrize("mode", [SCALES[2], CURRENT[0]])
+def test_cast_with_dbias(shape, x_dtype, transpose, mode):
+    if transpose and len(shape) != 2:
+        pytest.skip("cast_transpose_amax takes 2-D x")
+    x = (torch.randn(shape, device=DEV) * 3).to(x_dtype)
+    m, n = x.numel() // shape[-1], shape[-1]
+    start = Scalars.make(x, mode)
+    want_s = start.clone()
+    want = poisoned(x.shape, E5M2, 0)
+    mp = (m + 15) // 16 * 16
+    want_t = poisoned((n, mp), E5M2, 0)
+    if transpose:
+        reference.cast_transpose_amax(x, want, want_t, *want_s.args())
+    else:
+        reference.cast_amax(x, want, *want_s.args())
+    for byte in POISONS:
+        got_s = start.clone()
+        dbias = torch.full((n,), math.nan, device=DEV)
+        out = poisoned(x.shape, E5M2, byte)
+        if transpose:
+            out_t = poisoned((n, mp), E5M2, byte)
+            cast.cast_transpose_amax(x, out, out_t, *got_s.args(), dbias_out=dbias)
+            assert_bitwise(out_t, want_t, f"out_t with dbias (poison {byte:#x})")
+        else:
+            cast.cast_amax(x, out, *got_s.args(), dbias_out=dbias)
+        assert_bitwise(out, want, f"out with dbias (poison {byte:#x})")
+        got_s.assert_equal(want_s)
+        check_dbias(dbias, x)
+
+
+def test_dbias_keeps_nonfinite_columns_to_themselves():
+    x = torch.randn(300, 48, device=DEV, dtype=torch.bfloat16)
+    x[17, 5], x[250, 9], x[3, 30], x[299, 30] = math.nan, math.inf, math.inf, -math.inf
+    dbias = torch.empty(48, device=DEV)
+    s = Scalars.make(x, SCALES[2].values[0])
+    cast.cast_transpose_amax(x, torch.empty(x.shape, dtype=E4M3, device=DEV),
+                             torch.empty((48, 304), dtype=E4M3, device=DEV), *s.args(), dbias_out=dbias)
+    assert dbias[5].isnan() and dbias[30].isnan() and dbias[9] == math.inf
+    finite = torch.ones(48, dtype=torch.bool, device=DEV)
+    finite[[5, 9, 30]] = False
+    check_dbias(dbias[finite], x[:, finite])
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transpose"])
+def test_quantizer_cast_with_dbias_on_every_call(recipe, transpose):
+    """The prepared launch (a quantizer's steady state) reuses its partial-sum buffer."""
+    from fp8train.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer
+    from fp8train.roles import TensorRole
+    q = (DelayedScalingQuantizer(TensorRole.GRAD_OUTPUT, E5M2, 16, device=DEV) if recipe == "delayed"
+         else CurrentScalingQuantizer(TensorRole.GRAD_OUTPUT, E5M2, device=DEV))
+    for step in range(4):
+        x = torch.randn(777, 272, device=DEV, dtype=torch.bfloat16) * (step + 1)
+        got = q.cast(x, transpose=transpose, dbias=True)
+        check_dbias(got.dbias, x)
+        plain = q.cast(x, transpose=transpose)  # no dbias: the same bytes
+        assert plain.dbias is None
+        assert_bitwise(got.data, plain.data, f"step {step}: data with and without dbias")

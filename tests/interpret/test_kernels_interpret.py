@@ -196,6 +196,46 @@ def test_cast_transpose_amax(shape, pad, x_dtype, fp8_dtype, mode, config):
     run_cast_transpose_amax(make_input(shape, x_dtype), fp8_dtype, mode, mp)
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (5, 33), (37, 20), (64, 70), (3, 4, 18)], ids=str)
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transpose"])
+@pytest.mark.parametrize("x_dtype", INPUT_DTYPES)
+@pytest.mark.parametrize("mode", [MODES[2], MODES[4]])
+def test_cast_with_dbias(shape, transpose, x_dtype, mode, config):
+    """DBIAS: the tile kernel's column sums per tile, reduced on the host; the cast itself
+    unchanged. Sums compared with float64 within float32 rounding (the order differs)."""
+    if transpose and len(shape) != 2:
+        pytest.skip("cast_transpose_amax takes 2-D x")
+    x = (torch.randn(shape) * 3).to(x_dtype)
+    n = shape[-1]
+    m = x.numel() // n
+    s_kernel = Scalars.make(x, mode)
+    s_ref = s_kernel.clone()
+    dbias = torch.full((n,), math.nan)
+    out, want = poisoned(shape, E4M3), torch.empty(shape, dtype=E4M3)
+    if transpose:
+        mp = (m + 15) // 16 * 16
+        out_t, want_t = poisoned((n, mp), E4M3), poisoned((n, mp), E4M3)
+        cast.cast_transpose_amax(x, out, out_t, *s_kernel.args(), dbias_out=dbias)
+        reference.cast_transpose_amax(x, want, want_t, *s_ref.args())
+        assert_fp8_equal(out_t, want_t, "transposed copy")
+    else:
+        cast.cast_amax(x, out, *s_kernel.args(), dbias_out=dbias)
+        reference.cast_amax(x, want, *s_ref.args())
+    assert_fp8_equal(out, want)
+    s_kernel.assert_equal(s_ref)
+    x2 = x.reshape(m, n).double()
+    err = (dbias.double() - x2.sum(0)).abs()
+    assert (err <= x2.abs().sum(0) * 2.0**-18 + 1e-30).all(), f"dbias off by up to {float(err.max()):.3g}"
+
+
+def test_dbias_out_is_checked(config):
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    s = Scalars.make(x, DELAYED_1)
+    for bad in (torch.empty(32, dtype=torch.bfloat16), torch.empty(31), torch.empty(64)[::2]):
+        with pytest.raises(ValueError, match="dbias_out must be a contiguous float32 tensor of shape"):
+            cast.cast_amax(x, torch.empty(x.shape, dtype=E4M3), *s.args(), dbias_out=bad)
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("mode", [MODES[1], MODES[4]])
 def test_cast_transpose_amax_strided_rows(fp8_dtype, mode, config):
