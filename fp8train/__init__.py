@@ -1,4 +1,5 @@
 """fp8train: FP8 mixed-precision training for PyTorch on Hopper GPUs."""
+from . import precision
 from .autocast import autocast
 from .convert import convert
 from .modules import LayerNormLinear, LayerNormMLP, Linear
@@ -13,5 +14,5 @@ __version__ = "0.1.0"
 __all__ = [
     "autocast", "convert", "Linear", "LayerNormLinear", "LayerNormMLP", "quantize", "Float8Tensor", "Format", "GemmConfig", "DelayedScaling",
     "CurrentScaling", "TensorRole", "GemmRole", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
-    "update_delayed_scales",
+    "update_delayed_scales", "precision",
 ]

@@ -8,8 +8,9 @@ autograd function keeps the recipe and quantizers it was called with.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 from .quantizer import update_delayed_scales
 from .recipe import DelayedScaling, Recipe, check_recipe
@@ -51,6 +52,18 @@ class autocast:
     def __exit__(self, *exc):
         _stack().pop()
         return False
+
+
+@contextlib.contextmanager
+def recipe_without_step(recipe: Recipe) -> Iterator[None]:
+    """FP8 on with `recipe` for work that is not a training step (auto-precision
+    measurements): unlike `autocast`, entering it never runs the delayed-scaling update."""
+    stack = _stack()
+    stack.append((True, recipe))
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 def active_recipe() -> Optional[Recipe]:

@@ -61,6 +61,11 @@ def _check_format(owner: str, fmt) -> None:
         raise ValueError(f"{owner}.fp8_format must be a fp8train.Format (E4M3 or HYBRID), got {fmt!r}")
 
 
+def _check_auto(owner: str, auto) -> None:
+    if not isinstance(auto, bool):
+        raise ValueError(f"{owner}.auto_precision must be a bool, got {auto!r}")
+
+
 def _check_gemm(owner: str, gemm) -> None:
     if not isinstance(gemm, GemmConfig):
         raise ValueError(f"{owner}.gemm must be a fp8train.GemmConfig, got {gemm!r}")
@@ -78,6 +83,9 @@ class DelayedScaling:
     scale = fp8_max / amax / 2**margin, amax being the history's max ("max") or its newest
     entry ("most_recent"). A quantizer's very first cast has no history yet and uses the
     tensor's own amax (current scaling) once.
+
+    auto_precision: run each layer's GEMMs in FP8 only where a measured table says FP8 is
+    faster for its shapes on this GPU, else in high precision (fp8train/precision.py).
     """
 
     fp8_format: Format = Format.HYBRID
@@ -85,10 +93,12 @@ class DelayedScaling:
     amax_compute_algo: Literal["max", "most_recent"] = "max"
     margin: int = 0
     gemm: GemmConfig = GemmConfig()
+    auto_precision: bool = False
 
     def __post_init__(self):
         _check_format("DelayedScaling", self.fp8_format)
         _check_gemm("DelayedScaling", self.gemm)
+        _check_auto("DelayedScaling", self.auto_precision)
         n = self.amax_history_len
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 65536:
             raise ValueError(f"DelayedScaling.amax_history_len must be an int in [1, 65536], got {n!r}")
@@ -104,14 +114,19 @@ class DelayedScaling:
 
 @dataclasses.dataclass(frozen=True)
 class CurrentScaling:
-    """Scale from the amax of the tensor being cast (one amax pass, then the cast)."""
+    """Scale from the amax of the tensor being cast (one amax pass, then the cast).
+
+    auto_precision: as for DelayedScaling.
+    """
 
     fp8_format: Format = Format.HYBRID
     gemm: GemmConfig = GemmConfig()
+    auto_precision: bool = False
 
     def __post_init__(self):
         _check_format("CurrentScaling", self.fp8_format)
         _check_gemm("CurrentScaling", self.gemm)
+        _check_auto("CurrentScaling", self.auto_precision)
 
 
 Recipe = Union[DelayedScaling, CurrentScaling]

@@ -9,6 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import precision
 from ..quantizer import Quantizer, make_quantizer, quantizer_from_state
 from ..recipe import DelayedScaling, Recipe
 from ..roles import TensorRole
@@ -40,6 +41,11 @@ class FP8Module(nn.Module):
         self._warned: set = set()
         self._matched: Dict[str, tuple] = {}  # per GEMM: (recipe, quantizers) of the last quantizers() call
         self.name: Optional[str] = None  # set by the user or fp8train.convert for messages
+        # Auto precision (recipe.auto_precision): the table entries this layer ran by, per
+        # shape key, and its cached choices per (rows, dtype, recipe kind) for the hot path.
+        self.precision_choices: Dict[str, precision.Entry] = {}
+        self._precision: dict = {}
+        self._precision_gen = -1
 
     def _quantizer_names(self):
         return [gemm + name for gemm in self.GEMMS for name in QUANTIZER_NAMES.values()]
@@ -74,6 +80,43 @@ class FP8Module(nn.Module):
             out.append(q)
         self._matched[gemm] = (recipe, tuple(out))
         return self._matched[gemm][1]
+
+    # ------------------------------------------------------------------ auto precision
+    def runs_fp8(self, x: torch.Tensor, recipe: Recipe, act_dtype: torch.dtype) -> bool:
+        """Whether this call runs in FP8 under an auto-precision recipe (precision.py): the
+        table's choice for this layer at x's token count, looked up once per count."""
+        if self._precision_gen != precision.generation():
+            self._precision, self._precision_gen = {}, precision.generation()
+        rows = x.numel() // x.shape[-1]
+        key = (rows, act_dtype, type(recipe))
+        fp8 = self._precision.get(key)
+        if fp8 is None:
+            if len(self._precision) >= 256:  # many token counts (variable lengths): start over
+                self._precision.clear()
+            entry = precision.decide(self, rows, act_dtype, recipe, x.device)
+            fp8 = self._precision[key] = entry.choice == precision.FP8
+        return fp8
+
+    def precision_key(self, tokens: int, dtype: torch.dtype, recipe: Recipe) -> precision.ShapeKey:
+        return precision.ShapeKey(type(self).__name__, self.precision_dims(), tokens,
+                                  str(dtype).replace("torch.", ""), type(recipe).__name__)
+
+    def precision_dims(self) -> tuple:
+        """The dims and options that set this layer's cost (auto-precision table keys)."""
+        raise NotImplementedError
+
+    @property
+    def precision_in_features(self) -> int:
+        raise NotImplementedError
+
+    def make_twin(self) -> "FP8Module":
+        """A fresh layer of the same kind, dims, options, parameter dtype and device, with its
+        own quantizers (auto precision measures it instead of this layer)."""
+        raise NotImplementedError
+
+    def high_precision_forward(self, x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """The layer's output computed without FP8, in `dtype` (None: the torch composition)."""
+        raise NotImplementedError
 
     def check_input(self, x, in_features: int, fp8: bool) -> None:
         if not isinstance(x, torch.Tensor):

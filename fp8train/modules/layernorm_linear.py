@@ -76,6 +76,8 @@ class LayerNormLinear(FP8Module):
                 self.warn_once("dims", "FP8 GEMMs need dims that are multiples of 16; this layer runs in "
                                        f"{activation_dtype(x)}")
             return self._high_precision(x, activation_dtype(x) if recipe is not None else None)
+        if recipe.auto_precision and not self.runs_fp8(x, recipe, activation_dtype(x)):
+            return self._high_precision(x, activation_dtype(x))
         gemm.check_device(x.device)
         q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)
         grad = torch.is_grad_enabled()
@@ -86,6 +88,22 @@ class LayerNormLinear(FP8Module):
             recipe.gemm, activation_dtype(x), self.eps, self.normalization == "LayerNorm",
             grad and self.weight.requires_grad, self.return_layernorm_output)
         return (y, ln_out) if self.return_layernorm_output else y
+
+    def precision_dims(self) -> tuple:
+        return self.in_features, self.out_features, self.normalization, int(self.bias is not None)
+
+    @property
+    def precision_in_features(self) -> int:
+        return self.in_features
+
+    def make_twin(self) -> "LayerNormLinear":
+        return LayerNormLinear(self.in_features, self.out_features, bias=self.bias is not None,
+                               normalization=self.normalization, eps=self.eps, params_dtype=self.weight.dtype,
+                               device=self.weight.device)
+
+    def high_precision_forward(self, x, dtype):
+        out = self._high_precision(x, dtype)
+        return out[0] if self.return_layernorm_output else out
 
     def _high_precision(self, x, dtype):
         ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)

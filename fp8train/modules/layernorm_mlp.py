@@ -96,6 +96,8 @@ class LayerNormMLP(FP8Module):
                 self.warn_once("dims", "FP8 GEMMs need dims that are multiples of 16; this layer runs in "
                                        f"{activation_dtype(x)}")
             return self._high_precision(x, activation_dtype(x) if recipe is not None else None)
+        if recipe.auto_precision and not self.runs_fp8(x, recipe, activation_dtype(x)):
+            return self._high_precision(x, activation_dtype(x))
         gemm.check_device(x.device)
         q1 = self.quantizers(recipe, self.fc1_weight.device, "fc1_")
         q2 = self.quantizers(recipe, self.fc2_weight.device, "fc2_")
@@ -107,6 +109,22 @@ class LayerNormMLP(FP8Module):
             x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
             self.fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2], recipe.gemm, activation_dtype(x), self.eps,
             self.normalization == "LayerNorm", self.activation, grad)
+
+    def precision_dims(self) -> tuple:
+        return self.hidden_size, self.ffn_hidden_size, self.normalization, self.activation, \
+            int(self.fc1_bias is not None)
+
+    @property
+    def precision_in_features(self) -> int:
+        return self.hidden_size
+
+    def make_twin(self) -> "LayerNormMLP":
+        return LayerNormMLP(self.hidden_size, self.ffn_hidden_size, bias=self.fc1_bias is not None,
+                            normalization=self.normalization, activation=self.activation, eps=self.eps,
+                            params_dtype=self.fc1_weight.dtype, device=self.fc1_weight.device)
+
+    def high_precision_forward(self, x, dtype):
+        return self._high_precision(x, dtype)
 
     def _high_precision(self, x, dtype):
         ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)

@@ -58,6 +58,21 @@ class Linear(FP8Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
+    def precision_dims(self) -> tuple:
+        return self.in_features, self.out_features, int(self.bias is not None)
+
+    @property
+    def precision_in_features(self) -> int:
+        return self.in_features
+
+    def make_twin(self) -> "Linear":
+        return Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                      params_dtype=self.weight.dtype, device=self.weight.device)
+
+    def high_precision_forward(self, x, dtype):
+        return F.linear(x, self.weight, self.bias) if dtype is None else _high_precision(x, self.weight, self.bias,
+                                                                                           dtype)
+
     @property
     def weight_fp8(self) -> Optional[Float8Tensor]:
         """The FP8 weight workspace (None until the first FP8 forward)."""
@@ -71,6 +86,8 @@ class Linear(FP8Module):
         act_dtype = activation_dtype(x)
         if not self._fp8_dims:
             self.warn_once("dims", f"FP8 GEMMs need dims that are multiples of 16; this layer runs in {act_dtype}")
+            return _high_precision(x, self.weight, self.bias, act_dtype)
+        if recipe.auto_precision and not self.runs_fp8(x, recipe, act_dtype):
             return _high_precision(x, self.weight, self.bias, act_dtype)
         gemm.check_device(x.device)
         q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)

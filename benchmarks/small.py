@@ -1,0 +1,113 @@
+"""Small and medium MLP training steps: does FP8 ever make a model slower? (GPU machine)
+
+LayerNorm -> Linear(h -> 4h) -> GELU(tanh) -> Linear(4h -> h), MSE, backward, fused Adam,
+4096 tokens of bf16, bf16 parameters, for h in 512, 1024, 2048, 4096 (issue: FP8 that pays
+at every size). Variants, side by side per size: BF16 eager; BF16 with forward+backward in
+a CUDA graph (torch.cuda.make_graphed_callables); fp8train LayerNormMLP eager (delayed
+scaling); the same with `auto_precision=True` (fp8train/precision.py measures each layer
+shape once and keeps the faster path); torchao float8 tensorwise compiled, default and
+"reduce-overhead", at h=1024 when importable (`--torchao-all` for every size). Prints a
+table with each ratio to BF16 eager and the auto-precision report; writes JSON. Never
+asserts on time. fp8train's own CUDA-graph variant joins when make_graphed_callables lands.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import triton
+
+import fp8train
+from fp8train import precision
+
+sys.path.insert(0, os.path.dirname(__file__))
+from mlp import fp8_mlp, make_step, torch_mlp  # noqa: E402
+
+
+def graphed_bf16(h, f, device, x, target):
+    """BF16 forward+backward replayed from CUDA graphs; loss and Adam stay eager."""
+    model = torch_mlp(h, f, torch.bfloat16, device)
+    graphed = torch.cuda.make_graphed_callables(model, (x.detach().clone(),))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        y = graphed(x)
+        torch.nn.functional.mse_loss(y.float(), target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step, model
+
+
+def variants(h, device, x, target, with_torchao):
+    """(name, build) pairs; build() returns (step, model)."""
+    f = 4 * h
+
+    def eager(model, recipe=None):
+        return make_step(model, x, target, recipe), model
+
+    out = [("bf16 eager", lambda: eager(torch_mlp(h, f, torch.bfloat16, device))),
+           ("bf16 graphed", lambda: graphed_bf16(h, f, device, x, target)),
+           ("fp8train eager", lambda: eager(fp8_mlp(h, f, torch.bfloat16, device), fp8train.DelayedScaling())),
+           ("fp8train eager auto", lambda: eager(fp8_mlp(h, f, torch.bfloat16, device),
+                                                 fp8train.DelayedScaling(auto_precision=True)))]
+    if with_torchao:
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError:
+            return out
+        for mode in ("default", "reduce-overhead"):
+            def build(mode=mode):
+                model = torch_mlp(h, f, torch.bfloat16, device)
+                convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+                return eager(torch.compile(model, mode=mode))
+            out.append((f"torchao compile {mode}", build))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="512,1024,2048,4096")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--torchao-all", action="store_true", help="torchao at every size, not only h=1024")
+    p.add_argument("--json", default="benchmarks/results/small.json")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "tokens": args.tokens}
+    results, models = [], []
+    for h in (int(s) for s in args.sizes.split(",")):
+        torch.manual_seed(0)
+        x = torch.randn(args.tokens, h, device=device, dtype=torch.bfloat16)
+        target = torch.randn(args.tokens, h, device=device)
+        base = None
+        for name, build in variants(h, device, x, target, args.torchao_all or h == 1024):
+            step, model = build()
+            ms = triton.testing.do_bench(step, warmup=100, rep=500, return_mode="median")
+            base = base or ms
+            results.append({"h": h, "variant": name, "ms": ms, "ratio_to_bf16_eager": ms / base})
+            if name == "fp8train eager auto":
+                models.append((h, model))
+            torch.cuda.empty_cache()
+
+    print(f"\nMLP train step, {args.tokens} tokens -- {meta['device']}, torch {meta['torch']}, "
+          f"triton {meta['triton']}, {meta['date']}")
+    print(f"{'h':>6} {'variant':<28} {'ms':>8} {'vs bf16 eager':>14}")
+    for r in results:
+        print(f"{r['h']:>6} {r['variant']:<28} {r['ms']:>8.3f} {r['ratio_to_bf16_eager']:>13.2f}x")
+    print("\nauto precision choices:")
+    report = []
+    for h, model in models:
+        text = precision.report(torch.nn.ModuleDict({f"h{h}": model}))
+        print(text)
+        report.append(text)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as fh:
+        json.dump({"meta": meta, "steps": results, "auto_precision": report}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Automatic per-layer precision (fp8train/precision.py) on CPU: the decision logic with
+injected tables, the measuring path on tiny layers, the on-disk table, the report."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fp8train
+from fp8train import precision
+from fp8train.precision import FP8, HIGH, PrecisionTable, ShapeKey
+
+CPU = torch.device("cpu")
+RECIPES = [pytest.param(fp8train.DelayedScaling, id="delayed"), pytest.param(fp8train.CurrentScaling, id="current")]
+
+
+@pytest.fixture
+def table(tmp_path):
+    """A fresh table for this machine's CPU, saved under tmp_path; the old one comes back after."""
+    name = precision.device_name(CPU)
+    saved = precision._TABLES.get(name)
+    t = PrecisionTable(name, tmp_path / "table.json")
+    precision.use_table(t)
+    yield t
+    if saved is None:
+        precision._TABLES.pop(name, None)
+    else:
+        precision._TABLES[name] = saved
+    precision.refresh()
+
+
+def layers():
+    torch.manual_seed(0)
+    return {
+        "Linear": lambda: fp8train.Linear(48, 32, params_dtype=torch.float32),
+        "LayerNormLinear": lambda: fp8train.LayerNormLinear(48, 32, params_dtype=torch.float32),
+        "LayerNormMLP": lambda: fp8train.LayerNormMLP(48, 64, activation="gelu_tanh", params_dtype=torch.float32),
+    }
+
+
+def twins(make):
+    a = make()
+    b = make()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def step(layer, x, recipe):
+    x = x.detach().requires_grad_()
+    with fp8train.autocast(recipe=recipe):
+        y = layer(x)
+    y.float().pow(2).sum().backward()
+    return y.detach(), x.grad, [p.grad for p in layer.parameters()]
+
+
+def test_recipe_option_is_validated():
+    assert fp8train.DelayedScaling(auto_precision=True).auto_precision
+    for cls in (fp8train.DelayedScaling, fp8train.CurrentScaling):
+        with pytest.raises(ValueError, match="auto_precision must be a bool"):
+            cls(auto_precision=1)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+@pytest.mark.parametrize("recipe_cls", RECIPES)
+def test_layer_choosing_high_precision_computes_exactly_the_high_precision_path(kind, recipe_cls, table):
+    table.override(kind, HIGH)
+    auto, plain = twins(layers()[kind])
+    x = torch.randn(3, 7, 48, dtype=torch.bfloat16)
+    y, dx, grads = step(auto, x, recipe_cls(auto_precision=True))
+    # The reference: the same layer's own high-precision path in the activation dtype.
+    xr = x.detach().requires_grad_()
+    yr = plain.high_precision_forward(xr, torch.bfloat16)
+    yr.float().pow(2).sum().backward()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, yr.detach())
+    assert torch.equal(dx, xr.grad)
+    for g, gr in zip(grads, [p.grad for p in plain.parameters()]):
+        assert torch.equal(g, gr)
+    assert all(q is None for q in auto.children()), "a high-precision layer creates no quantizers"
+    (entry,) = auto.precision_choices.values()
+    assert entry.choice == HIGH and entry.source == "override"
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_layer_choosing_fp8_runs_the_fp8_path(kind, table):
+    table.override("", FP8)
+    auto, plain = twins(layers()[kind])
+    x = torch.randn(20, 48, dtype=torch.bfloat16)
+    got = step(auto, x, fp8train.DelayedScaling(auto_precision=True))
+    want = step(plain, x, fp8train.DelayedScaling())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert any(q is not None for q in auto.children())
+
+
+def test_missing_entry_is_measured_once_and_saved(table, monkeypatch):
+    layer = fp8train.Linear(32, 16, params_dtype=torch.float32)
+    x = torch.randn(10, 32)
+    with fp8train.autocast(recipe=fp8train.CurrentScaling(auto_precision=True)):
+        layer(x)
+    (key, entry) = next(iter(layer.precision_choices.items()))
+    assert key == str(ShapeKey("Linear", (32, 16, 1), 16, "float32", "CurrentScaling"))
+    assert entry.source == "measured" and entry.fp8_ms > 0 and entry.high_ms > 0
+    assert entry.choice == (FP8 if entry.fp8_ms < entry.high_ms else HIGH)
+    on_disk = json.loads(table.path.read_text())
+    assert on_disk["device"] == table.device_name and key in on_disk["entries"]
+    # Another layer of the same dims and a token count in the same bucket: no new measurement.
+    monkeypatch.setattr(precision, "measure", lambda *a, **k: pytest.fail("measured twice"))
+    other = fp8train.Linear(32, 16, params_dtype=torch.float32)
+    with fp8train.autocast(recipe=fp8train.CurrentScaling(auto_precision=True)):
+        other(torch.randn(2, 7, 32))
+    assert other.precision_choices[key].choice == entry.choice
+
+
+def test_measuring_leaves_the_layer_state_alone(table):
+    """Measurement runs a twin with its own quantizers: the layer's scaling state and
+    parameters stay bit for bit what they were."""
+    layer = fp8train.Linear(32, 16, params_dtype=torch.float32)
+    recipe = fp8train.DelayedScaling(auto_precision=True)
+    step(layer, torch.randn(8, 32), fp8train.DelayedScaling())  # quantizers exist and hold state
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    entry = precision.decide(layer, 1000, torch.float32, recipe, CPU)  # a new bucket: measured now
+    assert entry.source == "measured"
+    after = layer.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+
+
+def test_overrides_replace_cached_choices(table):
+    layer = fp8train.Linear(32, 16, params_dtype=torch.float32)
+    x = torch.randn(8, 32)
+    recipe = fp8train.DelayedScaling(auto_precision=True)
+    table.override("Linear[32x16", HIGH)
+    assert not layer.runs_fp8(x, recipe, torch.float32)
+    table.override("Linear[32x16", FP8)
+    assert layer.runs_fp8(x, recipe, torch.float32)
+    table.entries.clear()
+    table.overrides.clear()
+    table.record(layer.precision_key(16, torch.float32, recipe), fp8_ms=2.0, high_ms=1.0)
+    assert layer.runs_fp8(x, recipe, torch.float32), "cached until refresh()"
+    precision.refresh()
+    assert not layer.runs_fp8(x, recipe, torch.float32)
+
+
+def test_table_round_trip_and_errors(tmp_path):
+    t = PrecisionTable("NVIDIA H200", tmp_path / "t.json")
+    key = ShapeKey("LayerNormMLP", (1024, 4096, "LayerNorm", "gelu", 1), 4096, "bfloat16", "DelayedScaling")
+    assert t.record(key, 0.9, 0.6).choice == HIGH
+    t.override("tokens<=64 ", FP8)
+    back = PrecisionTable.load(t.path)
+    assert back.lookup(key).choice == HIGH and back.lookup(key).high_ms == 0.6
+    assert back.overrides == {"tokens<=64 ": FP8}
+    with pytest.raises(ValueError, match="was measured on 'NVIDIA H200', not 'NVIDIA H100'"):
+        PrecisionTable.load(t.path, "NVIDIA H100")
+    with pytest.raises(ValueError, match="choice must be one of"):
+        t.override("x", "bf16")
+    bad = json.loads(t.path.read_text())
+    bad["entries"][str(key)]["choice"] = "int8"
+    t.path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="unknown choice 'int8'"):
+        PrecisionTable.load(t.path)
+
+
+@pytest.mark.parametrize("tokens,want", [(1, 16), (16, 16), (17, 32), (4096, 4096), (4097, 8192)])
+def test_token_buckets(tokens, want):
+    assert precision.bucket(tokens) == want
+
+
+def test_report_names_each_layer_and_its_reason(table):
+    table.override("LayerNormMLP", HIGH)
+    table.override("Linear[", FP8)
+    model = torch.nn.Sequential(fp8train.LayerNormMLP(32, 64, params_dtype=torch.float32),
+                                fp8train.Linear(32, 16, params_dtype=torch.float32),
+                                fp8train.Linear(16, 16, params_dtype=torch.float32))
+    with fp8train.autocast(recipe=fp8train.DelayedScaling(auto_precision=True)):
+        model[1](model[0](torch.randn(4, 32)))
+    text = precision.report(model)
+    assert "0: high for LayerNormMLP[32x64xLayerNormxgelux1] tokens<=16 float32 DelayedScaling: override" in text
+    assert "1: fp8 for Linear[32x16x1] tokens<=16 float32 DelayedScaling: override" in text
+    assert "2: no auto-precision decision yet" in text
