@@ -9,11 +9,12 @@ with float32 arithmetic where the layer's kernels use float32 (norms, activation
 accumulator) and a rounding to the activation dtype where the layer stores a tensor in it
 (the GEMM outputs). The activation dtype is the input's (no torch.autocast during export).
 Twins hold copies of the parameters and scales as buffers (float32: exact for bf16 and fp32
-parameters) and never reference the layer they came from; the one exception, a layer that
-runs in high precision anyway, calls that layer's own high-precision path (which only reads).
+parameters) and never reference the layer they came from. A layer that runs in high
+precision anyway is exported as a copy of itself (without its quantizers) running that path.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -114,8 +115,17 @@ class LayerNormMLPTwin(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(self.norm(x.float()), x.dtype)  # fc1's output is stored in the activation dtype
-        a = activation_high_precision(h.float(), self.activation)  # float32, cast straight to FP8
+        a = _activation(h.float(), self.activation)  # float32, cast straight to FP8
         return self.fc2(a, x.dtype)
+
+
+def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu":
+        # Max(h, 0), not Relu: ONNX Runtime (1.32, CPU, optimization level EXTENDED and up)
+        # deletes a Relu feeding QuantizeLinear, which is right for integer zero points only;
+        # with a float8 zero point the negatives then pass through.
+        return torch.maximum(h, torch.zeros((), dtype=h.dtype, device=h.device))
+    return activation_high_precision(h, activation)
 
 
 class HighPrecisionTwin(nn.Module):
@@ -123,7 +133,9 @@ class HighPrecisionTwin(nn.Module):
 
     def __init__(self, layer: FP8Module):
         super().__init__()
-        self.layer = layer
+        # A copy: eval() and tracing must not reach the user's layer. Its quantizers (if a
+        # checkpoint created any) are left out, so no live delayed quantizer is duplicated.
+        self.layer = copy.deepcopy(layer, {id(q): None for q in layer.children()})
 
     def forward(self, x: torch.Tensor):
         layer = self.layer
