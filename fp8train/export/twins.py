@@ -153,6 +153,5 @@ def make_twin(layer: FP8Module) -> nn.Module:
     if kind not in _TWINS:
         raise NotImplementedError(f"{layer.describe()}: ONNX export supports {sorted(k.__name__ for k in _TWINS)}, "
                                   f"not {kind.__name__}")
-    if not layer._fp8_dims:
-        return HighPrecisionTwin(layer)
-    return _TWINS[kind](layer).eval()
+    twin = _TWINS[kind](layer) if layer._fp8_dims else HighPrecisionTwin(layer)
+    return twin.eval()
