@@ -2,6 +2,7 @@
 from . import precision
 from .autocast import autocast
 from .convert import convert
+from .export import export_onnx
 from .modules import LayerNormLinear, LayerNormMLP, Linear
 from .quantize import quantize
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
@@ -12,7 +13,7 @@ from .tensor import Float8Tensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "autocast", "convert", "Linear", "LayerNormLinear", "LayerNormMLP", "quantize", "Float8Tensor", "Format", "GemmConfig", "DelayedScaling",
+    "autocast", "convert", "export_onnx", "Linear", "LayerNormLinear", "LayerNormMLP", "quantize", "Float8Tensor", "Format", "GemmConfig", "DelayedScaling",
     "CurrentScaling", "TensorRole", "GemmRole", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
     "update_delayed_scales", "precision",
 ]
