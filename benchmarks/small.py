@@ -3,12 +3,13 @@
 LayerNorm -> Linear(h -> 4h) -> GELU(tanh) -> Linear(4h -> h), MSE, backward, fused Adam,
 4096 tokens of bf16, bf16 parameters, for h in 512, 1024, 2048, 4096 (issue: FP8 that pays
 at every size). Variants, side by side per size: BF16 eager; BF16 with forward+backward in
-a CUDA graph (torch.cuda.make_graphed_callables); fp8train LayerNormMLP eager (delayed
-scaling); the same with `auto_precision=True` (fp8train/precision.py measures each layer
-shape once and keeps the faster path); torchao float8 tensorwise compiled, default and
-"reduce-overhead", at h=1024 when importable (`--torchao-all` for every size). Prints a
-table with each ratio to BF16 eager and the auto-precision report; writes JSON. Never
-asserts on time. fp8train's own CUDA-graph variant joins when make_graphed_callables lands.
+CUDA graphs (torch.cuda.make_graphed_callables); fp8train LayerNormMLP (delayed scaling)
+graphed (fp8train.make_graphed_callables, after one eager step), eager, and eager with
+`auto_precision=True` (fp8train/precision.py measures each layer shape once and keeps the
+faster path); torchao float8 tensorwise compiled, default and "reduce-overhead", at h=1024
+when importable (`--torchao-all` for every size). Loss and Adam stay eager in every
+variant. Prints a table with each ratio to BF16 eager and the auto-precision report;
+writes JSON. Never asserts on time.
 """
 from __future__ import annotations
 
@@ -42,6 +43,17 @@ def graphed_bf16(h, f, device, x, target):
     return step, model
 
 
+def graphed_fp8(h, f, device, x, target):
+    """fp8train's forward+backward (with the delayed update) replayed from CUDA graphs after
+    one eager step; loss and Adam stay eager, as for BF16."""
+    model = fp8_mlp(h, f, torch.bfloat16, device)
+    recipe = fp8train.DelayedScaling()
+    eager_step = make_step(model, x, target, recipe)
+    eager_step()
+    fp8train.make_graphed_callables(model, (x.detach().clone(),), recipe=recipe)
+    return make_step(model, x, target), model  # no autocast around replays: the FP8 region is in the graph
+
+
 def variants(h, device, x, target, with_torchao):
     """(name, build) pairs; build() returns (step, model)."""
     f = 4 * h
@@ -51,6 +63,7 @@ def variants(h, device, x, target, with_torchao):
 
     out = [("bf16 eager", lambda: eager(torch_mlp(h, f, torch.bfloat16, device))),
            ("bf16 graphed", lambda: graphed_bf16(h, f, device, x, target)),
+           ("fp8train graphed", lambda: graphed_fp8(h, f, device, x, target)),
            ("fp8train eager", lambda: eager(fp8_mlp(h, f, torch.bfloat16, device), fp8train.DelayedScaling())),
            ("fp8train eager auto", lambda: eager(fp8_mlp(h, f, torch.bfloat16, device),
                                                  fp8train.DelayedScaling(auto_precision=True)))]

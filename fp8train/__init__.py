@@ -3,6 +3,7 @@ from . import precision
 from .autocast import autocast
 from .convert import convert
 from .export import export_onnx
+from .graphs import make_graphed_callables
 from .modules import LayerNormLinear, LayerNormMLP, Linear
 from .quantize import quantize
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
@@ -15,5 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "autocast", "convert", "export_onnx", "Linear", "LayerNormLinear", "LayerNormMLP", "quantize", "Float8Tensor", "Format", "GemmConfig", "DelayedScaling",
     "CurrentScaling", "TensorRole", "GemmRole", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
-    "update_delayed_scales", "precision",
+    "update_delayed_scales", "precision", "make_graphed_callables",
 ]

@@ -64,9 +64,12 @@ class Quantizer(nn.Module):
         self.requantize(x, out, transpose=transpose)
         return out
 
-    def requantize(self, x: torch.Tensor, out: Float8Tensor, *, transpose: bool = False) -> None:
+    def requantize(self, x: torch.Tensor, out: Float8Tensor, *, transpose: bool = False,
+                   skip: Optional[torch.Tensor] = None) -> None:
         """quantize(x, out=out) for a caller that has checked that `out` fits x (a weight
-        workspace, every step): payload, scale_inv and transposed buffer rewritten in place."""
+        workspace, every step): payload, scale_inv and transposed buffer rewritten in place.
+        skip: a () int32 device flag; while it is nonzero the cast kernels do nothing and
+        `out` keeps what it held (a CUDA graph that replays the cast of a cached weight)."""
         x = self._checked(x)
         out._mark_rewritten()
         data_t = None
@@ -75,7 +78,7 @@ class Quantizer(nn.Module):
             shape = self._transpose_shape(x)
             if data_t is None or data_t.shape != shape:
                 data_t = torch.empty(shape, dtype=self.dtype, device=x.device)
-        self._cast(x, out._data, data_t, out._scale_inv)
+        self._cast(x, out._data, data_t, out._scale_inv, None, skip)
         if data_t is not None:
             out._set_transpose(data_t)
 
@@ -114,7 +117,7 @@ class Quantizer(nn.Module):
         cols = x.shape[-1]
         return cols, padded_rows(x.numel() // cols if cols else 0)
 
-    def _cast(self, x, data, data_t, scale_inv, dbias_out=None) -> None:
+    def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
         raise NotImplementedError
 
     def produce(self, first_pass: Callable[[torch.Tensor], None],
@@ -133,19 +136,21 @@ class Quantizer(nn.Module):
         raise NotImplementedError
 
     def _launch(self, x, data, data_t, scale_inv, amax_out=None, from_amax=None, count=None,
-                dbias_out=None) -> None:
+                dbias_out=None, skip=None) -> None:
         """One kernel launch of this quantizer's steady state through a prepared launch
-        (kernels.prepare_cast), kept per (shape, dtype, transposed?, cast or amax only, dbias?).
+        (kernels.prepare_cast), kept per (shape, dtype, transposed?, cast or amax only, dbias?,
+        skip flag).
         The buffers named here must be this quantizer's own, fixed for the key: preparations
         are dropped whenever the buffers may have moved (`_forget_prepared`)."""
-        key = (x.shape, x.dtype, data_t is not None, data is None, dbias_out is not None)
+        key = (x.shape, x.dtype, data_t is not None, data is None, dbias_out is not None,
+               skip.data_ptr() if skip is not None else 0)
         launch = self._prepared.get(key)
         if launch is None:
             if len(self._prepared) >= 64:  # many input shapes (variable lengths): start over
                 self._prepared.clear()
             launch = self._prepared[key] = kernels.prepare_cast(
                 x, data, data_t, self.scale if data is not None else None, scale_inv, amax_out, from_amax, count,
-                dbias=dbias_out is not None)
+                dbias=dbias_out is not None, skip=skip)
         launch(x, data, data_t, scale_inv, dbias_out)
 
     def _forget_prepared(self) -> None:
@@ -183,11 +188,11 @@ class CurrentScalingQuantizer(Quantizer):
         super().__init__(role, dtype, device)
         self.register_buffer("amax", torch.zeros((), device=device))
 
-    def _cast(self, x, data, data_t, scale_inv, dbias_out=None) -> None:
+    def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
         self.amax.zero_()
-        self._launch(x, None, None, None, amax_out=self.amax)
+        self._launch(x, None, None, None, amax_out=self.amax)  # not skipped: `amax` is this cast's scratch
         self._launch(x, data, data_t, scale_inv, from_amax=self.amax, count=self.nonfinite_count,
-                     dbias_out=dbias_out)
+                     dbias_out=dbias_out, skip=skip)
 
     def produce(self, first_pass, cast) -> None:
         self.amax.zero_()
@@ -221,19 +226,22 @@ class DelayedScalingQuantizer(Quantizer):
     def history_len(self) -> int:
         return self.amax_history.shape[0]
 
-    def _cast(self, x, data, data_t, scale_inv, dbias_out=None) -> None:
+    def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
         if self.calibrated:
-            launch = self._prepared.get((x.shape, x.dtype, data_t is not None, False, dbias_out is not None))
-            if launch is not None:  # the steady state, inlined: one dict lookup and the launch
-                launch(x, data, data_t, scale_inv, dbias_out)
-            else:  # amax_history[0] is (): casts max into it
-                self._launch(x, data, data_t, scale_inv, amax_out=self.amax_history[0], dbias_out=dbias_out)
+            if skip is None:
+                launch = self._prepared.get((x.shape, x.dtype, data_t is not None, False, dbias_out is not None, 0))
+                if launch is not None:  # the steady state, inlined: one dict lookup and the launch
+                    launch(x, data, data_t, scale_inv, dbias_out)
+                    return
+            # amax_history[0] is (): casts max into it
+            self._launch(x, data, data_t, scale_inv, amax_out=self.amax_history[0], dbias_out=dbias_out, skip=skip)
             return
         pending = self.amax_history[0]
         self._calibration_amax.zero_()
         kernels.amax(x, self._calibration_amax)
         # A non-finite calibration amax keeps scale 1; the update counts it once (not here).
-        kernels.cast_trusted(x, data, data_t, self.scale, scale_inv, pending, self._calibration_amax, None, dbias_out)
+        kernels.cast_trusted(x, data, data_t, self.scale, scale_inv, pending, self._calibration_amax, None, dbias_out,
+                             skip)
         self.calibrated = True
 
     def produce(self, first_pass, cast) -> None:

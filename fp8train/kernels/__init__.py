@@ -35,16 +35,19 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
 def cast_trusted(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tensor], scale: torch.Tensor,
                  scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                  from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,
-                 dbias_out: Optional[torch.Tensor] = None) -> None:
+                 dbias_out: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None) -> None:
     """cast_amax (out_t None) or cast_transpose_amax of x's rows (x.shape[-1] columns)
-    without argument checks; dbias_out (N,) float32 gets the column sums of x's rows.
+    without argument checks; dbias_out (N,) float32 gets the column sums of x's rows; skip
+    (a () int32 flag) turns the whole cast into a no-op when nonzero, read on the device.
 
     The per-cast hot path of quantizers, which allocate `out`/`out_t` and own the scale
     buffers themselves; everyone else calls the checked functions above.
     """
     if x.is_cuda:
         _triton_cast().launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
-                                   dbias_out)
+                                   dbias_out, skip)
+        return
+    if skip is not None and reference.skipped(skip):
         return
     x = x.detach()  # the twins write with torch ops, which autograd would record
     if out_t is None:
@@ -58,19 +61,21 @@ def cast_trusted(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tenso
 def prepare_cast(x: torch.Tensor, out: Optional[torch.Tensor], out_t: Optional[torch.Tensor],
                  scale: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor],
                  amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
-                 nonfinite_count: Optional[torch.Tensor] = None, dbias: bool = False):
+                 nonfinite_count: Optional[torch.Tensor] = None, dbias: bool = False,
+                 skip: Optional[torch.Tensor] = None):
     """`cast_trusted` (or, with out None, `amax`) prepared for repeated calls on tensors like
     these with the same scale buffers: returns f(x, out, out_t, scale_inv_out, dbias_out=None)
-    (dbias_out only when prepared with dbias). Nothing is launched by the preparation itself.
+    (dbias_out only when prepared with dbias; `skip` as for cast_trusted, fixed). Nothing is
+    launched by the preparation itself.
     On CUDA the compiled kernel, grid and fixed arguments are kept (cast.PreparedCast);
     elsewhere f runs the reference twin."""
     if x.is_cuda:
         return _triton_cast().PreparedCast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax,
-                                           nonfinite_count, dbias)
+                                           nonfinite_count, dbias, skip)
     if out is None:
         return lambda x, out, out_t, scale_inv_out, dbias_out=None: reference.amax(x.detach(), amax_out)
     return lambda x, out, out_t, scale_inv_out, dbias_out=None: cast_trusted(
-        x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
+        x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, skip)
 
 
 class ScaleUpdateBatch:

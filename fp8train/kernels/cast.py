@@ -179,10 +179,14 @@ def _flat_kernel(
     amax_ptr,       # () float32 running amax: one atomic max per program (AMAX)
     from_amax_ptr,  # () float32 amax the scale is computed from (FROM_AMAX)
     count_ptr,      # () int32 nonfinite count, +1 when from_amax is inf/NaN (COUNT)
+    skip_ptr,       # () int32: nonzero makes the launch a no-op (SKIP; a graphed cached weight)
     n,              # number of elements
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, AMAX: tl.constexpr,
-    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr,
+    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    if SKIP:
+        if tl.load(skip_ptr) != 0:
+            return
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
@@ -223,11 +227,15 @@ def _tile_kernel(
     from_amax_ptr,  # () float32 amax the scale is computed from (FROM_AMAX)
     count_ptr,      # () int32 nonfinite count, +1 when from_amax is inf/NaN (COUNT)
     partial_ptr,    # (row tiles, N) float32: row i = column sums of x's rows [i*BLOCK_M, (i+1)*BLOCK_M) (DBIAS)
+    skip_ptr,       # () int32: nonzero makes the launch a no-op (SKIP; a graphed cached weight)
     M, N, Mp, stride_xm,
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
-    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, DBIAS: tl.constexpr,
+    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, DBIAS: tl.constexpr, SKIP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    if SKIP:
+        if tl.load(skip_ptr) != 0:
+            return
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
@@ -321,14 +329,19 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
     launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
 
 
-def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out=None) -> None:
-    """cast_amax (out_t None) or cast_transpose_amax with arguments already checked.
+def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out=None,
+                skip=None) -> None:
+    """cast_amax (out_t None) or cast_transpose_amax with arguments already checked; with
+    `skip` (a () int32 device flag) every launch of the cast reads the flag first and does
+    nothing when it is nonzero (the cached-weight case of a CUDA graph).
 
     For callers that own every buffer and have checked x (quantizers): the public wrappers
     above check, then call this. With out_t, x's rows are (M, N) = (numel / N, x.shape[-1])
     and x must be contiguous or a stack of rows (`_as_rows`).
     """
     if x.numel() == 0:
+        if skip is not None and reference.skipped(skip):
+            return
         if out_t is None:
             reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
         else:
@@ -343,17 +356,17 @@ def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfin
         # its transposed bytes by kernels/transpose.py (one more read and write of 1-byte data).
         n = x.shape[-1]
         m = x.numel() // n
-        _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, fp8_max)
-        transpose_into(out.view(m, n), out_t)
+        _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, fp8_max, skip)
+        transpose_into(out.view(m, n), out_t, skip=skip)
         return
-    _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, fp8_max)
+    _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, fp8_max, skip)
 
 
 def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
-            fp8_max: float) -> None:
+            fp8_max: float, skip=None) -> None:
     """Pick the kernel and launch it (arguments already checked)."""
     kernel, grid, make_args, partial_rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
-                                                  dbias_out is not None, fp8_max)
+                                                  dbias_out is not None, fp8_max, skip)
     partial = None
     if dbias_out is not None:
         partial = torch.empty((partial_rows, dbias_out.shape[0]), dtype=torch.float32, device=x.device)
@@ -363,17 +376,19 @@ def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_
         torch.sum(partial, dim=0, out=dbias_out)
 
 
-def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: bool, fp8_max: float):
+def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: bool, fp8_max: float, skip=None):
     """(kernel, grid, make_args, partial rows) for one cast; absent optional tensors are
     flagged off (and never touched). make_args(x, out, out_t, scale_inv_out, partial) gives
     the runtime arguments, so a PreparedCast can rebuild them for fresh buffers without
-    planning again; `partial` is the (partial rows, N) float32 buffer of a cast with dbias."""
+    planning again; `partial` is the (partial rows, N) float32 buffer of a cast with dbias.
+    `skip` (fixed for the plan) is the () int32 flag of a skippable cast, or None."""
     cast = out is not None
     dummy = amax_out if amax_out is not None else scale  # stands in for unused pointer args
     amax_p = dummy if amax_out is None else amax_out
     from_p = dummy if from_amax is None else from_amax
     count_p = dummy if nonfinite_count is None else nonfinite_count
     scale_p = scale if cast else dummy
+    skip_p = dummy if skip is None else skip
     flags = (fp8_max, cast, amax_out is not None, from_amax is not None,
              from_amax is not None and nonfinite_count is not None)
     device = x.device
@@ -383,8 +398,9 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
         grid = _grid(triton.cdiv(n, flat_cfg.block), flat_cfg.programs_per_sm, device)
 
         def flat_args(x, out, out_t, scale_inv_out, partial):
-            return x, out if cast else x, scale_p, scale_inv_out if cast else dummy, amax_p, from_p, count_p, n
-        return _flat(flat_cfg, *flags), grid, flat_args, 0
+            return (x, out if cast else x, scale_p, scale_inv_out if cast else dummy, amax_p, from_p, count_p, skip_p,
+                    n)
+        return _flat(flat_cfg, *flags, skip is not None), grid, flat_args, 0
     m, n, row_stride = _row_layout(x)
     mp = m if out_t is None else out_t.shape[1]
     _check_tile_offsets(tile_cfg, row_stride, n, mp)
@@ -394,8 +410,8 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
     def tile_args(x, out, out_t, scale_inv_out, partial):
         out_p = out if cast else x
         return (x, out_p, out_t if out_t is not None else out_p, scale_p, scale_inv_out if cast else dummy,
-                amax_p, from_p, count_p, partial if partial is not None else dummy, m, n, mp, row_stride)
-    return _tile(tile_cfg, out_t is not None, *flags, dbias), grid, tile_args, row_tiles
+                amax_p, from_p, count_p, partial if partial is not None else dummy, skip_p, m, n, mp, row_stride)
+    return _tile(tile_cfg, out_t is not None, *flags, dbias, skip is not None), grid, tile_args, row_tiles
 
 
 class PreparedCast:
@@ -411,17 +427,18 @@ class PreparedCast:
     dbias  whether calls pass dbias_out; the partial-sum buffer is the preparation's own,
            reused by every call (each call's sum reads it right after the launch, in stream
            order)
+    skip   None, or the () int32 device flag of a skippable cast (fixed for all calls)
     """
 
     def __init__(self, x, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None, nonfinite_count=None,
-                 dbias=False):
-        self._fixed = (scale, amax_out, from_amax, nonfinite_count)
+                 dbias=False, skip=None):
+        self._fixed = (scale, amax_out, from_amax, nonfinite_count, skip)
         self._binary = None
         if x.numel() == 0 or (out_t is not None and x.dtype == torch.float32):
             return
         fp8_max = _FP8_MAX[out.dtype] if out is not None else 0.0
         kernel, self._grid, self._make_args, rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
-                                                          dbias, fp8_max)
+                                                          dbias, fp8_max, skip)
         self._partial = None
         if dbias:
             self._partial = torch.empty((rows, x.shape[-1]), dtype=torch.float32, device=x.device)
@@ -434,11 +451,11 @@ class PreparedCast:
         binary = self._binary
         if (binary is None or (x.data_ptr() & 15 == 0) != self._x_aligned or torch._C._cuda_getDevice() != self._device
                 or hooks_installed()):
-            scale, amax_out, from_amax, count = self._fixed
+            scale, amax_out, from_amax, count, skip = self._fixed
             if out is None:
                 amax(x, amax_out)
             else:
-                launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count, dbias_out)
+                launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count, dbias_out, skip)
             return
         partial = self._partial
         binary.run(self._grid, 1, 1, torch._C._cuda_getCurrentRawStream(self._device), binary.function,
@@ -449,16 +466,17 @@ class PreparedCast:
 
 
 @functools.lru_cache(maxsize=None)
-def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bool, count: bool) -> DirectKernel:
+def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bool, count: bool,
+          skip: bool) -> DirectKernel:
     return DirectKernel(_flat_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, AMAX=amax,
-                        FROM_AMAX=from_amax, COUNT=count, BLOCK=cfg.block)
+                        FROM_AMAX=from_amax, COUNT=count, SKIP=skip, BLOCK=cfg.block)
 
 
 @functools.lru_cache(maxsize=None)
 def _tile(cfg: TileConfig, transpose: bool, fp8_max: float, cast: bool, amax: bool, from_amax: bool,
-          count: bool, dbias: bool) -> DirectKernel:
+          count: bool, dbias: bool, skip: bool) -> DirectKernel:
     return DirectKernel(_tile_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, TRANSPOSE=transpose,
-                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, DBIAS=dbias, BLOCK_M=cfg.block_m,
+                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, DBIAS=dbias, SKIP=skip, BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n)
 
 

@@ -42,6 +42,12 @@ def saturating_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return x.float().mul(scale).clamp(-m, m).to(dtype)
 
 
+def skipped(skip: torch.Tensor) -> bool:
+    """Whether a skippable cast's () int32 flag says "do nothing" (nonzero). The kernels
+    read the flag on the device; the twins read it here (a sync on CUDA tensors)."""
+    return bool(skip.item())
+
+
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
               amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
               nonfinite_count: Optional[torch.Tensor] = None, dbias_out: Optional[torch.Tensor] = None) -> None:

@@ -30,9 +30,13 @@ _BLOCK_M, _BLOCK_N, _WARPS, _PER_SM = 64, 64, 4, 4
 def _transpose_kernel(
     src_ptr,   # (M, N) uint8 view of the fp8 payload, row-major
     dst_ptr,   # (N, Mp) uint8 view of the transposed copy, row-major; columns M..Mp-1 get zeros
+    skip_ptr,  # () int32: nonzero makes the launch a no-op (SKIP; a graphed cached weight)
     M, N, Mp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SKIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    if SKIP:
+        if tl.load(skip_ptr) != 0:
+            return
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -50,20 +54,23 @@ def _transpose_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel() -> DirectKernel:
-    return DirectKernel(_transpose_kernel, num_warps=_WARPS, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+def _kernel(skip: bool) -> DirectKernel:
+    return DirectKernel(_transpose_kernel, num_warps=_WARPS, SKIP=skip, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
 
 
-def transpose_reference(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst[:, :M] = src.T and dst[:, M:] = 0 (bytes); src (M, N), dst (N, Mp), Mp >= M."""
+def transpose_reference(src: torch.Tensor, dst: torch.Tensor, skip=None) -> None:
+    """dst[:, :M] = src.T and dst[:, M:] = 0 (bytes); src (M, N), dst (N, Mp), Mp >= M.
+    skip: None, or a () int32 flag; nonzero: do nothing."""
+    if skip is not None and bool(skip.item()):
+        return
     m = src.shape[0]
     dst[:, :m].copy_(src.t())
     dst[:, m:].view(torch.uint8).zero_()
 
 
-def transpose_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+def transpose_into(src: torch.Tensor, dst: torch.Tensor, skip=None) -> None:
     """transpose_reference, by the Triton kernel on CUDA. src (M, N) and dst (N, Mp) are
-    contiguous tensors of one 1-byte dtype on one device."""
+    contiguous tensors of one 1-byte dtype on one device; skip as there (read on the device)."""
     if src.dim() != 2 or dst.dim() != 2 or dst.shape[0] != src.shape[1] or dst.shape[1] < src.shape[0]:
         raise ValueError(f"transpose_into: need src (M, N) and dst (N, Mp >= M); got {tuple(src.shape)} and "
                          f"{tuple(dst.shape)}")
@@ -74,9 +81,10 @@ def transpose_into(src: torch.Tensor, dst: torch.Tensor) -> None:
     m, n = src.shape
     mp = dst.shape[1]
     if not src.is_cuda or m * n == 0 or max(m, n, mp) >= 2**31 // max(_BLOCK_M, _BLOCK_N):
-        transpose_reference(src, dst)
+        transpose_reference(src, dst, skip)
         return
     tiles = triton.cdiv(mp, _BLOCK_M) * triton.cdiv(n, _BLOCK_N)
     sms = torch.cuda.get_device_properties(src.device).multi_processor_count
     with device_guard(src.device):
-        _kernel()(max(1, min(tiles, _PER_SM * sms)), src.view(torch.uint8), dst.view(torch.uint8), m, n, mp)
+        _kernel(skip is not None)(max(1, min(tiles, _PER_SM * sms)), src.view(torch.uint8), dst.view(torch.uint8),
+                                  skip if skip is not None else dst, m, n, mp)

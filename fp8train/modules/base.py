@@ -46,6 +46,9 @@ class FP8Module(nn.Module):
         self.precision_choices: Dict[str, precision.Entry] = {}
         self._precision: dict = {}
         self._precision_gen = -1
+        # Set by fp8train.make_graphed_callables(fp8_weight_caching=True): a () int32 device
+        # flag the weight casts read; nonzero skips them (is_first_microbatch=False on replay).
+        self.weight_cast_skip: Optional[torch.Tensor] = None
 
     def _quantizer_names(self):
         return [gemm + name for gemm in self.GEMMS for name in QUANTIZER_NAMES.values()]

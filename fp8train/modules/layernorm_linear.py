@@ -82,7 +82,8 @@ class LayerNormLinear(FP8Module):
         q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)
         grad = torch.is_grad_enabled()
         need_dgrad = grad and (x.requires_grad or self.layer_norm_weight.requires_grad)
-        w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch, need_transpose=need_dgrad)
+        w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch, need_transpose=need_dgrad,
+                                    skip=self.weight_cast_skip)
         y, ln_out = _LayerNormLinearFn.apply(
             x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, w_fp8, q_input, q_grad,
             recipe.gemm, activation_dtype(x), self.eps, self.normalization == "LayerNorm",

@@ -103,8 +103,9 @@ class LayerNormMLP(FP8Module):
         q2 = self.quantizers(recipe, self.fc2_weight.device, "fc2_")
         grad = torch.is_grad_enabled()
         need_dgrad1 = grad and (x.requires_grad or self.layer_norm_weight.requires_grad)
-        w1 = self._fc1_workspace.get(self.fc1_weight, q1[1], is_first_microbatch, need_transpose=need_dgrad1)
-        w2 = self._fc2_workspace.get(self.fc2_weight, q2[1], is_first_microbatch, need_transpose=grad)
+        skip = self.weight_cast_skip
+        w1 = self._fc1_workspace.get(self.fc1_weight, q1[1], is_first_microbatch, need_transpose=need_dgrad1, skip=skip)
+        w2 = self._fc2_workspace.get(self.fc2_weight, q2[1], is_first_microbatch, need_transpose=grad, skip=skip)
         return _LayerNormMLPFn.apply(
             x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
             self.fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2], recipe.gemm, activation_dtype(x), self.eps,

@@ -95,7 +95,7 @@ class Linear(FP8Module):
             self.check_fp8_input(x, q_input)
         grad = torch.is_grad_enabled()
         w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch,
-                                    need_transpose=grad and x.requires_grad)
+                                    need_transpose=grad and x.requires_grad, skip=self.weight_cast_skip)
         return _LinearFn.apply(x, self.weight, self.bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
                                grad and self.weight.requires_grad)
 

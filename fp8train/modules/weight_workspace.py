@@ -23,14 +23,16 @@ class WeightWorkspace:
         self.fp8: Optional[Float8Tensor] = None
 
     def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
-            need_transpose: bool) -> Float8Tensor:
+            need_transpose: bool, skip: Optional[torch.Tensor] = None) -> Float8Tensor:
+        """skip: the device flag of a graphed layer with FP8 weight caching (graphs.py): the
+        cast is issued on every call and the kernels skip it while the flag is nonzero."""
         ws = self.fp8
         fits = (ws is not None and ws.shape == weight.shape and ws.device == weight.device
                 and ws.dtype == weight.dtype and ws.fp8_dtype == quantizer.dtype)
         if is_first_microbatch is False and fits:
             return ws  # the transposed copy, if missing, is built from the FP8 payload on demand
         if fits:
-            quantizer.requantize(weight, ws, transpose=need_transpose)
+            quantizer.requantize(weight, ws, transpose=need_transpose, skip=skip)
         else:
             self.fp8 = quantizer.quantize(weight, transpose=need_transpose)
         return self.fp8

@@ -228,6 +228,35 @@ def test_cast_with_dbias(shape, transpose, x_dtype, mode, config):
     assert (err <= x2.abs().sum(0) * 2.0**-18 + 1e-30).all(), f"dbias off by up to {float(err.max()):.3g}"
 
 
+@pytest.mark.parametrize("transpose", [False, True], ids=["flat", "tile-transpose"])
+@pytest.mark.parametrize("flag", [0, 1], ids=["flag0", "flag1"])
+@pytest.mark.parametrize("mode", [MODES[2], MODES[4]])
+def test_skip_flag(transpose, flag, mode, config):
+    """SKIP: with a nonzero device flag the launch writes nothing at all (payload, transposed
+    copy, scale, scale_inv, amax, counter); with zero it is the ordinary cast."""
+    x = make_input((37, 48), torch.bfloat16)
+    s_kernel = Scalars.make(x, mode)
+    s_ref = s_kernel.clone()
+    out, out_t = poisoned((37, 48), E4M3), (poisoned((48, 48), E4M3) if transpose else None)
+    skip = torch.tensor(flag, dtype=torch.int32)
+    cast.launch_cast(x, out, out_t, *s_kernel.args(), None, skip)
+    if flag:
+        assert_fp8_equal(out, poisoned((37, 48), E4M3), "skipped out")
+        if transpose:
+            assert_fp8_equal(out_t, poisoned((48, 48), E4M3), "skipped out_t")
+        s_kernel.assert_equal(s_ref)
+        return
+    want = torch.empty((37, 48), dtype=E4M3)
+    if transpose:
+        want_t = poisoned((48, 48), E4M3)
+        reference.cast_transpose_amax(x, want, want_t, *s_ref.args())
+        assert_fp8_equal(out_t, want_t, "transposed copy")
+    else:
+        reference.cast_amax(x, want, *s_ref.args())
+    assert_fp8_equal(out, want)
+    s_kernel.assert_equal(s_ref)
+
+
 def test_dbias_out_is_checked(config):
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     s = Scalars.make(x, DELAYED_1)

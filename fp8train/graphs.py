@@ -1,0 +1,149 @@
+"""fp8train.make_graphed_callables: forward and backward of fp8train modules as CUDA graphs.
+
+Built on torch.cuda.make_graphed_callables (static inputs, one autograd node per callable,
+a shared memory pool); what this adds is the FP8 part:
+
+* each module's forward runs inside the recipe's FP8 region while it is captured, and the
+  first module's graph also captures the delayed-scaling update that `fp8train.autocast`
+  runs on entry, so one replay of the graphs is one eager step under `autocast`
+  (amax recording, the scale update, current-scaling amax passes: all in the graphs);
+* torch's warm-up iterations (run eagerly, on random gradients) would move the scaling
+  state; it is put back afterwards, so the first replay starts where eager training was;
+* fp8_weight_caching=True: the weight casts are captured, and each cast kernel first reads
+  a device flag (`FP8Module.weight_cast_skip`) and returns at once while it is nonzero. The
+  graphed forward takes `is_first_microbatch` and sets the flag before the replay: False
+  skips the casts (the FP8 weights and their transposed copies keep the values cast on the
+  first microbatch), True/None casts. No Python branch is baked in at capture.
+
+Modules must have run one eager training step under `fp8train.autocast` with the same
+recipe first (quantizers exist and are calibrated; the delayed update knows them).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from .autocast import autocast, recipe_without_step
+from .modules.base import FP8Module
+from .quantizer import _REGISTRY, DelayedScalingQuantizer, Quantizer
+from .recipe import DelayedScaling, Recipe, check_recipe
+
+
+class _FP8Region(nn.Module):
+    """Runs `forward` (the wrapped module's own bound forward, kept before it is replaced)
+    inside the recipe's FP8 region; the first callable's region is a step (scale update)."""
+
+    def __init__(self, module: nn.Module, recipe: Recipe, first: bool):
+        super().__init__()
+        self.inner = module  # registered, so torch sees its parameters as graph inputs
+        self._forward = module.forward
+        self._recipe = recipe
+        self._first = first
+
+    def forward(self, *args):
+        region = autocast(recipe=self._recipe) if self._first else recipe_without_step(self._recipe)
+        with region:
+            return self._forward(*args)
+
+
+def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
+                           sample_args: Union[Tuple[torch.Tensor, ...], Tuple[Tuple[torch.Tensor, ...], ...]],
+                           fp8_weight_caching: bool = False, num_warmup_iters: int = 3,
+                           recipe: Optional[Recipe] = None):
+    """Capture the forward and backward of `modules` (one module, or a tuple run in that order
+    each step) in CUDA graphs; returns them (a module or a tuple) with `forward` replaced.
+
+    sample_args  like torch.cuda.make_graphed_callables: a tuple of tensors per module, in
+                 the shapes, dtypes and requires_grad of every later call
+    recipe       the FP8 recipe of the graphed steps (default DelayedScaling(), as autocast)
+    fp8_weight_caching  the graphed forwards take `is_first_microbatch` (see the module doc)
+
+    The graphed forward of a module is `forward(*tensors, is_first_microbatch=None)`.
+    Replays need no `fp8train.autocast` around them (the region is in the graph); a module in
+    another training/eval mode than at capture runs its eager forward instead.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("fp8train.make_graphed_callables needs a CUDA device (CUDA graphs)")
+    recipe = check_recipe(recipe) if recipe is not None else DelayedScaling()
+    single = not isinstance(modules, tuple)
+    mods = (modules,) if single else modules
+    args = (sample_args,) if single else sample_args
+    if len(args) != len(mods):
+        raise ValueError(f"make_graphed_callables: {len(mods)} modules but {len(args)} sample_args tuples")
+    for m in mods:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"make_graphed_callables: expected nn.Modules, got {type(m).__name__}")
+        _check_ready(m, recipe)
+
+    flags = []
+    for m in mods:
+        flag = torch.zeros((), dtype=torch.int32, device=_device_of(m)) if fp8_weight_caching else None
+        for layer in _fp8_layers(m):
+            layer.weight_cast_skip = flag
+        flags.append(flag)
+
+    regions = tuple(_FP8Region(m, recipe, first=i == 0) for i, m in enumerate(mods))
+    saved = _snapshot(mods)
+    torch.cuda.make_graphed_callables(regions, tuple(args), num_warmup_iters=num_warmup_iters)
+    _restore(saved)  # the warm-up iterations ran eagerly on random gradients
+
+    for m, region, flag in zip(mods, regions, flags):
+        m.forward = _graphed_forward(region, flag)
+    return mods[0] if single else mods
+
+
+def _graphed_forward(region: _FP8Region, flag: Optional[torch.Tensor]):
+    last = [0]  # the flag's value on the device, so a fill is issued only on a change
+
+    def forward(*tensors, is_first_microbatch: Optional[bool] = None):
+        if flag is not None:
+            want = 1 if is_first_microbatch is False else 0
+            if want != last[0]:
+                flag.fill_(want)
+                last[0] = want
+        return region(*tensors)
+    return forward
+
+
+def _fp8_layers(module: nn.Module):
+    return [m for m in module.modules() if isinstance(m, FP8Module)]
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _check_ready(module: nn.Module, recipe: Recipe) -> None:
+    layers = _fp8_layers(module)
+    if not layers:
+        raise ValueError(f"make_graphed_callables: {type(module).__name__} holds no fp8train layer")
+    for layer in layers:
+        for name in layer._quantizer_names():
+            q = getattr(layer, name)
+            ready = q is not None and q.matches(recipe, q.role) and \
+                (not isinstance(q, DelayedScalingQuantizer) or q.calibrated)
+            if not ready:
+                raise ValueError(f"make_graphed_callables: {layer.describe()} has not run a training step with "
+                                 f"{type(recipe).__name__} ({name} missing or uncalibrated); run one eager "
+                                 "forward and backward under fp8train.autocast(recipe=...) first")
+
+
+def _snapshot(mods: Sequence[nn.Module]):
+    """Copies of every scaling buffer the warm-up can move (restored in place: the graphs
+    hold their addresses): the modules' quantizers, and every live delayed-scaling one,
+    since each warm-up forward of the first module runs the update of all of them."""
+    quantizers = {id(q): q for m in mods for q in m.modules() if isinstance(q, Quantizer)}
+    quantizers.update((id(q), q) for q in _REGISTRY.live())
+    return [(b, b.clone()) for q in quantizers.values() for b in q._buffers.values() if b is not None]
+
+
+def _restore(saved) -> None:
+    with torch.no_grad():
+        for buf, copy in saved:
+            buf.copy_(copy)
+
+
+__all__ = ["make_graphed_callables"]
