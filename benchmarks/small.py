@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
@@ -91,7 +92,7 @@ def main():
     device = torch.device("cuda")
     meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__, "tokens": args.tokens}
-    results, models = [], []
+    results, reports = [], []
     for h in (int(s) for s in args.sizes.split(",")):
         torch.manual_seed(0)
         x = torch.randn(args.tokens, h, device=device, dtype=torch.bfloat16)
@@ -103,7 +104,11 @@ def main():
             base = base or ms
             results.append({"h": h, "variant": name, "ms": ms, "ratio_to_bf16_eager": ms / base})
             if name == "fp8train eager auto":
-                models.append((h, model))
+                reports.append(precision.report(torch.nn.ModuleDict({f"h{h}": model})))
+            # Free the variant (graphed modules hold reference cycles) before the next one:
+            # the delayed-scaling update at each autocast entry covers every live layer.
+            del step, model
+            gc.collect()
             torch.cuda.empty_cache()
 
     print(f"\nMLP train step, {args.tokens} tokens -- {meta['device']}, torch {meta['torch']}, "
@@ -112,14 +117,11 @@ def main():
     for r in results:
         print(f"{r['h']:>6} {r['variant']:<28} {r['ms']:>8.3f} {r['ratio_to_bf16_eager']:>13.2f}x")
     print("\nauto precision choices:")
-    report = []
-    for h, model in models:
-        text = precision.report(torch.nn.ModuleDict({f"h{h}": model}))
+    for text in reports:
         print(text)
-        report.append(text)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as fh:
-        json.dump({"meta": meta, "steps": results, "auto_precision": report}, fh, indent=1)
+        json.dump({"meta": meta, "steps": results, "auto_precision": reports}, fh, indent=1)
 
 
 if __name__ == "__main__":

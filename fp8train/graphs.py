@@ -41,6 +41,7 @@ class _FP8Region(nn.Module):
         self._forward = module.forward
         self._recipe = recipe
         self._first = first
+        self.captured_update: list = []  # scale-update batches the first region's graph replays
 
     def forward(self, *args):
         region = autocast(recipe=self._recipe) if self._first else recipe_without_step(self._recipe)
@@ -88,6 +89,9 @@ def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
     saved = _snapshot(mods)
     torch.cuda.make_graphed_callables(regions, tuple(args), num_warmup_iters=num_warmup_iters)
     _restore(saved)  # the warm-up iterations ran eagerly on random gradients
+    # The first graph replays the scale-update launches it captured: keep their pointer
+    # tables alive for as long as the graphs are (a later eager update may rebuild them).
+    regions[0].captured_update = _REGISTRY.batches()
 
     for m, region, flag in zip(mods, regions, flags):
         m.forward = _graphed_forward(region, flag)

@@ -314,6 +314,12 @@ class _DelayedScalingRegistry:
     def live(self) -> list:
         return [q for q in (r() for r in self._refs) if q is not None]
 
+    def batches(self) -> list:
+        """The update batches as built now. A CUDA graph that captured `update` must hold
+        these for as long as it may replay: a later rebuild drops them from here, and their
+        pointer tables would be freed under the graph."""
+        return list(self._batches or ())
+
     def update(self) -> None:
         if self._batches is None or self._stale:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -10,13 +10,16 @@ cuBLAS choosing another algorithm inside a graph: tolerances are rtol 2e-3.
 """
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fp8train
-from fp8train.quantizer import Quantizer
+from fp8train.quantizer import _REGISTRY, DelayedScalingQuantizer
+from fp8train.roles import TensorRole
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -49,21 +52,36 @@ def scaling_state(layers):
             if "quantizer" in name}
 
 
+def make_data():
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    return [[(torch.randn(TOKENS, 256, device=DEV, dtype=torch.bfloat16, generator=gen),
+              torch.randn(TOKENS, 512, device=DEV, generator=gen)) for _ in range(MICRO)] for _ in range(STEPS + 1)]
+
+
 @pytest.mark.parametrize("caching", [True, False], ids=["weight-caching", "no-caching"])
 @pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float32], ids=["bf16-params", "fp32-params"])
 @pytest.mark.parametrize("recipe", [fp8train.DelayedScaling(amax_history_len=16), fp8train.CurrentScaling()],
                          ids=["delayed", "current"])
 def test_graphed_training_matches_eager(recipe, pdtype, caching):
-    eager, graphed = build(pdtype), build(pdtype)
-    graphed.load_state_dict(eager.state_dict())
-    gen = torch.Generator(device=DEV).manual_seed(1)
-    data = [[(torch.randn(TOKENS, 256, device=DEV, dtype=torch.bfloat16, generator=gen),
-              torch.randn(TOKENS, 512, device=DEV, generator=gen)) for _ in range(MICRO)] for _ in range(STEPS + 1)]
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, graphed)]
-    losses_e, losses_g = [], []
-    # Step 0 eagerly in both copies: quantizers exist and are calibrated before capture.
-    train_step(eager, data[0], recipe, caching, False, opts[0], losses_e)
-    train_step(graphed, data[0], recipe, caching, False, opts[1], losses_g)
+    # The delayed-scaling update is global (every live layer, eager or graphed), so the two
+    # runs must not overlap in time: the eager reference runs first, alone, and is freed.
+    data = make_data()
+    eager = build(pdtype)
+    init = {k: v.clone() for k, v in eager.state_dict().items()}
+    opt = torch.optim.SGD(eager.parameters(), lr=0.05)
+    losses_e = []
+    for batch in data:
+        train_step(eager, batch, recipe, caching, False, opt, losses_e)
+    params_e = [p.detach().clone() for p in eager.parameters()]
+    state_e = {k: v.clone() for k, v in scaling_state(eager).items()}
+    del eager, opt
+    gc.collect()
+
+    graphed = build(pdtype)
+    graphed.load_state_dict(init)
+    opt = torch.optim.SGD(graphed.parameters(), lr=0.05)
+    losses_g = []
+    train_step(graphed, data[0], recipe, caching, False, opt, losses_g)  # eager: quantizers calibrate
     before = {k: v.clone() for k, v in scaling_state(graphed).items()}
     sample_x = torch.randn(TOKENS, 256, device=DEV, dtype=torch.bfloat16)
     sample_h = torch.randn(TOKENS, 512, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -71,13 +89,22 @@ def test_graphed_training_matches_eager(recipe, pdtype, caching):
                                     fp8_weight_caching=caching, recipe=recipe)
     for k, v in scaling_state(graphed).items():
         assert torch.equal(v, before[k]), f"capture moved {k}"
+    # A layer created after capture makes the next update rebuild its pointer tables; the
+    # graphs must keep replaying the ones they captured (held by the graphed modules).
+    # (No eager update runs here: it would roll the graphed layers' histories once more.)
+    late = DelayedScalingQuantizer(TensorRole.INPUT, torch.float8_e4m3fn, 16, device=DEV)
+    old_batches = _REGISTRY.batches()
+    _REGISTRY._rebuild()
+    assert not set(map(id, _REGISTRY.batches())) & set(map(id, old_batches))
+    del late, old_batches
     for batch in data[1:]:
-        train_step(eager, batch, recipe, caching, False, opts[0], losses_e)
-        train_step(graphed, batch, recipe, caching, True, opts[1], losses_g)
+        train_step(graphed, batch, recipe, caching, True, opt, losses_g)
+    torch.cuda.synchronize()
+
     torch.testing.assert_close(torch.stack(losses_g), torch.stack(losses_e), rtol=2e-3, atol=1e-5)
-    for (name, p_e), p_g in zip(eager.named_parameters(), graphed.parameters()):
+    for (name, p_g), p_e in zip(graphed.named_parameters(), params_e):
         torch.testing.assert_close(p_g, p_e, rtol=2e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
-    state_e, state_g = scaling_state(eager), scaling_state(graphed)
+    state_g = scaling_state(graphed)
     for k in state_e:
         if state_e[k].dtype == torch.int32:
             assert torch.equal(state_g[k], state_e[k]), k
