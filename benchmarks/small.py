@@ -27,7 +27,7 @@ import fp8train
 from fp8train import precision
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mlp import fp8_mlp, make_step, torch_mlp  # noqa: E402
+from mlp import fp8_mlp, kernel_breakdown, make_step, torch_mlp  # noqa: E402
 
 
 def graphed_bf16(h, f, device, x, target):
@@ -87,12 +87,14 @@ def main():
     p.add_argument("--sizes", default="512,1024,2048,4096")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--torchao-all", action="store_true", help="torchao at every size, not only h=1024")
+    p.add_argument("--profile", type=int, default=1024,
+                   help="print the per-kernel device time of the graphed variants at this h (0: none)")
     p.add_argument("--json", default="benchmarks/results/small.json")
     args = p.parse_args()
     device = torch.device("cuda")
     meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__, "tokens": args.tokens}
-    results, reports = [], []
+    results, reports, profiles = [], [], {}
     for h in (int(s) for s in args.sizes.split(",")):
         torch.manual_seed(0)
         x = torch.randn(args.tokens, h, device=device, dtype=torch.bfloat16)
@@ -103,6 +105,8 @@ def main():
             ms = triton.testing.do_bench(step, warmup=100, rep=500, return_mode="median")
             base = base or ms
             results.append({"h": h, "variant": name, "ms": ms, "ratio_to_bf16_eager": ms / base})
+            if h == args.profile and name in ("bf16 graphed", "fp8train graphed"):
+                profiles[name] = kernel_breakdown(step)
             if name == "fp8train eager auto":
                 reports.append(precision.report(torch.nn.ModuleDict({f"h{h}": model})))
             # Free the variant (graphed modules hold reference cycles) before the next one:
@@ -116,12 +120,18 @@ def main():
     print(f"{'h':>6} {'variant':<28} {'ms':>8} {'vs bf16 eager':>14}")
     for r in results:
         print(f"{r['h']:>6} {r['variant']:<28} {r['ms']:>8.3f} {r['ratio_to_bf16_eager']:>13.2f}x")
+    for name, kernels in profiles.items():
+        total = sum(k["ms"] for k in kernels)
+        print(f"\n{name} at h={args.profile}: device time per step by kernel (sum {total:.3f} ms)")
+        for k in kernels[:16]:
+            print(f"  {k['ms']:7.3f} ms  x{k['per_step']:<3} {k['kernel'][:90]}")
     print("\nauto precision choices:")
     for text in reports:
         print(text)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as fh:
-        json.dump({"meta": meta, "steps": results, "auto_precision": reports}, fh, indent=1)
+        json.dump({"meta": meta, "steps": results, "auto_precision": reports, "profiles": profiles}, fh,
+                  indent=1)
 
 
 if __name__ == "__main__":
