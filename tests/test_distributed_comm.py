@@ -266,6 +266,28 @@ def case_dgrad_reduce_scatter(ctx, m, n, k, out_dtype):
     _close(dx, ref32, _rs_bound(magnitude, ref32, ctx.world, F32, out_dtype))
 
 
+def case_rings_on_subgroup(ctx):
+    """Both rings inside 2-rank subgroups of a 4-rank world ({0,1} and {2,3}): group ranks
+    map to global ranks for the transfers, and results match the subgroup's collectives."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    tp = groups[ctx.rank // 2]
+    m, k, n = 8, 32, 16
+    x = _quantized(_rank_tensor(ctx, (m, k)), E4M3)
+    w = _quantized(_rank_tensor(ctx, (n, k), salt=1), E4M3, TensorRole.WEIGHT)
+    y, x_all = all_gather_fprop(x.data, x.scale_inv, w.data, w.scale_inv, CFG, F32, tp)
+    ref_x = all_gather_fp8(x.data, tp)
+    assert _bytes_equal(x_all, ref_x) and x_all.shape == (2 * m, k)
+    ref = gemm.fprop(ref_x, x.scale_inv, w.data, w.scale_inv, CFG, F32)
+    _close(y, ref, 2.0**-20 * _magnitude(ref_x, x.scale_inv, w.data.t(), w.scale_inv))
+    y_rs = fprop_reduce_scatter(x.data, x.scale_inv, w.data, w.scale_inv, CFG, F32, tp)
+    partial = gemm.fprop(x.data, x.scale_inv, w.data, w.scale_inv, CFG, F32)
+    ref_rs = torch.empty((m // 2, n))
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    rs(ref_rs, partial, group=tp)
+    assert y_rs.shape == (m // 2, n)
+    torch.testing.assert_close(y_rs, ref_rs, rtol=1e-5, atol=1e-4)
+
+
 def case_reduce_scatter_needs_divisible_rows(ctx):
     x = _quantized(torch.randn(ctx.world * 4 + 1, 16), E4M3)
     w = _quantized(torch.randn(16, 16), E4M3, TensorRole.WEIGHT)
@@ -304,6 +326,7 @@ def _cases():
         add(case_fprop_reduce_scatter, m=m, k=k, n=n, out_dtype=out_dtype, bias=bias, accum_dtype=accum)
     for m, n, k, out_dtype in ((16, 32, 48, BF16), (5, 16, 32, F32)):
         add(case_dgrad_reduce_scatter, m=m, n=n, k=k, out_dtype=out_dtype)
+    add(case_rings_on_subgroup, worlds=(4,))
     add(case_reduce_scatter_needs_divisible_rows)
     return out
 
