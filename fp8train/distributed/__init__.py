@@ -1,0 +1,19 @@
+"""Tensor/sequence-parallel building blocks in FP8 over torch.distributed (docs/distributed.md).
+
+groups.py             AmaxReduction (which groups scales agree over), ring neighbours
+fp8_comm.py           FP8 all-gather, amax reduction, group-consistent cast, gather + cast
+amax_sync.py          delayed scaling: pending amaxes of many quantizers in one collective
+ring.py               one ring step's P2P transfers (side stream and events on CUDA)
+collective_matmul.py  ring all-gather matmul and matmul reduce-scatter (overlapped)
+"""
+from .amax_sync import delayed_quantizers, reduce_delayed_amaxes
+from .collective_matmul import (all_gather_dgrad, all_gather_fprop, all_gather_matmul, dgrad_reduce_scatter,
+                                fprop_reduce_scatter, matmul_reduce_scatter)
+from .fp8_comm import all_gather_fp8, cast_consistent, gather_cast, reduce_amax, transpose_rows
+from .groups import AmaxReduction
+
+__all__ = [
+    "all_gather_dgrad", "all_gather_fprop", "all_gather_matmul", "dgrad_reduce_scatter", "fprop_reduce_scatter",
+    "matmul_reduce_scatter", "AmaxReduction", "all_gather_fp8", "cast_consistent", "delayed_quantizers", "gather_cast", "reduce_amax",
+    "reduce_delayed_amaxes", "transpose_rows",
+]
