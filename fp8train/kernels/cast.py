@@ -282,7 +282,7 @@ def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
     if x.numel() == 0:
         reference.amax(x, amax_out)
         return
-    _launch(x, None, None, None, None, amax_out, None, None, fp8_max=0.0)
+    _launch(x, None, None, None, None, amax_out, None, None, None, fp8_max=0.0)
 
 
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
