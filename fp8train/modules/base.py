@@ -45,9 +45,9 @@ class FP8Module(nn.Module):
 
     # torch.compile's protocol for lazy modules, used here to create quantizers outside the
     # trace: before it traces a module that has `_initialize_hook`, Dynamo calls
-    # `_infer_parameters(module, args, kwargs)` eagerly (OptimizedModule._call_lazy_check for
-    # the compiled module itself, on every call; initialize_lazy_module for modules inside a
-    # compiled one, when tracing). Quantizers created inside a trace would have buffers that
+    # `_infer_parameters(module, args, kwargs)` eagerly (OptimizedModule._call_lazy_check, on
+    # every call of `torch.compile(module)`; layers nested in a compiled model are not reached
+    # in torch 2.13 and need one eager step). Quantizers created inside a trace would have buffers that
     # are temporaries of the graph, which the backward graph cannot update. The hook is
     # never registered as a real hook: nothing else reads it.
     _initialize_hook = None
