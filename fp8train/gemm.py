@@ -29,8 +29,16 @@ def dims_ok(*dims: int) -> bool:
     return all(d % 16 == 0 and d > 0 for d in dims)
 
 
-@functools.lru_cache(maxsize=None)
 def check_device(device: torch.device) -> None:
+    """Raise on a GPU without FP8 tensor cores (checked once per device, in eager code)."""
+    # Traced code (torch.compile) skips it: Dynamo would trace past the cache on every
+    # compile; the layer's first eager call, or torch._scaled_mm itself, reports the GPU.
+    if not torch.compiler.is_compiling():
+        _check_device(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_device(device: torch.device) -> None:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise RuntimeError(f"{torch.cuda.get_device_name(device)} has no FP8 tensor cores (needs compute "
                            "capability 8.9+, e.g. H100/H200); run outside fp8train.autocast")

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from . import kernels, scaling
+from . import kernels, ops, scaling
 from .recipe import CurrentScaling, DelayedScaling, Recipe
 from .roles import TensorRole
 from .tensor import Float8Tensor, padded_rows
@@ -88,6 +88,8 @@ class Quantizer(nn.Module):
         than the launch). dbias: also the float32 column sums of x's rows, from the same
         read (the bias gradient, when x is a grad-output)."""
         x = self._checked(x)
+        if torch.compiler.is_compiling():  # traced code: the same kernels as a custom op (fp8train/ops.py)
+            return Cast(*ops.cast(x, self.dtype, self.scaling_state(), transpose, dbias))
         out = self.allocate(x.shape, x.device, transpose=transpose)
         if dbias:
             cols = x.shape[-1] if x.dim() else 1
@@ -118,6 +120,15 @@ class Quantizer(nn.Module):
         return cols, padded_rows(x.numel() // cols if cols else 0)
 
     def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
+        raise NotImplementedError
+
+    # True once casts take the scale from state (current scaling: always). Read, never
+    # changed, by traced code; fp8train.modules.base.mark_calibrated flips it there.
+    calibrated = True
+
+    def scaling_state(self) -> ops.ScalingState:
+        """The state tensors the custom ops take for this quantizer's next cast, following
+        `produce` (fp8train/ops.py); depends on `calibrated` but does not change it."""
         raise NotImplementedError
 
     def produce(self, first_pass: Callable[[torch.Tensor], None],
@@ -194,6 +205,9 @@ class CurrentScalingQuantizer(Quantizer):
         self._launch(x, data, data_t, scale_inv, from_amax=self.amax, count=self.nonfinite_count,
                      dbias_out=dbias_out, skip=skip)
 
+    def scaling_state(self) -> ops.ScalingState:
+        return ops.ScalingState(self.scale, None, self.amax, self.nonfinite_count)
+
     def produce(self, first_pass, cast) -> None:
         self.amax.zero_()
         first_pass(self.amax)
@@ -243,6 +257,10 @@ class DelayedScalingQuantizer(Quantizer):
         kernels.cast_trusted(x, data, data_t, self.scale, scale_inv, pending, self._calibration_amax, None, dbias_out,
                              skip)
         self.calibrated = True
+
+    def scaling_state(self) -> ops.ScalingState:
+        first_amax = None if self.calibrated else self._calibration_amax  # calibration: one amax pass first
+        return ops.ScalingState(self.scale, self.amax_history, first_amax, None)
 
     def produce(self, first_pass, cast) -> None:
         if self.calibrated:

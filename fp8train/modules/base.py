@@ -2,7 +2,6 @@
 checkpoints), input checks, activation dtype and warn-once messages."""
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Dict, Optional, Tuple
 
@@ -10,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import precision
+from ..autocast import active_recipe
 from ..quantizer import Quantizer, make_quantizer, quantizer_from_state
 from ..recipe import DelayedScaling, Recipe
 from ..roles import TensorRole
@@ -40,6 +40,8 @@ class FP8Module(nn.Module):
             self.register_module(name, None)
         self._warned: set = set()
         self._matched: Dict[str, tuple] = {}  # per GEMM: (recipe, quantizers) of the last quantizers() call
+        # Submodule names per GEMM, computed once (a plain dict: torch.compile traces the lookup).
+        self._names = {gemm: tuple(gemm + name for name in QUANTIZER_NAMES.values()) for gemm in self.GEMMS}
         self.name: Optional[str] = None  # set by the user or fp8train.convert for messages
         # Auto precision (recipe.auto_precision): the table entries this layer ran by, per
         # shape key, and its cached choices per (rows, dtype, recipe kind) for the hot path.
@@ -49,6 +51,24 @@ class FP8Module(nn.Module):
         # Set by fp8train.make_graphed_callables(fp8_weight_caching=True): a () int32 device
         # flag the weight casts read; nonzero skips them (is_first_microbatch=False on replay).
         self.weight_cast_skip: Optional[torch.Tensor] = None
+
+    # torch.compile's protocol for lazy modules, used here to create quantizers outside the
+    # trace: before it traces a module that has `_initialize_hook`, Dynamo calls
+    # `_infer_parameters(module, args, kwargs)` eagerly (OptimizedModule._call_lazy_check, on
+    # every call of `torch.compile(module)`; layers nested in a compiled model are not reached
+    # in torch 2.13 and need one eager step). Quantizers created inside a trace would have buffers that
+    # are temporaries of the graph, which the backward graph cannot update. The hook is
+    # never registered as a real hook: nothing else reads it.
+    _initialize_hook = None
+
+    def _infer_parameters(self, module, args, kwargs=None) -> None:
+        """Create (or rebuild) the quantizers the active recipe needs; runs outside any trace."""
+        recipe = active_recipe()
+        if recipe is None or not getattr(self, "_fp8_dims", False):
+            return
+        device = next(self.parameters()).device
+        for gemm in self.GEMMS:
+            self.quantizers(recipe, device, gemm)
 
     def _quantizer_names(self):
         return [gemm + name for gemm in self.GEMMS for name in QUANTIZER_NAMES.values()]
@@ -66,7 +86,7 @@ class FP8Module(nn.Module):
         `recipe`, rebuilt if the recipe kind, format or history length changed since they
         were made (their scaling state resets)."""
         mods = self._modules
-        names = _names_of(gemm)
+        names = self._names[gemm]
         current = (mods[names[0]], mods[names[1]], mods[names[2]])
         if self._matched.get(gemm) == (recipe, current):  # the usual call: same recipe, same quantizers
             return current
@@ -74,6 +94,11 @@ class FP8Module(nn.Module):
         for role, name in zip(QUANTIZER_NAMES, names):
             q = mods[name]
             if q is None or not q.matches(recipe, role):
+                if torch.compiler.is_compiling():
+                    raise RuntimeError(
+                        f"{self.describe()}: its FP8 quantizers for {type(recipe).__name__} do not exist yet and "
+                        "cannot be created inside a torch.compile trace; call the module once eagerly inside "
+                        "fp8train.autocast with this recipe, or compile the module itself (torch.compile(module))")
                 if q is not None:
                     self.warn_once("recipe", f"recipe changed to {type(recipe).__name__}; its FP8 scaling state was reset")
                 q = make_quantizer(recipe, role, device=device)
@@ -162,15 +187,25 @@ class FP8Module(nn.Module):
             setattr(self, name, quantizer_from_state(role, state, device=device))
 
 
-@functools.lru_cache(maxsize=None)
-def _names_of(gemm: str) -> Tuple[str, str, str]:
-    return tuple(gemm + name for name in QUANTIZER_NAMES.values())
-
-
 def _same_shape(q: Quantizer, state: dict) -> bool:
     own = q.state_dict()
     return own.keys() == state.keys() and all(own[k].shape == state[k].shape for k in own) \
         and float(state["fp8_max"]) == float(q.fp8_max)
+
+
+def mark_calibrated(*quantizers: Quantizer) -> None:
+    """After a traced forward: note that its delayed quantizers have calibrated.
+
+    Eager casts flip `calibrated` themselves. Traced casts cannot: Dynamo refuses Python side
+    effects inside an autograd.Function, so the layer's forward does it after the Function,
+    for the forward and backward quantizers alike (the backward graph was traced with the
+    flag as it was, so it calibrates when it runs). The next call sees the new flag, which
+    the graph is guarded on, and compiles once more: one recompile per layer and recipe.
+    """
+    if torch.compiler.is_compiling():
+        for q in quantizers:
+            if not q.calibrated:
+                q.calibrated = True
 
 
 def activation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -180,4 +215,4 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-__all__ = ["FP8Module", "QUANTIZER_NAMES", "activation_dtype"]
+__all__ = ["FP8Module", "QUANTIZER_NAMES", "activation_dtype", "mark_calibrated"]

@@ -12,10 +12,10 @@ from .. import gemm
 from ..autocast import active_recipe
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
-from .base import FP8Module, activation_dtype
+from .base import FP8Module, activation_dtype, mark_calibrated
 from .linear import _rows
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
-from .weight_workspace import WeightWorkspace
+from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
 
 class LayerNormLinear(FP8Module):
@@ -84,11 +84,12 @@ class LayerNormLinear(FP8Module):
         need_dgrad = grad and (x.requires_grad or self.layer_norm_weight.requires_grad)
         w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch, need_transpose=need_dgrad,
                                     skip=self.weight_cast_skip)
-        y, ln_out = _LayerNormLinearFn.apply(
+        out = _LayerNormLinearFn.apply(
             x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, w_fp8, q_input, q_grad,
             recipe.gemm, activation_dtype(x), self.eps, self.normalization == "LayerNorm",
             grad and self.weight.requires_grad, self.return_layernorm_output)
-        return (y, ln_out) if self.return_layernorm_output else y
+        mark_calibrated(q_input, q_weight, q_grad)
+        return out  # (y, ln_out) with return_layernorm_output, else y
 
     def precision_dims(self) -> tuple:
         return self.in_features, self.out_features, self.normalization, int(self.bias is not None)
@@ -124,19 +125,19 @@ class _LayerNormLinearFn(torch.autograd.Function):
                 config: GemmConfig, act_dtype, eps: float, layer: bool, need_wgrad: bool, want_ln: bool):
         x2 = _rows(x).contiguous()  # (M, K)
         xq, mean, rstd, ln_out = norm_fp8(x2, ln_weight, ln_bias, layer, eps, q_input, need_wgrad, want_ln)
-        y = gemm.fprop(xq.data, xq.scale_inv, w_fp8.fp8_data, w_fp8.scale_inv, config, act_dtype, bias)  # (M, N)
+        y = gemm.fprop(xq.data, xq.scale_inv, *weight_operands(w_fp8), config, act_dtype, bias)  # (M, N)
         ctx.save_for_backward(x2, ln_weight, ln_bias, mean, rstd, xq.data_t, xq.scale_inv)
         ctx.w_fp8, ctx.q_grad, ctx.config, ctx.act_dtype = w_fp8, q_grad, config, act_dtype
         ctx.in_shape, ctx.need_wgrad = x.shape, need_wgrad
         ctx.weight_dtype = weight.dtype
         lead = x.shape[:-1]
         y = y.view(*lead, y.shape[-1])
-        if ln_out is None:
-            return y, None
-        return y, ln_out.view(x.shape)
+        # Only outputs that exist: a None output would get a None gradient, which torch.compile's
+        # tracing of the backward cannot handle.
+        return y if ln_out is None else (y, ln_out.view(x.shape))
 
     @staticmethod
-    def backward(ctx, dy, d_ln_out):
+    def backward(ctx, dy, d_ln_out=None):
         x2, ln_weight, ln_bias, mean, rstd, x_t, x_scale_inv = ctx.saved_tensors
         dy2 = _rows(dy)
         if dy2.dtype != ctx.act_dtype:
@@ -146,8 +147,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dy_data, dy_t, dy_scale_inv, db = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[4])
         dx = d_lnw = d_lnb = dw = None
         if any(ctx.needs_input_grad[:3]):
-            w = ctx.w_fp8
-            d_ln = gemm.dgrad(dy_data, dy_scale_inv, w.transpose_data(), w.scale_inv, ctx.config, ctx.act_dtype)
+            d_ln = gemm.dgrad(dy_data, dy_scale_inv, *weight_transposed(ctx.w_fp8), ctx.config, ctx.act_dtype)
             if d_ln_out is not None:
                 d_ln = d_ln + _rows(d_ln_out).to(d_ln.dtype)
             dx, d_lnw, d_lnb = norm_backward(d_ln, x2, ln_weight, ln_bias, mean, rstd, ctx.needs_input_grad[0])

@@ -9,14 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import gemm, kernels
+from .. import gemm, kernels, ops
 from ..autocast import active_recipe
-from ..quantizer import Quantizer
+from ..kernels.activation_reference import out_features
+from ..quantizer import Cast, Quantizer
 from ..recipe import GemmConfig
-from .base import FP8Module, activation_dtype
+from .base import FP8Module, activation_dtype, mark_calibrated
 from .linear import _rows
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
-from .weight_workspace import WeightWorkspace
+from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
 
@@ -31,6 +32,34 @@ def activation_high_precision(h: torch.Tensor, activation: str) -> torch.Tensor:
         return F.relu(h)
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def activation_fp8(h: torch.Tensor, activation: str, q: Quantizer, transpose: bool) -> Cast:
+    """act(h) (M, F) straight into FP8 with q's scaling (+ its transposed copy (F, Mp))."""
+    if torch.compiler.is_compiling():  # traced code: the same kernels as a custom op (fp8train/ops.py)
+        return Cast(*ops.act_fwd_fp8(h, activation, q.dtype, q.scaling_state(), transpose))
+    aq = q.allocate((h.shape[0], out_features(h, activation)), h.device, transpose=transpose)
+    q.produce(
+        lambda amax_out: kernels.act_amax(h, activation, amax_out),
+        lambda scale, amax_out, from_amax, count: kernels.act_fwd_fp8(
+            h, activation, aq.data, aq.data_t, scale, aq.scale_inv, amax_out, from_amax, count))
+    return aq
+
+
+def activation_backward_fp8(da: torch.Tensor, h: torch.Tensor, activation: str, q: Quantizer,
+                            dbias_dtype: Optional[torch.dtype]) -> Cast:
+    """dh = da * act'(h) (M, F1) straight into FP8 with q's scaling, with its transposed copy
+    (F1, Mp) and, when dbias_dtype is given, fc1's bias gradient (F1,) in that dtype."""
+    if torch.compiler.is_compiling():  # traced code: the same kernels as a custom op (fp8train/ops.py)
+        parts, db = ops.act_bwd_fp8(da, h, activation, q.dtype, q.scaling_state(), True, dbias_dtype)
+        return Cast(*parts, db)
+    dhq = q.allocate(h.shape, h.device, transpose=True)  # (M, F1), (F1, Mp)
+    db = torch.empty(h.shape[1], dtype=dbias_dtype, device=h.device) if dbias_dtype is not None else None
+    q.produce(
+        lambda amax_out: kernels.act_bwd_amax(da, h, activation, amax_out),
+        lambda scale, amax_out, from_amax, count: kernels.act_bwd_fp8(
+            da, h, activation, dhq.data, dhq.data_t, scale, dhq.scale_inv, amax_out, from_amax, count, db))
+    return Cast(dhq.data, dhq.data_t, dhq.scale_inv, db)
 
 
 class LayerNormMLP(FP8Module):
@@ -106,10 +135,12 @@ class LayerNormMLP(FP8Module):
         skip = self.weight_cast_skip
         w1 = self._fc1_workspace.get(self.fc1_weight, q1[1], is_first_microbatch, need_transpose=need_dgrad1, skip=skip)
         w2 = self._fc2_workspace.get(self.fc2_weight, q2[1], is_first_microbatch, need_transpose=grad, skip=skip)
-        return _LayerNormMLPFn.apply(
+        y = _LayerNormMLPFn.apply(
             x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
             self.fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2], recipe.gemm, activation_dtype(x), self.eps,
             self.normalization == "LayerNorm", self.activation, grad)
+        mark_calibrated(*q1, *q2)
+        return y
 
     def precision_dims(self) -> tuple:
         return self.hidden_size, self.ffn_hidden_size, self.normalization, self.activation, \
@@ -149,16 +180,10 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 q1_grad: Quantizer, q2_input: Quantizer, q2_grad: Quantizer, config: GemmConfig, act_dtype,
                 eps: float, layer: bool, activation: str, grad: bool):
         x2 = _rows(x).contiguous()  # (M, K)
-        m = x2.shape[0]
         xq, mean, rstd, _ = norm_fp8(x2, ln_weight, ln_bias, layer, eps, q1_input, grad, False)
-        h = gemm.fprop(xq.data, xq.scale_inv, w1_fp8.fp8_data, w1_fp8.scale_inv, config, act_dtype, b1)  # (M, F1)
-        f = w2.shape[1]
-        aq = q2_input.allocate((m, f), x2.device, transpose=grad)  # (M, F), (F, Mp)
-        q2_input.produce(
-            lambda amax_out: kernels.act_amax(h, activation, amax_out),
-            lambda scale, amax_out, from_amax, count: kernels.act_fwd_fp8(
-                h, activation, aq.data, aq.data_t, scale, aq.scale_inv, amax_out, from_amax, count))
-        y = gemm.fprop(aq.data, aq.scale_inv, w2_fp8.fp8_data, w2_fp8.scale_inv, config, act_dtype, b2)  # (M, K)
+        h = gemm.fprop(xq.data, xq.scale_inv, *weight_operands(w1_fp8), config, act_dtype, b1)  # (M, F1)
+        aq = activation_fp8(h, activation, q2_input, grad)  # (M, F), (F, Mp)
+        y = gemm.fprop(aq.data, aq.scale_inv, *weight_operands(w2_fp8), config, act_dtype, b2)  # (M, K)
         ctx.save_for_backward(x2, ln_weight, ln_bias, mean, rstd, xq.data_t, xq.scale_inv, h, aq.data_t,
                               aq.scale_inv)
         ctx.w_fp8 = (w1_fp8, w2_fp8)
@@ -179,19 +204,15 @@ class _LayerNormMLPFn(torch.autograd.Function):
             dy2 = dy2.to(act_dtype)
         # (M, K), (K, Mp); db2 (K,) float32 from the same read of dY (autograd casts it to b2's dtype)
         dy_data, dy_t, dy_si, db2 = q2_grad.cast(dy2, transpose=True, dbias=needs[6])
-        da = gemm.dgrad(dy_data, dy_si, w2_fp8.transpose_data(), w2_fp8.scale_inv, config, act_dtype)  # (M, F)
+        da = gemm.dgrad(dy_data, dy_si, *weight_transposed(w2_fp8), config, act_dtype)  # (M, F)
         dw2 = gemm.wgrad(dy_t, dy_si, a_t, a_si, config, w2_dtype) if needs[5] else None
-        dhq = q1_grad.allocate(h.shape, h.device, transpose=True)  # (M, F1), (F1, Mp)
-        db1 = torch.empty(h.shape[1], dtype=b1_dtype, device=h.device) if needs[4] else None
-        q1_grad.produce(
-            lambda amax_out: kernels.act_bwd_amax(da, h, ctx.activation, amax_out),
-            lambda scale, amax_out, from_amax, count: kernels.act_bwd_fp8(
-                da, h, ctx.activation, dhq.data, dhq.data_t, scale, dhq.scale_inv, amax_out, from_amax, count, db1))
+        # (M, F1), (F1, Mp); db1 (F1,) in b1's dtype from the same pass
+        dhq = activation_backward_fp8(da, h, ctx.activation, q1_grad, b1_dtype if needs[4] else None)
+        db1 = dhq.dbias
         dw1 = gemm.wgrad(dhq.data_t, dhq.scale_inv, x_t, x_si, config, w1_dtype) if needs[3] else None
         dx = d_lnw = d_lnb = None
         if any(needs[:3]):
-            d_ln = gemm.dgrad(dhq.data, dhq.scale_inv, w1_fp8.transpose_data(), w1_fp8.scale_inv, config,
-                              act_dtype)  # (M, K)
+            d_ln = gemm.dgrad(dhq.data, dhq.scale_inv, *weight_transposed(w1_fp8), config, act_dtype)  # (M, K)
             dx, d_lnw, d_lnb = norm_backward(d_ln, x2, ln_weight, ln_bias, mean, rstd, needs[0])
             if dx is not None:
                 dx = dx.view(ctx.in_shape)

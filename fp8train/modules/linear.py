@@ -14,8 +14,8 @@ from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
-from .base import FP8Module, activation_dtype
-from .weight_workspace import WeightWorkspace
+from .base import FP8Module, activation_dtype, mark_calibrated
+from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
 
 class Linear(FP8Module):
@@ -96,8 +96,10 @@ class Linear(FP8Module):
         grad = torch.is_grad_enabled()
         w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch,
                                     need_transpose=grad and x.requires_grad, skip=self.weight_cast_skip)
-        return _LinearFn.apply(x, self.weight, self.bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
-                               grad and self.weight.requires_grad)
+        y = _LinearFn.apply(x, self.weight, self.bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
+                            grad and self.weight.requires_grad)
+        mark_calibrated(q_input, q_weight, q_grad)
+        return y
 
 
 def _high_precision(x, weight, bias, dtype):
@@ -126,7 +128,7 @@ class _LinearFn(torch.autograd.Function):
             x_t = x.transpose_data(padded=True) if need_wgrad else None
         else:
             x_data, x_t, x_scale_inv, _ = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
-        y = gemm.fprop(x_data, x_scale_inv, w_fp8.fp8_data, w_fp8.scale_inv, config, act_dtype, bias)  # (M, N)
+        y = gemm.fprop(x_data, x_scale_inv, *weight_operands(w_fp8), config, act_dtype, bias)  # (M, N)
         if need_wgrad:
             ctx.save_for_backward(x_t, x_scale_inv)
         ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
@@ -144,8 +146,7 @@ class _LinearFn(torch.autograd.Function):
         dy_data, dy_t, dy_scale_inv, db = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[2])
         dx = dw = None
         if need_dgrad:
-            w = ctx.w_fp8
-            dx = gemm.dgrad(dy_data, dy_scale_inv, w.transpose_data(), w.scale_inv, ctx.config, ctx.act_dtype)
+            dx = gemm.dgrad(dy_data, dy_scale_inv, *weight_transposed(ctx.w_fp8), ctx.config, ctx.act_dtype)
             if len(ctx.in_shape) != 2:
                 dx = dx.view(ctx.in_shape)
         if need_wgrad:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
+from .. import kernels, ops
 from ..quantizer import Cast, Quantizer
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -49,6 +49,10 @@ def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     Returns (cast, mean (M,) float32 or None for RMSNorm, rstd (M,) float32, y) where y is
     the high-precision normalized output in x2's dtype, written only when want_y.
     """
+    if torch.compiler.is_compiling():  # traced code: the same kernels as a custom op (fp8train/ops.py)
+        parts, mean, rstd, y = ops.norm_fwd_fp8(x2, weight, bias, layer, eps, q.dtype, q.scaling_state(), transpose,
+                                                want_y)
+        return Cast(*parts), mean, rstd, y
     m, k = x2.shape
     mean = torch.empty(m, dtype=torch.float32, device=x2.device) if layer else None
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
@@ -70,6 +74,9 @@ def norm_backward(d_norm: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
                   mean: Optional[torch.Tensor], rstd: torch.Tensor, need_dx: bool
                   ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """(dx (M, K) in x2's dtype or None, dweight, dbias or None) of the normalization."""
+    if torch.compiler.is_compiling():  # traced code: the same kernel as a custom op (fp8train/ops.py)
+        dx, dweight, dbias = ops.norm_bwd(d_norm, x2, weight, bias, mean, rstd)
+        return (dx if need_dx else None), dweight, dbias
     dx = torch.empty_like(x2)
     dweight = torch.empty_like(weight)
     dbias = torch.empty_like(bias) if bias is not None else None

@@ -1,11 +1,11 @@
 """The FP8 copy of a weight that a layer owns and rewrites in place."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 
-from ..quantizer import Quantizer
+from ..quantizer import Cast, Quantizer
 from ..tensor import Float8Tensor
 
 
@@ -17,15 +17,23 @@ class WeightWorkspace:
                          None: cast on every call.
     The Float8Tensor carries its own scale_inv, written by the same kernel as its data, so a
     later scale update of the quantizer can never desynchronise the cached payload.
+
+    Under torch.compile the same meaning holds, with plain tensors: the cast is a custom op
+    whose result (a `Cast`) the workspace keeps in `compiled` (Dynamo replays that attribute
+    store after the graph), and `is_first_microbatch` is a Python value the compiled graph
+    is specialised on (one graph per value used). `fp8` is not updated by compiled calls.
     """
 
     def __init__(self):
         self.fp8: Optional[Float8Tensor] = None
+        self.compiled: Optional[Cast] = None  # the kept cast of compiled calls (data, data_t, scale_inv)
 
     def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
-            need_transpose: bool, skip: Optional[torch.Tensor] = None) -> Float8Tensor:
+            need_transpose: bool, skip: Optional[torch.Tensor] = None) -> Union[Float8Tensor, Cast]:
         """skip: the device flag of a graphed layer with FP8 weight caching (graphs.py): the
         cast is issued on every call and the kernels skip it while the flag is nonzero."""
+        if torch.compiler.is_compiling():
+            return self._get_traced(weight, quantizer, is_first_microbatch, need_transpose)
         ws = self.fp8
         fits = (ws is not None and ws.shape == weight.shape and ws.device == weight.device
                 and ws.dtype == weight.dtype and ws.fp8_dtype == quantizer.dtype)
@@ -36,3 +44,30 @@ class WeightWorkspace:
         else:
             self.fp8 = quantizer.quantize(weight, transpose=need_transpose)
         return self.fp8
+
+    def _get_traced(self, weight, quantizer, is_first_microbatch, need_transpose) -> Cast:
+        kept = self.compiled
+        fits = (kept is not None and kept.data.shape == weight.shape and kept.data.dtype == quantizer.dtype
+                and (kept.data_t is not None or not need_transpose))
+        if is_first_microbatch is False and fits:
+            return kept
+        # A kept cast without the transposed copy that is now needed is cast again (eager
+        # transposes the FP8 payload instead); the result is the same bytes.
+        cast = quantizer.cast(weight, transpose=need_transpose)
+        if is_first_microbatch is not None:
+            self.compiled = cast
+        return cast
+
+
+def weight_operands(w: Union[Float8Tensor, Cast]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(W (N, K) fp8, scale_inv) for the fprop GEMM, from either form of the FP8 weight."""
+    if isinstance(w, Float8Tensor):
+        return w.fp8_data, w.scale_inv
+    return w.data, w.scale_inv
+
+
+def weight_transposed(w: Union[Float8Tensor, Cast]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(W^T (K, N) fp8, scale_inv) for the dgrad GEMM, from either form of the FP8 weight."""
+    if isinstance(w, Float8Tensor):
+        return w.transpose_data(), w.scale_inv
+    return w.data_t, w.scale_inv

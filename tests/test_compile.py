@@ -1,0 +1,161 @@
+"""torch.compile(fullgraph=True) of Linear, LayerNormLinear and LayerNormMLP on CPU.
+
+Compiled and eager run the same kernels (the custom ops of fp8train/ops.py call the
+pure-torch twins here) in the same order, and the GEMMs are the same torch._scaled_mm
+emulation, so outputs, gradients and the scaling state are compared bit for bit. Most cases
+use the aot_eager backend (Dynamo + AOTAutograd + functionalization, no code generation: the
+whole trace in ~1 s); one case runs Inductor (C++ code generation with gcc, ~10 s here).
+"""
+import copy
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fp8train
+from fp8train import CurrentScaling, DelayedScaling
+
+DELAYED, CURRENT = DelayedScaling(amax_history_len=8), CurrentScaling()
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # no compiled code or counters leak between tests
+    yield
+    torch._dynamo.reset()
+
+
+def make(kind: str, **kw):
+    if kind == "linear":
+        return fp8train.Linear(32, 48, **kw)
+    if kind == "layernorm_linear":
+        return fp8train.LayerNormLinear(32, 48, **kw)
+    return fp8train.LayerNormMLP(32, 64, **kw)
+
+
+def run_side_by_side(module, recipe, backend="aot_eager", steps=STEPS, shape=(2, 9, 32), **call_kw):
+    """`steps` training steps of `module` compiled and of an eager copy, each step's FP8
+    region shared (one scale update for both). Asserts bit-equal outputs, gradients and
+    buffers after every step; returns the compile counter."""
+    eager = copy.deepcopy(module)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(module, fullgraph=True, backend=counter)
+    for step in range(steps):
+        x = torch.randn(shape, dtype=torch.bfloat16)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with fp8train.autocast(recipe=recipe):
+            yc = compiled(xc, **call_kw)
+            ye = eager(xe, **call_kw)
+        yc, ye = (yc[0], ye[0]) if isinstance(yc, tuple) else (yc, ye)
+        yc.float().square().mean().backward()
+        ye.float().square().mean().backward()
+        assert torch.equal(yc, ye), f"step {step}: outputs differ"
+        assert torch.equal(xc.grad, xe.grad), f"step {step}: input gradients differ"
+        for (name, p), q in zip(module.named_parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {name}.grad differs"
+        for (name, b), c in zip(module.named_buffers(), eager.buffers()):
+            assert torch.equal(b, c), f"step {step}: {name} differs"
+    return counter
+
+
+# Delayed scaling compiles twice: the first call calibrates (one extra amax pass in the
+# forward and in the backward), the flag flips, and the graph is specialised on it.
+FRAMES = {"delayed": 2, "current": 1}
+RECIPES = [pytest.param(DELAYED, id="delayed"), pytest.param(CURRENT, id="current")]
+
+
+def frames_for(recipe) -> int:
+    return FRAMES["delayed" if isinstance(recipe, DelayedScaling) else "current"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_linear_compiled_matches_eager(recipe):
+    counter = run_side_by_side(make("linear"), recipe)
+    assert counter.frame_count == frames_for(recipe)
+
+
+@pytest.mark.parametrize("recipe, normalization, want_ln", [
+    pytest.param(DELAYED, "LayerNorm", True, id="delayed-layernorm-ln_out"),
+    pytest.param(CURRENT, "RMSNorm", False, id="current-rmsnorm"),
+])
+def test_layernorm_linear_compiled_matches_eager(recipe, normalization, want_ln):
+    module = make("layernorm_linear", normalization=normalization, return_layernorm_output=want_ln)
+    counter = run_side_by_side(module, recipe)
+    assert counter.frame_count == frames_for(recipe)
+
+
+@pytest.mark.parametrize("recipe, normalization, activation", [
+    pytest.param(DELAYED, "LayerNorm", "gelu", id="delayed-layernorm-gelu"),
+    pytest.param(CURRENT, "RMSNorm", "swiglu", id="current-rmsnorm-swiglu"),
+])
+def test_layernorm_mlp_compiled_matches_eager(recipe, normalization, activation):
+    counter = run_side_by_side(make("layernorm_mlp", normalization=normalization, activation=activation), recipe)
+    assert counter.frame_count == frames_for(recipe)
+
+
+def test_inductor_compiles_layernorm_mlp_to_the_same_bits():
+    # Inductor generates C++ for the glue around the custom ops and _scaled_mm; the ops
+    # themselves stay calls, so the bits are unchanged.
+    counter = run_side_by_side(make("layernorm_mlp"), CURRENT, backend="inductor", steps=2)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "layernorm_mlp"])
+def test_no_graph_breaks_and_kernels_are_custom_ops(kind):
+    module = make(kind)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    with fp8train.autocast(recipe=CURRENT):
+        explanation = torch._dynamo.explain(module)(x)
+        torch.compile(module, fullgraph=True, backend=capture)(x).sum().backward()
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    # The autograd.Function's forward and backward are subgraphs (submodules) of the graph.
+    called = {str(n.target) for g in graphs for sub in g.modules() if isinstance(sub, torch.fx.GraphModule)
+              for n in sub.graph.nodes if n.op == "call_function"}
+    ops = {t.removesuffix(".default") for t in called if t.startswith("fp8train.")}
+    want = {"linear": {"fp8train.cast"},
+            "layernorm_linear": {"fp8train.norm_fwd_fp8", "fp8train.cast", "fp8train.norm_bwd"},
+            "layernorm_mlp": {"fp8train.norm_fwd_fp8", "fp8train.act_fwd_fp8", "fp8train.cast",
+                              "fp8train.act_bwd_fp8", "fp8train.norm_bwd"}}[kind]
+    assert want <= ops, called
+
+
+def test_is_first_microbatch_under_compile():
+    # True casts the weight and keeps it; False reuses the kept cast (no weight cast: the
+    # weight quantizer records no amax); each value is one specialisation of the graph.
+    module = make("linear")
+    eager = copy.deepcopy(module)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    for first in (True, False, False):
+        x = torch.randn(8, 32, dtype=torch.bfloat16)
+        with fp8train.autocast(recipe=DELAYED):
+            yc = compiled(x, is_first_microbatch=first)
+            ye = eager(x, is_first_microbatch=first)
+            if not first:
+                assert module.weight_quantizer.amax_history[0] == -1  # nothing cast this step
+        assert torch.equal(yc, ye)
+    assert torch.equal(module.weight_quantizer.amax_history, eager.weight_quantizer.amax_history)
+
+
+def test_outside_autocast_compiles_to_plain_linear():
+    module = make("linear")
+    y = torch.compile(module, fullgraph=True, backend="aot_eager")(torch.ones(4, 32))
+    assert torch.equal(y, torch.nn.functional.linear(torch.ones(4, 32), module.weight, module.bias))
+    assert module.input_quantizer is None
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cast_op_passes_opcheck(recipe):
+    # Schema, fake (meta) implementation and functionalization of the op against its eager run.
+    q = fp8train.quantizer.make_quantizer(recipe, fp8train.TensorRole.INPUT)
+    x = torch.randn(20, 32, dtype=torch.bfloat16)
+    for transpose, dbias in ((True, True), (False, False)):
+        state = [t.clone() if t is not None else None for t in q.scaling_state()]
+        torch.library.opcheck(torch.ops.fp8train.cast.default, (x, q.dtype, *state, transpose, dbias),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
