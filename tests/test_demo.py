@@ -76,3 +76,10 @@ def test_cli_usage():
 
 def test_module_entry_point():
     assert subprocess.run([sys.executable, "-m", "fp8train", "--help"], capture_output=True, text=True).returncode == 0
+
+
+def test_replot_draws_the_figures_from_report_json(demo_out):
+    for png in demo_out.glob("*.png"):
+        png.unlink()
+    assert demo.main(["--replot", "--out", str(demo_out)]) == []
+    assert {p.name for p in demo_out.glob("*.png")} == {"loss.png", "scaling.png", "scaling_fp8_current.png"}

@@ -85,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inspect-every", type=int, help="steps between numerics inspections")
     p.add_argument("--seed", type=int)
     p.add_argument("--out", default="demo_out", help="output folder (default: demo_out/)")
+    p.add_argument("--replot", action="store_true",
+                   help="train nothing: draw the figures again from --out's report.json and numerics logs")
     return p
 
 

@@ -61,7 +61,8 @@ def gaps(results: List[RunResult]) -> dict:
 
 
 def build_report(cfg: DemoConfig, n_params: int, device: torch.device, corpus_info: dict,
-                 results: List[RunResult], files: dict) -> dict:
+                 results: List[RunResult]) -> dict:
+    """report.json's content; "files" (what else was written to --out) is filled by the caller."""
     runs = [{"name": r.name, "recipe": r.recipe, "final_train_loss": r.final_train_loss,
              "final_val_loss": r.final_val_loss, "tokens_per_s": _finite(r.tokens_per_s),
              "timed_steps": r.timed_steps, "timed_seconds": r.timed_seconds,
@@ -69,7 +70,7 @@ def build_report(cfg: DemoConfig, n_params: int, device: torch.device, corpus_in
              "numerics_log": r.numerics_log} for r in results]
     return {"schema": SCHEMA, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.gpt_config()),
             "n_params": n_params, "setup": SETUP, "versions": versions(), "device": device_info(device),
-            "data": corpus_info, "runs": runs, "gaps": gaps(results), "files": files}
+            "data": corpus_info, "runs": runs, "gaps": gaps(results), "files": {}}
 
 
 def check_report(report: dict) -> None:

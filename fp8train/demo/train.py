@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -35,8 +35,7 @@ class RunResult:
     tokens_per_s: float
     timed_steps: int
     timed_seconds: float
-    numerics_log: Optional[str] = None
-    numerics: List[dict] = field(default_factory=list, repr=False)
+    numerics_log: Optional[str] = None       # the Inspector's JSON-lines file in --out (FP8 runs)
 
     @property
     def final_train_loss(self) -> float:
@@ -117,6 +116,7 @@ def train_run(name: str, recipe: Optional[Recipe], base: GPT, corpus: ByteCorpus
     clock = Throughput(device)
     warmup_steps = min(10, cfg.steps // 5)  # compilation and first-call costs stay out of tokens/s
     bar = tqdm(total=cfg.steps, desc=f"{name:>12}", dynamic_ncols=True, leave=True)
+    postfix = {"loss": "-", "val": "-"}
     for step in range(cfg.steps):
         if step == warmup_steps:
             clock.start()
@@ -142,11 +142,12 @@ def train_run(name: str, recipe: Optional[Recipe], base: GPT, corpus: ByteCorpus
         if (step + 1) % cfg.eval_every == 0 or last:
             clock.stop()
             val.append((step + 1, evaluate(model, val_batches, recipe, device)))
-            bar.set_postfix(val=f"{val[-1][1]:.4f}", refresh=False)
+            postfix["val"] = f"{val[-1][1]:.4f}"
             if not last and step + 1 >= warmup_steps:
                 clock.start()
         if (step + 1) % cfg.log_every == 0 or last:
-            bar.set_postfix(loss=f"{losses[step].item():.4f}", val=f"{val[-1][1]:.4f}" if val else "-", refresh=False)
+            postfix["loss"] = f"{losses[step].item():.4f}"  # the one host sync of log_every steps
+            bar.set_postfix(postfix, refresh=False)
         bar.update()
     clock.stop()
     bar.close()
@@ -158,8 +159,7 @@ def train_run(name: str, recipe: Optional[Recipe], base: GPT, corpus: ByteCorpus
         train_loss=list(enumerate(losses.tolist(), start=1)), val_loss=val,
         tokens_per_s=tokens / clock.seconds if clock.seconds > 0 else float("nan"),
         timed_steps=clock.steps, timed_seconds=clock.seconds,
-        numerics_log=str(inspector.path.name) if inspector is not None else None,
-        numerics=inspector.records if inspector is not None else [])
+        numerics_log=str(inspector.path.name) if inspector is not None else None)
 
 
 __all__ = ["RunResult", "Throughput", "train_run", "evaluate", "make_optimizer"]
