@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
                     "(CurrentScaling) from the same initial weights; print a table and write loss.png, "
                     "scaling.png and report.json.")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--config", dest="model", help="GPT preset: tiny, small, gpt125m (default: tiny on CPU, "
+    p.add_argument("--config", dest="model", metavar="NAME", help="GPT preset: tiny, small, gpt125m (default: tiny on CPU, "
                                                   "gpt125m on CUDA)")
     p.add_argument("--steps", type=int, help="training steps per run (CPU 150, CUDA 2000)")
     p.add_argument("--batch-size", type=int, help="sequences per step (CPU 8, CUDA 16)")
