@@ -43,6 +43,11 @@ from .roles import TensorRole
 
 # Columns of the per-record statistics tensor, in order.
 FIELDS = ("amax", "scale", "saturated", "underflow", "sqnr_db", "numel")
+# Magnitudes above which rounding to nearest would leave the finite FP8 range, so that the
+# cast's clamp changes the result: fp8_max plus half the step of the top binade (e4m3: 448
+# + 16, e5m2: 57344 + 4096). Between fp8_max and these the cast rounds to fp8_max anyway,
+# which is what a scale of exactly fp8_max / amax produces up to float32 rounding.
+_CLAMP_FROM = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
 
 
 def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -52,7 +57,8 @@ def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 
     amax       max |x| over the whole tensor (NaN counts as inf)
     scale      the scale applied
-    saturated  fraction of elements with |x * scale| > fp8_max (clamped by the cast)
+    saturated  fraction of elements the cast clamps: |x * scale| beyond fp8_max by more than
+               half a rounding step (> 464 for e4m3, > 61440 for e5m2; see _CLAMP_FROM)
     underflow  fraction of the nonzero elements whose cast is zero (flushed); 0 if none
     sqnr_db    10 log10(sum x^2 / sum (x - dequant(q))^2); inf when the round trip is
                exact, NaN when x is all zero
@@ -61,7 +67,7 @@ def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     sample: at most this many elements, evenly strided over the flattened tensor, enter
     saturated / underflow / sqnr_db (None: all of them); amax always sees every element.
     """
-    fp8_max = scaling.fp8_max(dtype)
+    clamp_from = _CLAMP_FROM[dtype] if dtype in _CLAMP_FROM else scaling.fp8_max(dtype)  # the latter raises
     amax = abs_max(x)
     flat = x.detach().reshape(-1)
     if sample is not None and flat.numel() > sample:
@@ -72,7 +78,7 @@ def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     dequant = q * scaling.scale_inverse(scale)
     nonzero = flat != 0
     n = max(flat.numel(), 1)
-    saturated = ((flat * scale).abs() > fp8_max).sum() / n
+    saturated = ((flat * scale).abs() > clamp_from).sum() / n
     underflow = (nonzero & (q == 0)).sum() / nonzero.sum().clamp_min(1)
     signal = flat.double().square().sum()
     noise = (flat.double() - dequant.double()).square().sum()

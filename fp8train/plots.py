@@ -91,7 +91,8 @@ def plot_numerics(records: Sequence[dict], path, title: str = "FP8 numerics") ->
             for i, layer in enumerate(layers):
                 pts = [(s, v * factor) for s, v in series.get((layer, role), {}).get(field, []) if v is not None]
                 if pts and (not log or all(v > 0 for _, v in pts)):
-                    ax.plot(*zip(*pts), color=cmap(i / max(len(layers) - 1, 1)), linewidth=1, alpha=0.8)
+                    ax.plot(*zip(*pts), ".-", color=cmap(i / max(len(layers) - 1, 1)), linewidth=1, markersize=3,
+                            alpha=0.8, label=layer if row == col == 0 else None)
             if log:
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
@@ -99,6 +100,8 @@ def plot_numerics(records: Sequence[dict], path, title: str = "FP8 numerics") ->
                 ax.set_ylabel(label)
             if row == len(METRICS) - 1:
                 ax.set_xlabel("step")
+    if 0 < len(layers) <= 16:
+        fig.legend(loc="outside lower center", ncols=min(len(layers), 4), fontsize=8)
     fig.suptitle(f"{title}: {len(layers)} GEMMs ({layers[0]} dark ... {layers[-1]} light)" if layers else title,
                  fontsize=10)
     fig.savefig(path, dpi=100)
