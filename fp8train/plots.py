@@ -53,7 +53,7 @@ def plot_losses(runs: Sequence[dict], path) -> None:
             ax_gap.plot(*zip(*pts), "o-", color=color, markersize=4, label=run["name"])
     ax_gap.axhline(0, color=RUN_COLORS[0], linewidth=1)
     for bound in (-1, 1):
-        ax_gap.axhline(bound, color="grey", linestyle=":", linewidth=1)
+        ax_gap.axhline(bound, color="grey", linestyle=":", linewidth=1, label="±1%" if bound > 0 else None)
     ax_gap.set(xlabel="step", ylabel="%", title=f"validation loss vs {runs[0]['name'] if runs else 'baseline'}")
     ax_gap.grid(alpha=0.3)
     ax_gap.legend(fontsize=8)
