@@ -59,7 +59,7 @@ class DemoConfig:
 
 # CPU: the tiny model, all three runs in about two minutes on 2 cores (the FP8 GEMMs run as
 # torch's float32 emulation there; bf16 matmuls are slow on CPUs without bf16 units).
-# CUDA: GPT-2 small's shape on bytes (~85M parameters), 16 x 1024 tokens per step.
+# CUDA: GPT-2 small's shape on bytes (86M parameters), 16 x 1024 tokens per step.
 PRESETS = {
     "cpu": DemoConfig(),
     "cuda": DemoConfig(model="gpt125m", steps=2000, batch_size=16, seq_len=1024, lr=6e-4, warmup=100,
