@@ -9,6 +9,7 @@ from collections import defaultdict
 from typing import Dict, List, Sequence
 
 RUN_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red")
+RUN_STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"))  # curves that coincide stay visible
 ROLES = ("input", "weight", "grad_output")
 # (record field, axis label, log scale?, factor)
 METRICS = (
@@ -36,13 +37,14 @@ def plot_losses(runs: Sequence[dict], path) -> None:
     """
     fig = _figure(13, 4.8)
     ax_loss, ax_gap = fig.subplots(1, 2, width_ratios=(3, 2))
-    for run, color in zip(runs, RUN_COLORS):
+    for run, color, (line, marker) in zip(runs, RUN_COLORS, RUN_STYLES):
         steps, losses = zip(*run["train_loss"]) if run["train_loss"] else ((), ())
-        ax_loss.plot(steps, losses, color=color, alpha=0.35, linewidth=0.8)
-        ax_loss.plot(steps, _smooth(losses), color=color, linewidth=1.2, label=f"{run['name']} train (smoothed)")
+        ax_loss.plot(steps, losses, color=color, alpha=0.25, linewidth=0.7)
+        ax_loss.plot(steps, _smooth(losses), line, color=color, linewidth=1.4, label=f"{run['name']} train (smoothed)")
         if run["val_loss"]:
             vs, vl = zip(*run["val_loss"])
-            ax_loss.plot(vs, vl, "o--", color=color, markersize=4, linewidth=1, label=f"{run['name']} validation")
+            ax_loss.plot(vs, vl, marker, color=color, markersize=6, fillstyle="none", linewidth=0,
+                         label=f"{run['name']} validation")
     ax_loss.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title="loss")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(fontsize=8)
