@@ -34,8 +34,8 @@ def test_conversion_keeps_the_function():
 
 
 # float32 activations: CPUs without bf16 units run bf16 matmuls several times slower, and
-# the FP8 GEMMs are the same either way. Measured on CPU (2026-11-29): gaps -1.0% (delayed), -0.5% (current).
-STEPS, SHAPE = 40, {"batch": 4, "seq": 32, "dtype": torch.float32}
+# the FP8 GEMMs are the same either way. Measured on CPU (2026-11-29): gaps +0.22% (delayed), +0.08% (current).
+STEPS, SHAPE = 30, {"batch": 4, "seq": 32, "dtype": torch.float32}
 
 
 @pytest.fixture(scope="module")
