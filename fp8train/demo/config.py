@@ -57,9 +57,9 @@ class DemoConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
 
 
-# CPU: the tiny model; measured 0.2-0.3 s per step and run on 2 idle cores (the FP8 GEMMs
+# CPU: the tiny model; 0.2-0.45 s per step and run on 2 idle cores (the FP8 GEMMs
 # run as torch's float32 emulation; bf16 matmuls are slow on CPUs without bf16 units), so
-# the three runs take about 1.5-2 minutes.
+# `make demo` took 2 min in all (docs/benchmarks.md).
 # CUDA: GPT-2 small's shape on bytes (86M parameters), 16 x 1024 tokens per step.
 PRESETS = {
     "cpu": DemoConfig(),
