@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fp8train
 from fp8train.data import ByteCorpus, is_validation, stdlib_files, stdlib_root
@@ -99,3 +100,28 @@ def test_fp8_training_tracks_high_precision(corpus, initial_state, high_precisio
     # Same data, same init: T6's bound, 1%, on the mean of the last 20 of 100 steps
     # (measured on CPU 2026-11-29: 0.1-0.2%).
     assert abs(tail(got) - tail(base)) / tail(base) < 0.01
+
+
+def _bf16_step(model, recipe):
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            fp8train.autocast(enabled=recipe is not None, recipe=recipe or fp8train.DelayedScaling()):
+        logits, loss = model(x, torch.roll(x, -1, 1))
+    loss.backward()
+    return logits, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recipe", [fp8train.DelayedScaling(), fp8train.CurrentScaling()], ids=["delayed", "current"])
+def test_bf16_autocast_forward_backward_in_both_precisions(initial_state, recipe):
+    # The demo's setup: FP32 master weights, bf16 activations; BF16 vs FP8 from the same weights.
+    grads = []
+    for r in (None, recipe):
+        model = GPT(TINY)
+        model.load_state_dict(initial_state)
+        logits, g = _bf16_step(model, r)
+        assert logits.dtype == torch.bfloat16
+        assert all(v is not None and v.dtype == torch.float32 and torch.isfinite(v).all() for v in g.values())
+        grads.append(g)
+    for name in ("blocks.0.qkv.weight", "blocks.1.mlp.fc1_weight", "blocks.1.proj.weight", "tok_emb.weight"):
+        cos = F.cosine_similarity(grads[0][name].flatten(), grads[1][name].flatten(), dim=0)
+        assert cos > 0.98, (name, cos.item())

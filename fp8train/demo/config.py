@@ -1,0 +1,112 @@
+"""The demo's settings: one frozen dataclass, a preset per device kind, and the CLI parser."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..models import GPTConfig
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """One demo: three runs (BF16, FP8 delayed, FP8 current) of the same GPT on the same batches.
+
+    Optimizer: AdamW (betas 0.9/0.95, weight decay on matrices only), linear warmup to `lr`
+    then cosine decay to `lr * min_lr_ratio`, gradient norm clipped to `grad_clip`.
+    """
+
+    model: str = "tiny"          # GPTConfig preset (GPTConfig.named)
+    steps: int = 120
+    batch_size: int = 8          # sequences per step
+    seq_len: int = 128           # bytes per sequence
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 12
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 20         # steps between validation evaluations (and the last step)
+    eval_batches: int = 4        # fixed validation batches per evaluation
+    log_every: int = 10          # steps between progress-bar loss updates (one host sync each)
+    inspect_every: int = 20      # steps between numerics inspections of the FP8 runs
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "inspect_every"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"DemoConfig.{f} must be a positive int, got {v!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"DemoConfig.warmup must be an int >= 0, got {self.warmup!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"DemoConfig: need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
+        GPTConfig.named(self.model)  # raises for an unknown preset
+
+    def gpt_config(self) -> GPTConfig:
+        """The model preset with its context set to the demo's sequence length."""
+        return GPTConfig.named(self.model, seq_len=self.seq_len)
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
+
+
+# CPU: the tiny model; 0.2-0.45 s per step and run on 2 idle cores (the FP8 GEMMs
+# run as torch's float32 emulation; bf16 matmuls are slow on CPUs without bf16 units), so
+# `make demo` took 2 min in all (docs/benchmarks.md).
+# CUDA: GPT-2 small's shape on bytes (86M parameters), 16 x 1024 tokens per step.
+PRESETS = {
+    "cpu": DemoConfig(),
+    "cuda": DemoConfig(model="gpt125m", steps=2000, batch_size=16, seq_len=1024, lr=6e-4, warmup=100,
+                       eval_every=200, eval_batches=8, log_every=50, inspect_every=100),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fp8train demo",
+        description="Train the same GPT on Python stdlib bytes in BF16, FP8 (DelayedScaling) and FP8 "
+                    "(CurrentScaling) from the same initial weights; print a table and write loss.png, "
+                    "scaling.png and report.json.")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--config", dest="model", metavar="NAME", help="GPT preset: tiny, small, gpt125m (default: tiny on CPU, "
+                                                  "gpt125m on CUDA)")
+    p.add_argument("--steps", type=int, help="training steps per run (CPU 120, CUDA 2000)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (CPU 8, CUDA 16)")
+    p.add_argument("--seq-len", type=int, help="bytes per sequence (CPU 128, CUDA 1024)")
+    p.add_argument("--lr", type=float, help="peak learning rate (CPU 3e-3, CUDA 6e-4)")
+    p.add_argument("--warmup", type=int, help="linear warmup steps")
+    p.add_argument("--eval-every", type=int, help="steps between validation evaluations")
+    p.add_argument("--inspect-every", type=int, help="steps between numerics inspections")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--out", default="demo_out", help="output folder (default: demo_out/)")
+    p.add_argument("--replot", action="store_true",
+                   help="train nothing: draw the figures again from --out's report.json and numerics logs")
+    return p
+
+
+def from_args(args: argparse.Namespace) -> tuple:
+    """(DemoConfig, torch.device) from parsed arguments: the device's preset, then overrides."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("fp8train demo: --device cuda, but torch sees no CUDA GPU; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"fp8train demo: --device must be cpu or cuda, got {args.device!r}")
+    fields = {f.name for f in dataclasses.fields(DemoConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    preset = PRESETS[device.type]
+    if "steps" in overrides and "warmup" not in overrides:
+        overrides["warmup"] = min(preset.warmup, overrides["steps"] // 10)  # short runs warm up briefly
+    try:
+        return dataclasses.replace(preset, **overrides), device
+    except ValueError as e:
+        raise SystemExit(f"fp8train demo: {e}") from None
+
+
+__all__ = ["DemoConfig", "PRESETS", "parser", "from_args"]
