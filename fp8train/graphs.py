@@ -9,6 +9,8 @@ a shared memory pool); what this adds is the FP8 part:
   (amax recording, the scale update, current-scaling amax passes: all in the graphs);
 * torch's warm-up iterations (run eagerly, on random gradients) would move the scaling
   state; it is put back afterwards, so the first replay starts where eager training was;
+* parameter gradients are copied out of the graph's static buffers before they accumulate
+  (`_fresh_grad`), so microbatches add up as in eager training;
 * fp8_weight_caching=True: the weight casts are captured, and each cast kernel first reads
   a device flag (`FP8Module.weight_cast_skip`) and returns at once while it is nonzero. The
   graphed forward takes `is_first_microbatch` and sets the flag before the replay: False
@@ -95,7 +97,20 @@ def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
 
     for m, region, flag in zip(mods, regions, flags):
         m.forward = _graphed_forward(region, flag)
+        for p in m.parameters():
+            if p.requires_grad and not getattr(p, "_fp8train_fresh_grad", False):
+                p.register_hook(_fresh_grad)
+                p._fp8train_fresh_grad = True
     return mods[0] if single else mods
+
+
+def _fresh_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The graphed backward hands out its static gradient buffers (detached views of them).
+    AccumulateGrad adopts a gradient it alone holds as `.grad` without a copy, so `.grad`
+    would alias the static buffer: the next replay overwrites it, and accumulating the next
+    microbatch adds the buffer to itself (a GPU test saw 2x the last microbatch's gradient
+    instead of the sum of four). A copy per parameter per backward breaks the alias."""
+    return grad.clone()
 
 
 def _graphed_forward(region: _FP8Region, flag: Optional[torch.Tensor]):
