@@ -86,6 +86,14 @@ def kernel_breakdown(step, iters=5):
     return [{"kernel": k[:100], "ms": ms, "per_step": n} for k, ms, n in rows]
 
 
+def print_breakdown(title: str, kernels, top: int = 14) -> None:
+    """One kernel_breakdown as a table: the top kernels by device time per step."""
+    total = sum(k["ms"] for k in kernels)
+    print(f"\n{title}: device time per step by kernel (sum {total:.3f} ms)")
+    for k in kernels[:top]:
+        print(f"  {k['ms']:7.3f} ms  x{k['per_step']:<3} {k['kernel'][:90]}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="h=1024, f=4096, 4096 tokens")
@@ -118,10 +126,7 @@ def main():
     for r in rows:
         print(f"{r['variant']:<34} {r['ms']:>8.3f} {r['ratio_to_bf16_eager']:>13.2f}x")
     for name, kernels in breakdown.items():
-        total = sum(k["ms"] for k in kernels)
-        print(f"\n{name}: device time per step by kernel (sum {total:.3f} ms)")
-        for k in kernels[:14]:
-            print(f"  {k['ms']:7.3f} ms  x{k['per_step']:<3} {k['kernel'][:90]}")
+        print_breakdown(name, kernels)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump({"meta": meta, "steps": rows, "breakdown": breakdown}, fh, indent=1)

@@ -27,7 +27,7 @@ import fp8train
 from fp8train import precision
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mlp import fp8_mlp, kernel_breakdown, make_step, torch_mlp  # noqa: E402
+from mlp import fp8_mlp, kernel_breakdown, make_step, print_breakdown, torch_mlp  # noqa: E402
 
 
 def graphed_bf16(h, f, device, x, target):
@@ -121,10 +121,7 @@ def main():
     for r in results:
         print(f"{r['h']:>6} {r['variant']:<28} {r['ms']:>8.3f} {r['ratio_to_bf16_eager']:>13.2f}x")
     for name, kernels in profiles.items():
-        total = sum(k["ms"] for k in kernels)
-        print(f"\n{name} at h={args.profile}: device time per step by kernel (sum {total:.3f} ms)")
-        for k in kernels[:16]:
-            print(f"  {k['ms']:7.3f} ms  x{k['per_step']:<3} {k['kernel'][:90]}")
+        print_breakdown(f"{name} at h={args.profile}", kernels, top=16)
     print("\nauto precision choices:")
     for text in reports:
         print(text)
