@@ -7,10 +7,12 @@ batch 5 (dynamic batch). The max relative error max|ort - torch| / max|torch| of
 printed at the end of the module's run ("ONNX Runtime vs PyTorch FP8").
 """
 import collections
+import gc
 
 import numpy as np
 import onnx
 import onnx.numpy_helper
+
 import pytest
 import torch
 
@@ -146,6 +148,7 @@ def snapshot(model):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     fp8 = {n: m.weight_fp8.fp8_data.clone() for n, m in model.named_modules()
            if getattr(m, "weight_fp8", None) is not None}
+    gc.collect()  # quantizers of earlier tests' models may die in cycles at any time: count the live ones
     return state, fp8, len(_REGISTRY.live())
 
 

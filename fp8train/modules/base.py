@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import precision
+from .. import gemm, precision
 from ..autocast import active_recipe
 from ..quantizer import Quantizer, make_quantizer, quantizer_from_state
 from ..recipe import DelayedScaling, Recipe
@@ -108,6 +108,24 @@ class FP8Module(nn.Module):
             out.append(q)
         self._matched[gemm] = (recipe, tuple(out))
         return self._matched[gemm][1]
+
+    def fp8_plan(self, x: torch.Tensor, in_features: int) -> Tuple[Optional[Recipe], Optional[torch.dtype]]:
+        """How this call runs, after checking x: (recipe, activation dtype) for the FP8 path;
+        (None, dtype) for the layer's high-precision path in `dtype` - outside autocast
+        (dtype None: the torch composition as is), for dims FP8 cannot take (with a one-time
+        warning), or where auto precision chose high precision."""
+        recipe = active_recipe()
+        self.check_input(x, in_features, fp8=recipe is not None)
+        if recipe is None:
+            return None, None
+        act_dtype = activation_dtype(x)
+        if not self._fp8_dims:
+            self.warn_once("dims", f"FP8 GEMMs need dims that are multiples of 16; this layer runs in {act_dtype}")
+            return None, act_dtype
+        if recipe.auto_precision and not self.runs_fp8(x, recipe, act_dtype):
+            return None, act_dtype
+        gemm.check_device(x.device)
+        return recipe, act_dtype
 
     # ------------------------------------------------------------------ auto precision
     def runs_fp8(self, x: torch.Tensor, recipe: Recipe, act_dtype: torch.dtype) -> bool:

@@ -9,10 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import gemm
-from ..autocast import active_recipe
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
-from .base import FP8Module, activation_dtype, mark_calibrated
+from .base import FP8Module, mark_calibrated
 from .linear import _rows
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
@@ -69,16 +68,9 @@ class LayerNormLinear(FP8Module):
         return self._workspace.fp8
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        recipe = active_recipe()
-        self.check_input(x, self.in_features, fp8=recipe is not None)
-        if recipe is None or not self._fp8_dims:
-            if recipe is not None:
-                self.warn_once("dims", "FP8 GEMMs need dims that are multiples of 16; this layer runs in "
-                                       f"{activation_dtype(x)}")
-            return self._high_precision(x, activation_dtype(x) if recipe is not None else None)
-        if recipe.auto_precision and not self.runs_fp8(x, recipe, activation_dtype(x)):
-            return self._high_precision(x, activation_dtype(x))
-        gemm.check_device(x.device)
+        recipe, act_dtype = self.fp8_plan(x, self.in_features)
+        if recipe is None:
+            return self._high_precision(x, act_dtype)
         q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)
         grad = torch.is_grad_enabled()
         need_dgrad = grad and (x.requires_grad or self.layer_norm_weight.requires_grad)
@@ -86,7 +78,7 @@ class LayerNormLinear(FP8Module):
                                     skip=self.weight_cast_skip)
         out = _LayerNormLinearFn.apply(
             x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, w_fp8, q_input, q_grad,
-            recipe.gemm, activation_dtype(x), self.eps, self.normalization == "LayerNorm",
+            recipe.gemm, act_dtype, self.eps, self.normalization == "LayerNorm",
             grad and self.weight.requires_grad, self.return_layernorm_output)
         mark_calibrated(q_input, q_weight, q_grad)
         return out  # (y, ln_out) with return_layernorm_output, else y

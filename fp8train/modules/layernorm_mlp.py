@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import gemm, kernels, ops
-from ..autocast import active_recipe
 from ..kernels.activation_reference import out_features
 from ..quantizer import Cast, Quantizer
 from ..recipe import GemmConfig
-from .base import FP8Module, activation_dtype, mark_calibrated
+from .base import FP8Module, mark_calibrated
 from .linear import _rows
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
@@ -118,16 +117,9 @@ class LayerNormMLP(FP8Module):
                 f"activation={self.activation}, eps={self.eps}")
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        recipe = active_recipe()
-        self.check_input(x, self.hidden_size, fp8=recipe is not None)
-        if recipe is None or not self._fp8_dims:
-            if recipe is not None:
-                self.warn_once("dims", "FP8 GEMMs need dims that are multiples of 16; this layer runs in "
-                                       f"{activation_dtype(x)}")
-            return self._high_precision(x, activation_dtype(x) if recipe is not None else None)
-        if recipe.auto_precision and not self.runs_fp8(x, recipe, activation_dtype(x)):
-            return self._high_precision(x, activation_dtype(x))
-        gemm.check_device(x.device)
+        recipe, act_dtype = self.fp8_plan(x, self.hidden_size)
+        if recipe is None:
+            return self._high_precision(x, act_dtype)
         q1 = self.quantizers(recipe, self.fc1_weight.device, "fc1_")
         q2 = self.quantizers(recipe, self.fc2_weight.device, "fc2_")
         grad = torch.is_grad_enabled()
@@ -137,7 +129,7 @@ class LayerNormMLP(FP8Module):
         w2 = self._fc2_workspace.get(self.fc2_weight, q2[1], is_first_microbatch, need_transpose=grad, skip=skip)
         y = _LayerNormMLPFn.apply(
             x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
-            self.fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2], recipe.gemm, activation_dtype(x), self.eps,
+            self.fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2], recipe.gemm, act_dtype, self.eps,
             self.normalization == "LayerNorm", self.activation, grad)
         mark_calibrated(*q1, *q2)
         return y
