@@ -14,7 +14,8 @@ activation, m = M / W per rank under sequence parallelism (SP).
 Note: partial sums (the row-parallel output, the column-parallel dX) are reduced in float32
 and cast to the activation dtype once after the reduction (as the collective matmuls'
 default accum_dtype), so the result does not depend on W beyond float32 summation order.
-The ring-overlapped variants (collective_matmul.py) are not wired here yet (`tp_overlap`).
+With `tp_overlap` (SP only) the four SP communication points run as the ring collective
+matmuls of collective_matmul.py instead of one collective next to one GEMM.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from ..autocast import active_recipe
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from ..tensor import Float8Tensor
-from .fp8_comm import _all_gather_into, gather_cast, transpose_rows
+from .collective_matmul import all_gather_dgrad, all_gather_fprop, dgrad_reduce_scatter, fprop_reduce_scatter
+from .fp8_comm import _all_gather_into, all_gather_fp8, cast_consistent, transpose_rows
 from .groups import group_rank, group_size
 
 _ACCUM = torch.float32  # dtype partial sums are reduced in (see the module docstring)
@@ -53,6 +55,7 @@ class TPConfig:
     in_features: int
     out_features: int
     sequence_parallel: bool = False
+    overlap: bool = False  # tp_overlap: ring collective matmuls for the SP gathers / reduce-scatters
     world: int = dataclasses.field(init=False)
     rank: int = dataclasses.field(init=False)
 
@@ -63,6 +66,12 @@ class TPConfig:
                              f"torch.distributed.group.WORLD), got {self.group!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"{what}: sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"{what}: tp_overlap must be a bool, got {self.overlap!r}")
+        if self.overlap and not self.sequence_parallel:
+            raise ValueError(f"{what}: tp_overlap=True overlaps the sequence-parallel all-gather / reduce-scatter "
+                             "with the GEMMs; it needs sequence_parallel=True (without SP the layer's one "
+                             "all-reduce has no ring form here)")
         object.__setattr__(self, "world", group_size(self.group))
         object.__setattr__(self, "rank", group_rank(self.group))
         name, dim = (("out_features", self.out_features) if self.mode is ParallelMode.COLUMN
@@ -75,11 +84,12 @@ class TPConfig:
 
     @classmethod
     def create(cls, tp_group, parallel_mode, sequence_parallel: bool, in_features: int,
-               out_features: int) -> Optional["TPConfig"]:
+               out_features: int, tp_overlap: bool = False) -> Optional["TPConfig"]:
         """The config for Linear's constructor arguments; None for an unsharded layer."""
         if parallel_mode is None:
-            if sequence_parallel:
-                raise ValueError("Linear: sequence_parallel=True needs parallel_mode='column' or 'row'")
+            if sequence_parallel or tp_overlap:
+                flag = "sequence_parallel" if sequence_parallel else "tp_overlap"
+                raise ValueError(f"Linear: {flag}=True needs parallel_mode='column' or 'row'")
             if tp_group is not None:
                 raise ValueError("Linear: tp_group given without parallel_mode; pass parallel_mode='column' or 'row'")
             return None
@@ -90,7 +100,7 @@ class TPConfig:
         if tp_group is None:
             raise ValueError(f"Linear: parallel_mode={parallel_mode!r} needs tp_group (a torch.distributed "
                              "ProcessGroup; torch.distributed.group.WORLD for all ranks)")
-        return cls(tp_group, mode, in_features, out_features, sequence_parallel)
+        return cls(tp_group, mode, in_features, out_features, sequence_parallel, tp_overlap)
 
     @property
     def column(self) -> bool:
@@ -221,6 +231,56 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
+# The four sequence-parallel communication points, each either one collective next to one
+# GEMM or (tp.overlap) the ring collective matmul of collective_matmul.py. Both forms give
+# the same result up to float32 summation order.
+
+
+def _gather_fprop(x, q_input, w_fp8, config, act_dtype, bias, tp: TPConfig):
+    """Column + SP forward: Y (M, N/W) = AllGather(x (m, K)) @ W_local^T + b_local.
+    Returns (Y, gathered x (M, K) fp8, its scale_inv, shared by the group)."""
+    local = cast_consistent(x, q_input, tp.group)
+    if tp.overlap:
+        y, x_data = all_gather_fprop(local.data, local.scale_inv, *_operands(w_fp8), config, act_dtype, tp.group,
+                                     bias)
+        return y, x_data, local.scale_inv
+    x_data = all_gather_fp8(local.data, tp.group)
+    return gemm.fprop(x_data, local.scale_inv, *_operands(w_fp8), config, act_dtype, bias), x_data, local.scale_inv
+
+
+def _dgrad_scatter(dy_data, dy_scale_inv, w_fp8, config, act_dtype, tp: TPConfig):
+    """Column + SP backward: this rank's rows (m, K) of the sum over ranks of dY_local @ W_local."""
+    if tp.overlap:
+        return dgrad_reduce_scatter(dy_data, dy_scale_inv, *_transposed(w_fp8), config, act_dtype, tp.group,
+                                    accum_dtype=_ACCUM)
+    dx = gemm.dgrad(dy_data, dy_scale_inv, *_transposed(w_fp8), config, _ACCUM)  # (M, K) partial
+    return reduce_scatter_rows(dx, tp).to(act_dtype)
+
+
+def _fprop_scatter(x_data, x_scale_inv, w_fp8, config, act_dtype, bias, tp: TPConfig):
+    """Row + SP forward: this rank's rows (M/W, N) of the sum over ranks of x_local @ W_local^T, + b."""
+    if tp.overlap:
+        return fprop_reduce_scatter(x_data, x_scale_inv, *_operands(w_fp8), config, act_dtype, tp.group, bias,
+                                    accum_dtype=_ACCUM)
+    y = reduce_scatter_rows(gemm.fprop(x_data, x_scale_inv, *_operands(w_fp8), config, _ACCUM), tp)
+    if bias is not None:
+        y += bias.to(_ACCUM)
+    return y.to(act_dtype)
+
+
+def _gather_dgrad(dy, q_grad, w_fp8, config, act_dtype, need_dgrad: bool, tp: TPConfig):
+    """Row + SP backward: dY's rows (m, N) cast with the group's scale and gathered as FP8;
+    dX (M, K/W) = gathered dY @ W_local when need_dgrad. Returns (dX or None, gathered dY
+    (M, N) fp8, its scale_inv)."""
+    local = cast_consistent(dy, q_grad, tp.group)
+    if tp.overlap and need_dgrad:
+        dx, dy_data = all_gather_dgrad(local.data, local.scale_inv, *_transposed(w_fp8), config, act_dtype, tp.group)
+        return dx, dy_data, local.scale_inv
+    dy_data = all_gather_fp8(local.data, tp.group)
+    dx = gemm.dgrad(dy_data, local.scale_inv, *_transposed(w_fp8), config, act_dtype) if need_dgrad else None
+    return dx, dy_data, local.scale_inv
+
+
 class _ColumnParallelFn(torch.autograd.Function):
     """Column-parallel FP8 Linear. Saved for backward: the (gathered, under SP) input's
     transposed FP8 copy (K, Mp) and its scale_inv."""
@@ -230,14 +290,14 @@ class _ColumnParallelFn(torch.autograd.Function):
                 act_dtype: torch.dtype, need_wgrad: bool, tp: TPConfig):
         in_shape = x.shape
         if tp.sequence_parallel:
-            # (M, K) fp8 gathered rows, one scale_inv shared by the group
-            x_data, _, x_scale_inv, _ = gather_cast(_rows(x), q_input, tp.group)
-            x_t = transpose_rows(x_data) if need_wgrad else None  # (K, Mp)
+            y, x_data, x_scale_inv = _gather_fprop(_rows(x), q_input, w_fp8, config, act_dtype, bias, tp)
+            x_t = transpose_rows(x_data) if need_wgrad else None  # (K, Mp) of the gathered rows
             out_shape = (tp.world * in_shape[0], *in_shape[1:-1])
         else:
-            x_data, x_t, x_scale_inv, _ = q_input.cast(_rows(x), transpose=need_wgrad)
+            # x is the same on every rank, so is this cast's scale
+            x_data, x_t, x_scale_inv, _ = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
+            y = gemm.fprop(x_data, x_scale_inv, *_operands(w_fp8), config, act_dtype, bias)  # (M, N/W)
             out_shape = tuple(in_shape[:-1])
-        y = gemm.fprop(x_data, x_scale_inv, *_operands(w_fp8), config, act_dtype, bias)  # (M, N/W)
         if need_wgrad:
             ctx.save_for_backward(x_t, x_scale_inv)
         ctx.w_fp8, ctx.q_grad, ctx.config, ctx.tp = w_fp8, q_grad, config, tp
@@ -253,9 +313,12 @@ class _ColumnParallelFn(torch.autograd.Function):
         dy_data, dy_t, dy_scale_inv, db = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[2])
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = gemm.dgrad(dy_data, dy_scale_inv, *_transposed(ctx.w_fp8), ctx.config, _ACCUM)  # (M, K) partial
-            dx = reduce_scatter_rows(dx, tp) if tp.sequence_parallel else all_reduce_sum(dx, tp)
-            dx = dx.to(ctx.act_dtype).view(ctx.in_shape)
+            if tp.sequence_parallel:
+                dx = _dgrad_scatter(dy_data, dy_scale_inv, ctx.w_fp8, ctx.config, ctx.act_dtype, tp)  # (m, K)
+            else:
+                dx = gemm.dgrad(dy_data, dy_scale_inv, *_transposed(ctx.w_fp8), ctx.config, _ACCUM)  # (M, K) partial
+                dx = all_reduce_sum(dx, tp).to(ctx.act_dtype)
+            dx = dx.view(ctx.in_shape)
         if need_wgrad:
             x_t, x_scale_inv = ctx.saved_tensors
             dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
@@ -271,40 +334,39 @@ class _RowParallelFn(torch.autograd.Function):
                 act_dtype: torch.dtype, need_wgrad: bool, tp: TPConfig):
         in_shape = x.shape
         x_data, x_t, x_scale_inv, _ = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K/W), (K/W, Mp)
-        y = gemm.fprop(x_data, x_scale_inv, *_operands(w_fp8), config, _ACCUM)   # (M, N) partial
         if tp.sequence_parallel:  # the leading dim splits over the ranks (parallel_linear_forward checks)
-            y = reduce_scatter_rows(y, tp)  # (M/W, N)
+            y = _fprop_scatter(x_data, x_scale_inv, w_fp8, config, act_dtype, bias, tp)  # (M/W, N)
             out_shape = (in_shape[0] // tp.world, *in_shape[1:-1])
         else:
-            y = all_reduce_sum(y, tp)
+            y = all_reduce_sum(gemm.fprop(x_data, x_scale_inv, *_operands(w_fp8), config, _ACCUM), tp)  # (M, N)
+            if bias is not None:
+                y += bias.to(_ACCUM)
+            y = y.to(act_dtype)
             out_shape = tuple(in_shape[:-1])
-        if bias is not None:
-            y += bias.to(_ACCUM)
         if need_wgrad:
             ctx.save_for_backward(x_t, x_scale_inv)
         ctx.w_fp8, ctx.q_grad, ctx.config, ctx.tp = w_fp8, q_grad, config, tp
         ctx.in_shape, ctx.act_dtype, ctx.need_wgrad, ctx.weight_dtype = in_shape, act_dtype, need_wgrad, weight.dtype
-        return y.to(act_dtype).view(*out_shape, y.shape[-1])
+        return y.view(*out_shape, y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         tp = ctx.tp
         dy2 = _rows(dy).to(ctx.act_dtype)
-        need_wgrad = ctx.needs_input_grad[1] and ctx.need_wgrad
-        db = None
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.need_wgrad
         if tp.sequence_parallel:
-            # This rank's rows of dY: cast with the group's scale, gathered as FP8 (M, N)
-            dy_data, _, dy_scale_inv, _ = gather_cast(dy2, ctx.q_grad, tp.group)
+            dx, dy_data, dy_scale_inv = _gather_dgrad(dy2, ctx.q_grad, ctx.w_fp8, ctx.config, ctx.act_dtype,
+                                                      need_dgrad, tp)  # (M, K/W), (M, N) gathered
             dy_t = transpose_rows(dy_data) if need_wgrad else None  # (N, Mp)
-            if ctx.needs_input_grad[2]:
-                db = all_reduce_sum(dy2.sum(0, dtype=torch.float32), tp)  # sum over every rank's rows
+            db = all_reduce_sum(dy2.sum(0, dtype=torch.float32), tp) if ctx.needs_input_grad[2] else None
         else:
             # dY (M, N) is the same on every rank: a local cast gives the same scale everywhere
             dy_data, dy_t, dy_scale_inv, db = ctx.q_grad.cast(dy2, transpose=need_wgrad,
                                                               dbias=ctx.needs_input_grad[2])
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = gemm.dgrad(dy_data, dy_scale_inv, *_transposed(ctx.w_fp8), ctx.config, ctx.act_dtype)  # (M, K/W)
+            dx = gemm.dgrad(dy_data, dy_scale_inv, *_transposed(ctx.w_fp8), ctx.config,
+                            ctx.act_dtype) if need_dgrad else None  # (M, K/W)
+        dw = None
+        if dx is not None:
             dx = dx.view(ctx.in_shape)
         if need_wgrad:
             x_t, x_scale_inv = ctx.saved_tensors

@@ -33,12 +33,13 @@ class Linear(FP8Module):
     (weight (out/W, in), bias (out/W)), "row" shards in_features (weight (out, in/W), bias
     full, added once after the reduction) over the W ranks of `tp_group`;
     sequence_parallel=True splits the activations' leading (sequence) dim over the ranks too
-    (column: the input; row: the output). `in_features` / `out_features` stay the full dims.
+    (column: the input; row: the output); tp_overlap=True (with SP) runs those gathers and
+    reduce-scatters as ring collective matmuls. `in_features` / `out_features` stay the full dims.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: Optional[torch.dtype] = None, device=None, *, tp_group=None,
-                 parallel_mode: Optional[str] = None, sequence_parallel: bool = False):
+                 parallel_mode: Optional[str] = None, sequence_parallel: bool = False, tp_overlap: bool = False):
         super().__init__()
         for what, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -46,7 +47,7 @@ class Linear(FP8Module):
         self.in_features = in_features
         self.out_features = out_features
         self.tp: Optional[TPConfig] = TPConfig.create(tp_group, parallel_mode, sequence_parallel, in_features,
-                                                      out_features)
+                                                      out_features, tp_overlap)
         local_in, local_out = (in_features, out_features) if self.tp is None else \
             (self.tp.local_in_features, self.tp.local_out_features)
         factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
