@@ -396,6 +396,9 @@ def parallel_linear_forward(layer, x: torch.Tensor, is_first_microbatch: Optiona
 
     tp: TPConfig = layer.tp
     recipe = active_recipe()
+    if not tp.column and isinstance(x, torch.Tensor) and x.dim() and x.shape[-1] != tp.local_in_features:
+        raise ValueError(f"{layer.describe()}: a row-parallel layer takes this rank's input shard, last dim "
+                         f"in_features / {tp.world} = {tp.local_in_features}; got shape {tuple(x.shape)}")
     layer.check_input(x, tp.local_in_features, fp8=recipe is not None)
     if isinstance(x, Float8Tensor):
         raise TypeError(f"{layer.describe()}: tensor-parallel layers take high-precision inputs, not Float8Tensor")

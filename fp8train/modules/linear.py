@@ -92,7 +92,8 @@ class Linear(FP8Module):
 
     def describe(self) -> str:
         name = f" '{self.name}'" if self.name else ""
-        return f"Linear{name}(in={self.in_features}, out={self.out_features})"
+        tp = "" if self.tp is None else f", {self.tp.mode.value}-parallel over {self.tp.world} ranks"
+        return f"Linear{name}(in={self.in_features}, out={self.out_features}{tp})"
 
     def extra_repr(self) -> str:
         tp = "" if self.tp is None else (f", parallel_mode={self.tp.mode.value!r}, tp_size={self.tp.world}"
