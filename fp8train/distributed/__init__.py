@@ -5,15 +5,17 @@ fp8_comm.py           FP8 all-gather, amax reduction, group-consistent cast, gat
 amax_sync.py          delayed scaling: pending amaxes of many quantizers in one collective
 ring.py               one ring step's P2P transfers (side stream and events on CUDA)
 collective_matmul.py  ring all-gather matmul and matmul reduce-scatter (overlapped)
+parallel_linear.py    TPConfig and the tensor-parallel FP8 Linear (fp8train.Linear(parallel_mode=...))
 """
 from .amax_sync import delayed_quantizers, reduce_delayed_amaxes
 from .collective_matmul import (all_gather_dgrad, all_gather_fprop, all_gather_matmul, dgrad_reduce_scatter,
                                 fprop_reduce_scatter, matmul_reduce_scatter)
 from .fp8_comm import all_gather_fp8, cast_consistent, gather_cast, reduce_amax, transpose_rows
 from .groups import AmaxReduction
+from .parallel_linear import ParallelMode, TPConfig
 
 __all__ = [
     "all_gather_dgrad", "all_gather_fprop", "all_gather_matmul", "dgrad_reduce_scatter", "fprop_reduce_scatter",
     "matmul_reduce_scatter", "AmaxReduction", "all_gather_fp8", "cast_consistent", "delayed_quantizers", "gather_cast", "reduce_amax",
-    "reduce_delayed_amaxes", "transpose_rows",
+    "reduce_delayed_amaxes", "transpose_rows", "ParallelMode", "TPConfig",
 ]

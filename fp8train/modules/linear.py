@@ -10,6 +10,7 @@ from torch import nn
 
 from .. import gemm
 from ..autocast import active_recipe
+from ..distributed.parallel_linear import TPConfig, parallel_linear_forward, shard_state, unshard_state
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from ..roles import TensorRole
@@ -27,36 +28,77 @@ class Linear(FP8Module):
     once. Parameters may be float32 (master weights, with bf16 activations) or bfloat16.
 
     forward(x, is_first_microbatch): see WeightWorkspace for the weight-cast semantics.
+
+    Tensor parallelism (docs/distributed.md): parallel_mode="column" shards out_features
+    (weight (out/W, in), bias (out/W)), "row" shards in_features (weight (out, in/W), bias
+    full, added once after the reduction) over the W ranks of `tp_group`;
+    sequence_parallel=True splits the activations' leading (sequence) dim over the ranks too
+    (column: the input; row: the output); tp_overlap=True (with SP) runs those gathers and
+    reduce-scatters as ring collective matmuls. `in_features` / `out_features` stay the full dims.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: Optional[torch.dtype] = None, device=None):
+                 params_dtype: Optional[torch.dtype] = None, device=None, *, tp_group=None,
+                 parallel_mode: Optional[str] = None, sequence_parallel: bool = False, tp_overlap: bool = False):
         super().__init__()
         for what, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Linear: {what} must be a positive int, got {v!r}")
         self.in_features = in_features
         self.out_features = out_features
+        self.tp: Optional[TPConfig] = TPConfig.create(tp_group, parallel_mode, sequence_parallel, in_features,
+                                                      out_features, tp_overlap)
+        local_in, local_out = (in_features, out_features) if self.tp is None else \
+            (self.tp.local_in_features, self.tp.local_out_features)
         factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.weight = nn.Parameter(torch.empty(local_out, local_in, **factory))
+        self.bias = nn.Parameter(torch.empty(local_out if self.tp is None or self.tp.column else out_features,
+                                             **factory)) if bias else None
         self.reset_parameters()
         self._workspace = WeightWorkspace()
-        self._fp8_dims = gemm.dims_ok(in_features, out_features)
+        self._fp8_dims = gemm.dims_ok(local_in, local_out)
 
     def reset_parameters(self) -> None:
-        # nn.Linear's initialisation, so converted and fresh layers start alike.
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
-            nn.init.uniform_(self.bias, -bound, bound)
+        # nn.Linear's initialisation, so converted and fresh layers start alike. A TP layer
+        # initialises the full weight and bias (the same random draws as the unsharded layer)
+        # and keeps its shards: with the same seed on every rank, each shard is exactly the
+        # unsharded layer's slice (at the cost of one full weight in memory, once).
+        if self.tp is None:
+            _init_linear(self.weight, self.bias, self.in_features)
+            return
+        weight = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
+        bias = None if self.bias is None else torch.empty(self.out_features, dtype=self.weight.dtype,
+                                                          device=self.weight.device)
+        _init_linear(weight, bias, self.in_features)
+        with torch.no_grad():
+            self.weight.copy_(self.tp.shard(weight, self.tp.weight_dim()))
+            if bias is not None:
+                self.bias.copy_(self.tp.shard(bias, 0) if self.tp.column else bias)
+
+    def full_state_dict(self) -> dict:
+        """The unsharded layer's state_dict (collective: call on every rank of tp_group).
+        Weight and bias are gathered from the shards; quantizer state is this rank's."""
+        state = self.state_dict()
+        if self.tp is not None:
+            state.update(unshard_state(self.tp, state))
+        return state
+
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load an unsharded layer's state_dict: weight and bias are sliced into this rank's
+        shards (no communication); quantizer state is loaded as is."""
+        if self.tp is not None:
+            state_dict = {**state_dict, **shard_state(self.tp, state_dict)}
+        return self.load_state_dict(state_dict, strict=strict)
 
     def describe(self) -> str:
         name = f" '{self.name}'" if self.name else ""
-        return f"Linear{name}(in={self.in_features}, out={self.out_features})"
+        tp = "" if self.tp is None else f", {self.tp.mode.value}-parallel over {self.tp.world} ranks"
+        return f"Linear{name}(in={self.in_features}, out={self.out_features}{tp})"
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        tp = "" if self.tp is None else (f", parallel_mode={self.tp.mode.value!r}, tp_size={self.tp.world}"
+                                         f", sequence_parallel={self.tp.sequence_parallel}")
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{tp}"
 
     def precision_dims(self) -> tuple:
         return self.in_features, self.out_features, int(self.bias is not None)
@@ -79,6 +121,8 @@ class Linear(FP8Module):
         return self._workspace.fp8
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        if self.tp is not None:
+            return parallel_linear_forward(self, x, is_first_microbatch)
         recipe = active_recipe()
         self.check_input(x, self.in_features, fp8=recipe is not None)
         if recipe is None:
@@ -100,6 +144,13 @@ class Linear(FP8Module):
                             grad and self.weight.requires_grad)
         mark_calibrated(q_input, q_weight, q_grad)
         return y
+
+
+def _init_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int) -> None:
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
 
 
 def _high_precision(x, weight, bias, dtype):
