@@ -9,13 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import gemm
-from ..autocast import active_recipe
 from ..distributed.parallel_linear import TPConfig, parallel_linear_forward, shard_state, unshard_state
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
-from .base import FP8Module, activation_dtype, mark_calibrated
+from .base import FP8Module, mark_calibrated
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
 
@@ -123,17 +122,9 @@ class Linear(FP8Module):
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if self.tp is not None:
             return parallel_linear_forward(self, x, is_first_microbatch)
-        recipe = active_recipe()
-        self.check_input(x, self.in_features, fp8=recipe is not None)
+        recipe, act_dtype = self.fp8_plan(x, self.in_features)
         if recipe is None:
-            return F.linear(x, self.weight, self.bias)
-        act_dtype = activation_dtype(x)
-        if not self._fp8_dims:
-            self.warn_once("dims", f"FP8 GEMMs need dims that are multiples of 16; this layer runs in {act_dtype}")
-            return _high_precision(x, self.weight, self.bias, act_dtype)
-        if recipe.auto_precision and not self.runs_fp8(x, recipe, act_dtype):
-            return _high_precision(x, self.weight, self.bias, act_dtype)
-        gemm.check_device(x.device)
+            return self.high_precision_forward(x, act_dtype)
         q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)
         if isinstance(x, Float8Tensor):
             self.check_fp8_input(x, q_input)
