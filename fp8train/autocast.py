@@ -12,7 +12,7 @@ import contextlib
 import threading
 from typing import Iterator, Optional
 
-from .quantizer import update_delayed_scales
+from .quantizer import _REGISTRY, update_delayed_scales
 from .recipe import DelayedScaling, Recipe, check_recipe
 
 _local = threading.local()
@@ -33,19 +33,30 @@ class autocast:
         loss.backward()
 
     enabled=False turns FP8 off inside (nested regions restore the outer state on exit).
+
+    amax_reduction: with tensor (or data) parallelism, a process group or a
+    `fp8train.distributed.AmaxReduction`: on entry, before the delayed-scaling update, the
+    pending amax of every live delayed-scaling quantizer becomes its maximum over the groups
+    (one all-reduce per group for all of them: distributed.reduce_delayed_amaxes), so every
+    rank computes the same scales. Every rank must enter with the same groups and hold the
+    same FP8 layers, created in the same order (quantizers are matched by creation order).
     """
 
-    def __init__(self, enabled: bool = True, recipe: Optional[Recipe] = None):
+    def __init__(self, enabled: bool = True, recipe: Optional[Recipe] = None, amax_reduction=None):
         if not isinstance(enabled, bool):
             raise ValueError(f"autocast(enabled=...) must be a bool, got {enabled!r}")
         self.enabled = enabled
         self.recipe = check_recipe(recipe) if recipe is not None else DelayedScaling()
+        self.amax_reduction = amax_reduction
 
     def __enter__(self):
         stack = _stack()
         outer_enabled = any(enabled for enabled, _ in stack)
         stack.append((self.enabled, self.recipe))
         if self.enabled and not outer_enabled:
+            if self.amax_reduction is not None:
+                from .distributed.amax_sync import reduce_delayed_amaxes  # torch.distributed only when asked
+                reduce_delayed_amaxes(_REGISTRY.live(), self.amax_reduction)
             update_delayed_scales()
         return self
 

@@ -162,6 +162,29 @@ def case_matches_single_process(ctx, mode, sp, recipe, dtype, overlap=False):
     return metrics
 
 
+def case_autocast_reduces_amaxes(ctx):
+    """autocast(amax_reduction=group): the pending amaxes of every live delayed quantizer are
+    reduced over the group before the update, so ranks that saw different data get the same
+    scales; plain autocast leaves them rank-local."""
+    torch.manual_seed(1234)  # the same layer on every rank ...
+    layer = fp8train.Linear(64, 32, params_dtype=F32)
+    recipe = fp8train.DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 64) * (1.0 + ctx.rank)  # ... and data whose amax differs per rank
+    for _ in range(2):
+        with fp8train.autocast(recipe=recipe):
+            layer(x).sum().backward()
+    assert not _same_everywhere(layer.input_quantizer.scale), "rank-local amaxes should give rank-local scales"
+    for _ in range(2):  # the first entry reduces the pending amax; the second step keeps them equal
+        with fp8train.autocast(recipe=recipe, amax_reduction=dist.group.WORLD):
+            layer(x).sum().backward()
+    with fp8train.autocast(recipe=recipe, amax_reduction=dist.group.WORLD):
+        pass
+    for q in delayed_quantizers(layer):
+        assert _same_everywhere(q.scale), f"{q.role.name}: scales differ across ranks after reduction"
+        assert _same_everywhere(q.amax_history), f"{q.role.name}: histories differ across ranks after reduction"
+    return {}
+
+
 def case_overlap_matches_plain(ctx, mode, recipe):
     """tp_overlap (ring collective matmuls) against one collective + one GEMM, float32: the
     same casts, so equal up to float32 summation order (dW, from the same operands, exactly)."""
@@ -270,6 +293,7 @@ def _cases():
         for dtype in (BF16, F32):
             add(case_init_is_slice_of_unsharded, worlds=(2,), mode=mode, dtype=dtype)
     add(case_bad_configs)
+    add(case_autocast_reduces_amaxes)
     return out
 
 
