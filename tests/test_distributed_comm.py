@@ -1,7 +1,7 @@
 """fp8train.distributed on CPU with gloo: FP8 all-gather, group-consistent scaling, delayed
 amax reduction, and the collective matmuls against their non-overlapped references.
 
-One process-group launch per world size (2 and 4 processes, file:// rendezvous, loopback
+One process-group launch per world size (tests/gloo_harness.py: 2 and 4 processes, loopback
 only) runs every case below; each rank records per case None or the traceback of its
 failure, and each pytest test reads its case's records. Inputs are built from a seed per
 case, so every rank can construct the full tensor and check its own share against it.
@@ -9,18 +9,11 @@ case, so every rank can construct the full tensor and check its own share agains
 from __future__ import annotations
 
 import functools
-import json
-import os
-import time
-import traceback
-import zlib
-from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fp8train import GemmConfig, gemm, scaling
 from fp8train.distributed import (AmaxReduction, all_gather_dgrad, all_gather_fp8, all_gather_fprop,
@@ -29,12 +22,12 @@ from fp8train.distributed import (AmaxReduction, all_gather_dgrad, all_gather_fp
 from fp8train.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
 from fp8train.roles import TensorRole
 
+import gloo_harness
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16, F32 = torch.bfloat16, torch.float32
 CFG = GemmConfig()
 WORLDS = (2, 4)
-LAUNCH_TIMEOUT_S = 240  # the whole launch; each collective times out after COLLECTIVE_TIMEOUT
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -337,61 +330,11 @@ CASES = _cases()
 # --------------------------------------------------------------------------- launch
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only (the test machine's interface name)
-    torch.set_num_threads(1)  # several processes share two cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
-    results, aborted = {}, None
-    for case_id, fn, kwargs, worlds in CASES:
-        if world not in worlds:
-            continue
-        if aborted:
-            results[case_id] = f"not run: case {aborted} failed on some rank (collectives may be out of step)"
-            continue
-        ctx = SimpleNamespace(rank=rank, world=world, seed=zlib.crc32(case_id.encode()))
-        try:
-            fn(ctx, **kwargs)
-            results[case_id] = None
-        except Exception:
-            results[case_id] = f"rank {rank}:\n{traceback.format_exc()}"
-        failed = torch.tensor(float(results[case_id] is not None))
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item():
-            aborted = case_id
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
-
-
-def _launch(world: int, tmp: str):
-    init_file = os.path.join(tmp, f"init{world}")
-    start = time.perf_counter()
-    ctx = mp.start_processes(_worker, args=(world, init_file, tmp), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {world}-process gloo launch ran past {LAUNCH_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:  # only ours, by handle
-            if p.is_alive():
-                p.kill()
-    merged: dict = {}
-    for rank in range(world):
-        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-            for case_id, err in json.load(f).items():
-                merged.setdefault(case_id, [])
-                if err:
-                    merged[case_id].append(err)
-    return merged, time.perf_counter() - start
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     @functools.lru_cache(maxsize=None)
     def launch(world):
-        return _launch(world, str(tmp_path_factory.mktemp(f"gloo{world}")))
+        return gloo_harness.launch(__name__, world, str(tmp_path_factory.mktemp(f"gloo{world}")), "METRICS")
     return launch
 
 

@@ -12,28 +12,19 @@ against (b), the float64 reference (SQNR >= 25 dB outputs, >= 20 dB gradients, a
 from __future__ import annotations
 
 import functools
-import json
-import os
-import time
-import traceback
-import zlib
-from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8train
 from fp8train.distributed import delayed_quantizers, reduce_delayed_amaxes
 
+import gloo_harness
 from helpers import sqnr_db
 
 BF16, F32 = torch.bfloat16, torch.float32
 WORLDS = (2, 4)
-LAUNCH_TIMEOUT_S = 240
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling}
 IN, OUT = 64, 128        # shards of 16 at W = 4 (row) and 32 (column)
 SEQ, BATCH = 8, 3        # x (SEQ, BATCH, IN): 3-D, SP splits SEQ
@@ -303,72 +294,18 @@ CASES = _cases()
 # --------------------------------------------------------------------------- launch
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    torch.set_num_threads(1)  # several processes share two cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
-    results, metrics, aborted = {}, {}, None
-    for case_id, fn, kwargs, worlds in CASES:
-        if world not in worlds:
-            continue
-        if aborted:
-            results[case_id] = f"not run: case {aborted} failed on some rank (collectives may be out of step)"
-            continue
-        ctx = SimpleNamespace(rank=rank, world=world, seed=zlib.crc32(case_id.encode()))
-        try:
-            m = fn(ctx, **kwargs)
-            if m:
-                metrics[case_id] = m
-            results[case_id] = None
-        except Exception:
-            results[case_id] = f"rank {rank}:\n{traceback.format_exc()}"
-        failed = torch.tensor(float(results[case_id] is not None))
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item():
-            aborted = case_id
-    if rank == 0:
-        for case_id, m in metrics.items():
-            print("TP-SQNR", json.dumps({"world": world, "case": case_id, **m}), flush=True)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
-
-
-def _launch(world: int, tmp: str):
-    init_file = os.path.join(tmp, f"init{world}")
-    ctx = mp.start_processes(_worker, args=(world, init_file, tmp), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {world}-process gloo launch ran past {LAUNCH_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:  # only ours, by handle
-            if p.is_alive():
-                p.kill()
-    merged: dict = {}
-    for rank in range(world):
-        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-            for case_id, err in json.load(f).items():
-                merged.setdefault(case_id, [])
-                if err:
-                    merged[case_id].append(err)
-    return merged
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     @functools.lru_cache(maxsize=None)
     def launch(world):
-        return _launch(world, str(tmp_path_factory.mktemp(f"tp{world}")))
+        return gloo_harness.launch(__name__, world, str(tmp_path_factory.mktemp(f"tp{world}")), "TP-SQNR")
     return launch
 
 
 @pytest.mark.parametrize("world, case_id", [pytest.param(w, c[0], id=f"world{w}-{c[0]}")
                                             for w in WORLDS for c in CASES if w in c[3]])
 def test_case(launches, world, case_id):
-    results = launches(world)
+    results, _ = launches(world)
     assert case_id in results, f"case {case_id} did not report"
     errors = results[case_id]
     assert not errors, "\n".join(errors)
