@@ -133,7 +133,8 @@ class Quantizer(nn.Module):
 
     def produce(self, first_pass: Callable[[torch.Tensor], None],
                 cast: Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]],
-                               None]) -> None:
+                               None],
+                amax_hook: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """Quantize through a producer kernel (norm, activation) that casts what it computes.
 
         first_pass(amax_out)  max-accumulates the amax of the values the producer will cast
@@ -143,6 +144,11 @@ class Quantizer(nn.Module):
                               the producer's FP8 launch, with the cast kernels' contract
                               (kernels.reference.cast_amax); from_amax is not None exactly
                               when first_pass ran just before
+        amax_hook(amax)       runs between the two, in place on the first pass's amax: under
+                              tensor parallelism it makes that amax the group's maximum (one
+                              all-reduce) so every rank casts with the same scale
+                              (distributed.fp8_comm.cast_consistent, and the norm producer of
+                              the sequence-parallel fused modules)
         """
         raise NotImplementedError
 
@@ -208,9 +214,11 @@ class CurrentScalingQuantizer(Quantizer):
     def scaling_state(self) -> ops.ScalingState:
         return ops.ScalingState(self.scale, None, self.amax, self.nonfinite_count)
 
-    def produce(self, first_pass, cast) -> None:
+    def produce(self, first_pass, cast, amax_hook=None) -> None:
         self.amax.zero_()
         first_pass(self.amax)
+        if amax_hook is not None:
+            amax_hook(self.amax)
         cast(self.scale, None, self.amax, self.nonfinite_count)
 
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:
@@ -262,12 +270,14 @@ class DelayedScalingQuantizer(Quantizer):
         first_amax = None if self.calibrated else self._calibration_amax  # calibration: one amax pass first
         return ops.ScalingState(self.scale, self.amax_history, first_amax, None)
 
-    def produce(self, first_pass, cast) -> None:
-        if self.calibrated:
+    def produce(self, first_pass, cast, amax_hook=None) -> None:
+        if self.calibrated:  # the scale comes from the history (agreeing across ranks once histories are reduced)
             cast(self.scale, self.amax_history[0], None, None)
             return
         self._calibration_amax.zero_()
         first_pass(self._calibration_amax)
+        if amax_hook is not None:
+            amax_hook(self._calibration_amax)
         cast(self.scale, self.amax_history[0], self._calibration_amax, None)
         self.calibrated = True
 

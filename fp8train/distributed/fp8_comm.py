@@ -88,24 +88,20 @@ def cast_consistent(x: torch.Tensor, quantizer: Quantizer, groups: GroupsLike = 
     if x.dtype not in _CASTABLE:
         raise TypeError(f"cast_consistent: expected a bfloat16, float16 or float32 tensor, got {x.dtype}")
     x = x.detach().contiguous()
-    if isinstance(quantizer, DelayedScalingQuantizer) and quantizer.calibrated:
-        return quantizer.cast(x, transpose=transpose)
-    if isinstance(quantizer, CurrentScalingQuantizer):
-        amax, amax_out, count = quantizer.amax, None, quantizer.nonfinite_count
-    elif isinstance(quantizer, DelayedScalingQuantizer):
-        # Calibration: scale from the group's amax; this rank's own amax goes into the pending
-        # history entry, which reduce_delayed_amaxes makes the group's at the next update.
-        amax = torch.zeros((), dtype=torch.float32, device=x.device)
-        amax_out, count = quantizer.amax_history[0], None
-    else:
+    if not isinstance(quantizer, (CurrentScalingQuantizer, DelayedScalingQuantizer)):
         raise TypeError(f"cast_consistent: unsupported quantizer {type(quantizer).__name__}")
-    amax.zero_()
-    kernels.amax(x, amax)
-    reduce_amax(amax, groups)
+    if quantizer.calibrated and isinstance(quantizer, DelayedScalingQuantizer):
+        return quantizer.cast(x, transpose=transpose)  # the usual delayed cast (a prepared launch)
     out = quantizer.allocate(x.shape, x.device, transpose=transpose)
-    kernels.cast_trusted(x, out.data, out.data_t, quantizer.scale, out.scale_inv, amax_out, amax, count)
-    if isinstance(quantizer, DelayedScalingQuantizer):
-        quantizer.calibrated = True
+    # The quantizer's producer sequence with the cast kernel as the producer: the amax pass,
+    # the group's all-reduce through the hook, then the cast from the shared amax. (Delayed
+    # calibration: this rank's own amax goes into the pending history entry, which
+    # reduce_delayed_amaxes makes the group's at the next update.)
+    quantizer.produce(
+        lambda amax_out: kernels.amax(x, amax_out),
+        lambda scale, amax_out, from_amax, count: kernels.cast_trusted(
+            x, out.data, out.data_t, scale, out.scale_inv, amax_out, from_amax, count),
+        amax_hook=lambda amax: reduce_amax(amax, groups))
     return out
 
 
