@@ -9,16 +9,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import gemm
-from ..distributed.parallel_linear import TPConfig, parallel_linear_forward, shard_state, unshard_state
+from ..distributed.parallel_linear import linear_layout, parallel_linear_forward
+from ..distributed.tp_config import TPConfig
+from ..distributed.tp_state import TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
 from .base import FP8Module, mark_calibrated
+from .tp_checkpoint import TPCheckpoints
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
 
-class Linear(FP8Module):
+class Linear(FP8Module, TPCheckpoints):
     """y = x W^T + b, with x of any leading dims.
 
     Outside fp8train.autocast it computes exactly what torch.nn.Linear computes. Inside, the
@@ -69,25 +72,14 @@ class Linear(FP8Module):
         bias = None if self.bias is None else torch.empty(self.out_features, dtype=self.weight.dtype,
                                                           device=self.weight.device)
         _init_linear(weight, bias, self.in_features)
+        specs = linear_layout(self.tp).specs
         with torch.no_grad():
-            self.weight.copy_(self.tp.shard(weight, self.tp.weight_dim()))
+            self.weight.copy_(specs["weight"].shard(weight, self.tp.world, self.tp.rank))
             if bias is not None:
-                self.bias.copy_(self.tp.shard(bias, 0) if self.tp.column else bias)
+                self.bias.copy_(specs["bias"].shard(bias, self.tp.world, self.tp.rank))
 
-    def full_state_dict(self) -> dict:
-        """The unsharded layer's state_dict (collective: call on every rank of tp_group).
-        Weight and bias are gathered from the shards; quantizer state is this rank's."""
-        state = self.state_dict()
-        if self.tp is not None:
-            state.update(unshard_state(self.tp, state))
-        return state
-
-    def load_full_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load an unsharded layer's state_dict: weight and bias are sliced into this rank's
-        shards (no communication); quantizer state is loaded as is."""
-        if self.tp is not None:
-            state_dict = {**state_dict, **shard_state(self.tp, state_dict)}
-        return self.load_state_dict(state_dict, strict=strict)
+    def tp_layout(self) -> Optional[TPLayout]:
+        return None if self.tp is None else linear_layout(self.tp)
 
     def describe(self) -> str:
         name = f" '{self.name}'" if self.name else ""
