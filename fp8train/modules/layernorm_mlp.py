@@ -9,56 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import gemm, kernels, ops
-from ..kernels.activation_reference import out_features
-from ..quantizer import Cast, Quantizer
+from .. import gemm
+from ..quantizer import Quantizer
 from ..recipe import GemmConfig
+from .activation import ACTIVATIONS, activation_backward_fp8, activation_fp8, activation_high_precision
 from .base import FP8Module, mark_calibrated
 from .linear import _rows
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
-
-
-def activation_high_precision(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """The torch definition of each activation (swiglu: h = [gate, up] -> silu(gate) * up)."""
-    if activation == "gelu":
-        return F.gelu(h)
-    if activation == "gelu_tanh":
-        return F.gelu(h, approximate="tanh")
-    if activation == "relu":
-        return F.relu(h)
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def activation_fp8(h: torch.Tensor, activation: str, q: Quantizer, transpose: bool) -> Cast:
-    """act(h) (M, F) straight into FP8 with q's scaling (+ its transposed copy (F, Mp))."""
-    if torch.compiler.is_compiling():  # traced code: the same kernels as a custom op (fp8train/ops.py)
-        return Cast(*ops.act_fwd_fp8(h, activation, q.dtype, q.scaling_state(), transpose))
-    aq = q.allocate((h.shape[0], out_features(h, activation)), h.device, transpose=transpose)
-    q.produce(
-        lambda amax_out: kernels.act_amax(h, activation, amax_out),
-        lambda scale, amax_out, from_amax, count: kernels.act_fwd_fp8(
-            h, activation, aq.data, aq.data_t, scale, aq.scale_inv, amax_out, from_amax, count))
-    return aq
-
-
-def activation_backward_fp8(da: torch.Tensor, h: torch.Tensor, activation: str, q: Quantizer,
-                            dbias_dtype: Optional[torch.dtype]) -> Cast:
-    """dh = da * act'(h) (M, F1) straight into FP8 with q's scaling, with its transposed copy
-    (F1, Mp) and, when dbias_dtype is given, fc1's bias gradient (F1,) in that dtype."""
-    if torch.compiler.is_compiling():  # traced code: the same kernels as a custom op (fp8train/ops.py)
-        parts, db = ops.act_bwd_fp8(da, h, activation, q.dtype, q.scaling_state(), True, dbias_dtype)
-        return Cast(*parts, db)
-    dhq = q.allocate(h.shape, h.device, transpose=True)  # (M, F1), (F1, Mp)
-    db = torch.empty(h.shape[1], dtype=dbias_dtype, device=h.device) if dbias_dtype is not None else None
-    q.produce(
-        lambda amax_out: kernels.act_bwd_amax(da, h, activation, amax_out),
-        lambda scale, amax_out, from_amax, count: kernels.act_bwd_fp8(
-            da, h, activation, dhq.data, dhq.data_t, scale, dhq.scale_inv, amax_out, from_amax, count, db))
-    return Cast(dhq.data, dhq.data_t, dhq.scale_inv, db)
+# Re-exported: these lived here before modules/activation.py (export/twins.py, inspect.py, tests).
+__all__ = ["LayerNormMLP", "ACTIVATIONS", "activation_high_precision", "activation_fp8", "activation_backward_fp8"]
 
 
 class LayerNormMLP(FP8Module):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +11,9 @@ from torch import nn
 from .. import gemm
 from ..distributed.parallel_linear import linear_layout, parallel_linear_forward
 from ..distributed.tp_config import TPConfig
-from ..distributed.tp_state import TPLayout
+from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
-from ..roles import TensorRole
 from ..tensor import Float8Tensor
 from .base import FP8Module, mark_calibrated
 from .tp_checkpoint import TPCheckpoints
@@ -61,22 +60,11 @@ class Linear(FP8Module, TPCheckpoints):
         self._fp8_dims = gemm.dims_ok(local_in, local_out)
 
     def reset_parameters(self) -> None:
-        # nn.Linear's initialisation, so converted and fresh layers start alike. A TP layer
-        # initialises the full weight and bias (the same random draws as the unsharded layer)
-        # and keeps its shards: with the same seed on every rank, each shard is exactly the
-        # unsharded layer's slice (at the cost of one full weight in memory, once).
-        if self.tp is None:
-            _init_linear(self.weight, self.bias, self.in_features)
-            return
-        weight = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
-        bias = None if self.bias is None else torch.empty(self.out_features, dtype=self.weight.dtype,
-                                                          device=self.weight.device)
-        _init_linear(weight, bias, self.in_features)
-        specs = linear_layout(self.tp).specs
-        with torch.no_grad():
-            self.weight.copy_(specs["weight"].shard(weight, self.tp.world, self.tp.rank))
-            if bias is not None:
-                self.bias.copy_(specs["bias"].shard(bias, self.tp.world, self.tp.rank))
+        # nn.Linear's initialisation, so converted and fresh layers start alike (a TP layer:
+        # init_linear_params keeps its shards of the unsharded layer's draws).
+        layout = self.tp_layout()
+        init_linear_params(self.weight, self.bias, self.in_features, self.out_features,
+                           None if layout is None else (layout.tp, layout.specs["weight"], layout.specs["bias"]))
 
     def tp_layout(self) -> Optional[TPLayout]:
         return None if self.tp is None else linear_layout(self.tp)
@@ -134,6 +122,28 @@ def _init_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], in_features
     if bias is not None:
         bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
         nn.init.uniform_(bias, -bound, bound)
+
+
+def init_linear_params(weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int,
+                       sharding: Optional[Tuple[TPConfig, ShardSpec, ShardSpec]] = None) -> None:
+    """nn.Linear's initialisation of one GEMM's weight and bias (in / out: the full dims).
+
+    sharding (tp, weight spec, bias spec) of a TP layer: the *full* weight and bias are
+    initialised with the unsharded layer's random draws (on every rank, with the same seed)
+    and this rank keeps its shards, so each shard is exactly the unsharded layer's slice (at
+    the cost of one full weight in memory, once)."""
+    if sharding is None:
+        _init_linear(weight, bias, in_features)
+        return
+    tp, weight_spec, bias_spec = sharding
+    factory = {"dtype": weight.dtype, "device": weight.device}
+    full_weight = torch.empty(out_features, in_features, **factory)
+    full_bias = None if bias is None else torch.empty(out_features, **factory)
+    _init_linear(full_weight, full_bias, in_features)
+    with torch.no_grad():
+        weight.copy_(weight_spec.shard(full_weight, tp.world, tp.rank))
+        if bias is not None:
+            bias.copy_(bias_spec.shard(full_bias, tp.world, tp.rank))
 
 
 def _high_precision(x, weight, bias, dtype):

@@ -3,7 +3,7 @@ precision form (outside autocast) and its fused FP8 forward and backward (inside
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,15 +41,20 @@ def norm_high_precision(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 
 def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layer: bool, eps: float,
-             q: Quantizer, transpose: bool, want_y: bool
+             q: Quantizer, transpose: bool, want_y: bool, amax_hook: Optional[Callable[[torch.Tensor], None]] = None
              ) -> Tuple[Cast, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """Normalize x2 (M, K) straight into FP8 with quantizer q (current scaling: a statistics
     pass that also takes the amax, then the cast; delayed: one launch).
 
     Returns (cast, mean (M,) float32 or None for RMSNorm, rstd (M,) float32, y) where y is
     the high-precision normalized output in x2's dtype, written only when want_y.
+    amax_hook: Quantizer.produce's hook on the statistics pass's amax (sequence parallelism:
+    the group's all-reduce, so every rank's rows are cast with one scale).
     """
     if torch.compiler.is_compiling():  # traced code: the same kernels as a custom op (fp8train/ops.py)
+        if amax_hook is not None:
+            raise RuntimeError("norm_fp8: a group-consistent (tensor-parallel) norm cannot run inside a "
+                               "torch.compile trace; run tensor-parallel fused modules eagerly")
         parts, mean, rstd, y = ops.norm_fwd_fp8(x2, weight, bias, layer, eps, q.dtype, q.scaling_state(), transpose,
                                                 want_y)
         return Cast(*parts), mean, rstd, y
@@ -66,20 +71,26 @@ def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         kernels.norm_fwd_fp8(x2, weight, bias, eps, mean, rstd, out.data, out.data_t, scale, out.scale_inv,
                              amax_out, from_amax, count, y, stats_ready=from_amax is not None)
 
-    q.produce(first_pass, cast)
+    q.produce(first_pass, cast, amax_hook)
     return out, mean, rstd, y
 
 
 def norm_backward(d_norm: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  mean: Optional[torch.Tensor], rstd: torch.Tensor, need_dx: bool
+                  mean: Optional[torch.Tensor], rstd: torch.Tensor, need_dx: bool,
+                  param_grad_dtype: Optional[torch.dtype] = None
                   ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
-    """(dx (M, K) in x2's dtype or None, dweight, dbias or None) of the normalization."""
+    """(dx (M, K) in x2's dtype or None, dweight, dbias or None) of the normalization.
+    dweight / dbias come in the parameters' dtype, or in param_grad_dtype when given (float32
+    partial sums that sequence parallelism still reduces over the group)."""
     if torch.compiler.is_compiling():  # traced code: the same kernel as a custom op (fp8train/ops.py)
+        if param_grad_dtype is not None:
+            raise RuntimeError("norm_backward: param_grad_dtype (tensor-parallel) is not supported inside a "
+                               "torch.compile trace")
         dx, dweight, dbias = ops.norm_bwd(d_norm, x2, weight, bias, mean, rstd)
         return (dx if need_dx else None), dweight, dbias
     dx = torch.empty_like(x2)
-    dweight = torch.empty_like(weight)
-    dbias = torch.empty_like(bias) if bias is not None else None
+    dweight = torch.empty_like(weight, dtype=param_grad_dtype)
+    dbias = torch.empty_like(bias, dtype=param_grad_dtype) if bias is not None else None
     kernels.norm_bwd(d_norm, x2, weight, mean, rstd, dx, dweight, dbias)
     return (dx if need_dx else None), dweight, dbias
 
