@@ -10,6 +10,7 @@ tp_comm.py            each TP mode's FP8 GEMMs with their communication (column 
 tp_mappings.py        TP layers outside fp8train.autocast: torch GEMMs, the same communication
 tp_state.py           checkpoints: full (unsharded) and sharded (DTensor, for DCP) state dicts
 parallel_linear.py    the tensor-parallel FP8 Linear (fp8train.Linear(parallel_mode=...))
+parallel_fused.py     the tensor-parallel LayerNormLinear (column) and LayerNormMLP (fc1 column, fc2 row)
 """
 from .amax_sync import delayed_quantizers, reduce_delayed_amaxes
 from .collective_matmul import (all_gather_dgrad, all_gather_fprop, all_gather_matmul, dgrad_reduce_scatter,

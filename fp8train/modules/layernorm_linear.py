@@ -1,7 +1,6 @@
 """fp8train.LayerNormLinear: LayerNorm/RMSNorm -> Linear, the norm writing the GEMM's FP8 input."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -9,15 +8,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import gemm
+from ..distributed.parallel_fused import LayerNormLinearTPFn, layernorm_linear_high_precision
+from ..distributed.parallel_linear import tp_plan
+from ..distributed.tp_config import TPConfig
+from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from .base import FP8Module, mark_calibrated
-from .linear import _rows
+from .linear import _rows, init_linear_params
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
+from .tp_checkpoint import TPCheckpoints
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
 
-class LayerNormLinear(FP8Module):
+class LayerNormLinear(FP8Module, TPCheckpoints):
     """y = Linear(Norm(x)); with return_layernorm_output=True, forward returns (y, Norm(x)).
 
     Outside fp8train.autocast it computes exactly what torch.nn.LayerNorm (or RMSNorm)
@@ -25,50 +29,76 @@ class LayerNormLinear(FP8Module):
     FP8 GEMM input, its transposed copy (for wgrad) and its amax (current scaling: a
     statistics pass that takes the amax first); the backward runs dgrad, wgrad and the
     norm backward. forward(x, is_first_microbatch): see WeightWorkspace.
+
+    Tensor parallelism (docs/distributed.md): parallel_mode="column" shards out_features over
+    the W ranks of `tp_group` (weight (out/W, in), bias (out/W)); the norm's weight and bias
+    stay whole on every rank. sequence_parallel=True: x is this rank's rows (s/W, b, in), the
+    norm runs on them and its FP8 output is gathered (y (s, b, out/W)); the norm output
+    returned with return_layernorm_output is this rank's rows. tp_overlap=True (with SP) runs
+    the gather and the backward reduce-scatter as ring collective matmuls. "row" is refused: it
+    would normalize over a hidden dim that is sharded.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: str = "LayerNorm",
                  eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None,
-                 return_layernorm_output: bool = False):
+                 return_layernorm_output: bool = False, *, tp_group=None, parallel_mode: Optional[str] = None,
+                 sequence_parallel: bool = False, tp_overlap: bool = False):
         super().__init__()
         for what, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LayerNormLinear: {what} must be a positive int, got {v!r}")
         check_norm_args("LayerNormLinear", normalization, eps)
+        if parallel_mode == "row":
+            raise ValueError("LayerNormLinear: parallel_mode='row' would shard in_features, the dim the norm "
+                             "normalizes over; use parallel_mode='column', or a LayerNorm followed by a "
+                             "row-parallel fp8train.Linear")
+        self.tp: Optional[TPConfig] = TPConfig.create(tp_group, parallel_mode, sequence_parallel, in_features,
+                                                      out_features, tp_overlap, owner="LayerNormLinear")
         self.in_features, self.out_features = in_features, out_features
         self.normalization, self.eps = normalization, float(eps)
         self.return_layernorm_output = bool(return_layernorm_output)
+        local_out = out_features if self.tp is None else self.tp.local_out_features
         factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         make_norm_params(self, in_features, normalization, factory)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(local_out, **factory)) if bias else None
         self.reset_parameters()
         self._workspace = WeightWorkspace()
-        self._fp8_dims = gemm.dims_ok(in_features, out_features)
+        self._fp8_dims = gemm.dims_ok(in_features, local_out)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.layer_norm_weight)
         if self.layer_norm_bias is not None:
             nn.init.zeros_(self.layer_norm_bias)
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's initialisation
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features)
-            nn.init.uniform_(self.bias, -bound, bound)
+        layout = self.tp_layout()  # nn.Linear's initialisation (TP: shards of the unsharded layer's draws)
+        init_linear_params(self.weight, self.bias, self.in_features, self.out_features,
+                           None if layout is None else (layout.tp, layout.specs["weight"], layout.specs["bias"]))
+
+    def tp_layout(self) -> Optional[TPLayout]:
+        if self.tp is None:
+            return None
+        replicated, column = ShardSpec(), ShardSpec(0)
+        return TPLayout(self.tp, {"layer_norm_weight": replicated, "layer_norm_bias": replicated,
+                                  "weight": column, "bias": column})
 
     def describe(self) -> str:
         name = f" '{self.name}'" if self.name else ""
-        return f"LayerNormLinear{name}(in={self.in_features}, out={self.out_features})"
+        tp = "" if self.tp is None else f", column-parallel over {self.tp.world} ranks"
+        return f"LayerNormLinear{name}(in={self.in_features}, out={self.out_features}{tp})"
 
     def extra_repr(self) -> str:
+        tp = "" if self.tp is None else (f", parallel_mode='column', tp_size={self.tp.world}"
+                                         f", sequence_parallel={self.tp.sequence_parallel}")
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"normalization={self.normalization}, eps={self.eps}")
+                f"normalization={self.normalization}, eps={self.eps}{tp}")
 
     @property
     def weight_fp8(self):
         return self._workspace.fp8
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        recipe, act_dtype = self.fp8_plan(x, self.in_features)
+        tp = self.tp
+        recipe, act_dtype = self.fp8_plan(x, self.in_features) if tp is None else tp_plan(self, x, self.in_features)
         if recipe is None:
             return self._high_precision(x, act_dtype)
         q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)
@@ -76,10 +106,10 @@ class LayerNormLinear(FP8Module):
         need_dgrad = grad and (x.requires_grad or self.layer_norm_weight.requires_grad)
         w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch, need_transpose=need_dgrad,
                                     skip=self.weight_cast_skip)
-        out = _LayerNormLinearFn.apply(
-            x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, w_fp8, q_input, q_grad,
-            recipe.gemm, act_dtype, self.eps, self.normalization == "LayerNorm",
-            grad and self.weight.requires_grad, self.return_layernorm_output)
+        args = (x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, w_fp8, q_input, q_grad,
+                recipe.gemm, act_dtype, self.eps, self.normalization == "LayerNorm",
+                grad and self.weight.requires_grad, self.return_layernorm_output)
+        out = _LayerNormLinearFn.apply(*args) if tp is None else LayerNormLinearTPFn.apply(*args, tp)
         mark_calibrated(q_input, q_weight, q_grad)
         return out  # (y, ln_out) with return_layernorm_output, else y
 
@@ -100,6 +130,10 @@ class LayerNormLinear(FP8Module):
         return out[0] if self.return_layernorm_output else out
 
     def _high_precision(self, x, dtype):
+        if self.tp is not None:  # outside autocast (TP layers have no dims fallback or auto precision)
+            y, ln = layernorm_linear_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.weight,
+                                                    self.bias, self.normalization, self.eps, self.tp)
+            return (y, ln) if self.return_layernorm_output else y
         ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
         if dtype is None:
             y = F.linear(ln, self.weight, self.bias)

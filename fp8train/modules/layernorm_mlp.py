@@ -2,7 +2,6 @@
 the FP8 cast that follows it."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -10,19 +9,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import gemm
+from ..distributed.parallel_fused import LayerNormMLPTPFn, layernorm_mlp_high_precision
+from ..distributed.parallel_linear import tp_plan
+from ..distributed.tp_config import ParallelMode, TPConfig
+from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from .activation import ACTIVATIONS, activation_backward_fp8, activation_fp8, activation_high_precision
 from .base import FP8Module, mark_calibrated
-from .linear import _rows
+from .linear import _rows, init_linear_params
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
+from .tp_checkpoint import TPCheckpoints
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
 # Re-exported: these lived here before modules/activation.py (export/twins.py, inspect.py, tests).
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "activation_high_precision", "activation_fp8", "activation_backward_fp8"]
 
 
-class LayerNormMLP(FP8Module):
+class LayerNormMLP(FP8Module, TPCheckpoints):
     """y = fc2(act(fc1(Norm(x)))), the transformer MLP.
 
     Outside fp8train.autocast it computes exactly the torch composition (norm, F.linear,
@@ -31,13 +35,21 @@ class LayerNormMLP(FP8Module):
     wgrad needs and the amax), and in the backward the activation-gradient kernel writes
     fc1's FP8 grad-output with its transpose and fc1's bias gradient. swiglu's fc1 has
     2 * ffn_hidden_size outputs (gate, then up).
+
+    Tensor parallelism (docs/distributed.md): with `tp_group` fc1 is column-parallel and fc2
+    row-parallel over its W ranks: fc1 weight (F1/W, hidden) (swiglu: rank r holds the rows
+    [gate_r; up_r], so its activation pairs matching gate and up columns), fc2 weight
+    (hidden, ffn/W), fc2 bias whole, added once after the reduction; norm parameters whole.
+    sequence_parallel=True: x and y are this rank's rows (s/W, b, hidden); the norm output is
+    gathered once, in FP8. tp_overlap=True (with SP) runs the gathers and reduce-scatters as
+    ring collective matmuls. `hidden_size` / `ffn_hidden_size` stay the full dims.
     """
 
     GEMMS = ("fc1_", "fc2_")
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, normalization: str = "LayerNorm",
                  activation: str = "gelu", eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None,
-                 device=None):
+                 device=None, *, tp_group=None, sequence_parallel: bool = False, tp_overlap: bool = False):
         super().__init__()
         for what, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -47,38 +59,58 @@ class LayerNormMLP(FP8Module):
             raise ValueError(f"LayerNormMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.normalization, self.activation, self.eps = normalization, activation, float(eps)
-        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.fc1_out = fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.fc1_tp, self.fc2_tp = _tp_configs(tp_group, sequence_parallel, tp_overlap, hidden_size, ffn_hidden_size,
+                                               fc1_out)
+        world = 1 if self.fc1_tp is None else self.fc1_tp.world
         factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         make_norm_params(self, hidden_size, normalization, factory)
-        self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
-        self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory)) if bias else None
-        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
+        self.fc1_weight = nn.Parameter(torch.empty(fc1_out // world, hidden_size, **factory))
+        self.fc1_bias = nn.Parameter(torch.empty(fc1_out // world, **factory)) if bias else None
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size // world, **factory))
         self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
         self.reset_parameters()
         self._fc1_workspace, self._fc2_workspace = WeightWorkspace(), WeightWorkspace()
-        self._fp8_dims = gemm.dims_ok(hidden_size, fc1_out, ffn_hidden_size)
+        self._fp8_dims = gemm.dims_ok(hidden_size, fc1_out // world, ffn_hidden_size // world)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.layer_norm_weight)
         if self.layer_norm_bias is not None:
             nn.init.zeros_(self.layer_norm_bias)
-        for w, b in ((self.fc1_weight, self.fc1_bias), (self.fc2_weight, self.fc2_bias)):
-            nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's initialisation
-            if b is not None:
-                bound = 1 / math.sqrt(w.shape[1])
-                nn.init.uniform_(b, -bound, bound)
+        # nn.Linear's initialisation of fc1 then fc2 (TP: shards of the unsharded layer's draws)
+        layout = self.tp_layout()
+        specs = None if layout is None else layout.specs
+        for gemm_name, fan_in, fan_out in (("fc1", self.hidden_size, self.fc1_out),
+                                           ("fc2", self.ffn_hidden_size, self.hidden_size)):
+            w, b = getattr(self, gemm_name + "_weight"), getattr(self, gemm_name + "_bias")
+            sharding = None if specs is None else (layout.tp, specs[gemm_name + "_weight"], specs[gemm_name + "_bias"])
+            init_linear_params(w, b, fan_in, fan_out, sharding)
+
+    def tp_layout(self) -> Optional[TPLayout]:
+        """fc1 weight / bias sharded on dim 0 in `parts` blocks (swiglu: [gate; up], 2 blocks),
+        fc2 weight on dim 1; norm parameters and fc2's bias replicated."""
+        if self.fc1_tp is None:
+            return None
+        fc1, replicated = ShardSpec(0, 2 if self.activation == "swiglu" else 1), ShardSpec()
+        return TPLayout(self.fc1_tp, {"layer_norm_weight": replicated, "layer_norm_bias": replicated,
+                                      "fc1_weight": fc1, "fc1_bias": fc1, "fc2_weight": ShardSpec(1),
+                                      "fc2_bias": replicated})
 
     def describe(self) -> str:
         name = f" '{self.name}'" if self.name else ""
-        return f"LayerNormMLP{name}(hidden={self.hidden_size}, ffn={self.ffn_hidden_size})"
+        tp = "" if self.fc1_tp is None else f", tensor-parallel over {self.fc1_tp.world} ranks"
+        return f"LayerNormMLP{name}(hidden={self.hidden_size}, ffn={self.ffn_hidden_size}{tp})"
 
     def extra_repr(self) -> str:
+        tp = "" if self.fc1_tp is None else (f", tp_size={self.fc1_tp.world}"
+                                             f", sequence_parallel={self.fc1_tp.sequence_parallel}")
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"bias={self.fc1_bias is not None}, normalization={self.normalization}, "
-                f"activation={self.activation}, eps={self.eps}")
+                f"activation={self.activation}, eps={self.eps}{tp}")
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        recipe, act_dtype = self.fp8_plan(x, self.hidden_size)
+        tp1 = self.fc1_tp
+        recipe, act_dtype = self.fp8_plan(x, self.hidden_size) if tp1 is None else tp_plan(self, x, self.hidden_size)
         if recipe is None:
             return self._high_precision(x, act_dtype)
         q1 = self.quantizers(recipe, self.fc1_weight.device, "fc1_")
@@ -88,10 +120,10 @@ class LayerNormMLP(FP8Module):
         skip = self.weight_cast_skip
         w1 = self._fc1_workspace.get(self.fc1_weight, q1[1], is_first_microbatch, need_transpose=need_dgrad1, skip=skip)
         w2 = self._fc2_workspace.get(self.fc2_weight, q2[1], is_first_microbatch, need_transpose=grad, skip=skip)
-        y = _LayerNormMLPFn.apply(
-            x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
-            self.fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2], recipe.gemm, act_dtype, self.eps,
-            self.normalization == "LayerNorm", self.activation, grad)
+        args = (x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
+                self.fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2], recipe.gemm, act_dtype, self.eps,
+                self.normalization == "LayerNorm", self.activation, grad)
+        y = _LayerNormMLPFn.apply(*args) if tp1 is None else LayerNormMLPTPFn.apply(*args, tp1, self.fc2_tp)
         mark_calibrated(*q1, *q2)
         return y
 
@@ -112,6 +144,10 @@ class LayerNormMLP(FP8Module):
         return self._high_precision(x, dtype)
 
     def _high_precision(self, x, dtype):
+        if self.fc1_tp is not None:  # outside autocast (TP layers have no dims fallback or auto precision)
+            return layernorm_mlp_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
+                                                self.fc1_bias, self.fc2_weight, self.fc2_bias, self.normalization,
+                                                self.activation, self.eps, self.fc1_tp, self.fc2_tp)
         ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
         params = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
         if dtype is not None:
@@ -119,6 +155,22 @@ class LayerNormMLP(FP8Module):
             params = tuple(p.to(dtype) if p is not None else None for p in params)
         h = F.linear(ln, params[0], params[1])
         return F.linear(activation_high_precision(h, self.activation), params[2], params[3])
+
+
+def _tp_configs(tp_group, sequence_parallel, tp_overlap, hidden: int, ffn: int, fc1_out: int):
+    """(fc1 column config, fc2 row config), or (None, None) without a tp_group."""
+    if tp_group is None:
+        if sequence_parallel or tp_overlap:
+            flag = "sequence_parallel" if sequence_parallel else "tp_overlap"
+            raise ValueError(f"LayerNormMLP: {flag}=True needs tp_group (a torch.distributed ProcessGroup; "
+                             "torch.distributed.group.WORLD for all ranks)")
+        return None, None
+    # fc2 first: its in_features = ffn must split into shards of multiples of 16, which also
+    # makes swiglu's [gate_r; up_r] rows line up
+    fc2 = TPConfig(tp_group, ParallelMode.ROW, ffn, hidden, sequence_parallel, tp_overlap, owner="LayerNormMLP fc2")
+    fc1 = TPConfig(tp_group, ParallelMode.COLUMN, hidden, fc1_out, sequence_parallel, tp_overlap,
+                   owner="LayerNormMLP fc1")
+    return fc1, fc2
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
