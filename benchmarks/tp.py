@@ -4,16 +4,17 @@ Run under torchrun, one process per GPU:
 
     torchrun --nproc-per-node N benchmarks/tp.py [--hidden 4096,8192] [--tokens 8192]
 
-The block is the sequence-parallel Megatron MLP: LayerNorm on this rank's rows ->
-fp8train.Linear(h -> 4h, column, SP) -> GELU(tanh) -> fp8train.Linear(4h -> h, row, SP);
-forward + backward, bf16 activations and parameters, `tokens` rows in all (tokens / N per
-rank). Variants, side by side in one run: BF16 TP (the same layers outside fp8train.autocast:
-torch GEMMs, the same collectives on bf16), FP8 TP (FP8 gathers and GEMMs), FP8 TP with
-tp_overlap (the SP gathers / reduce-scatters as ring collective matmuls). N=1 runs the same
-code with no communication, so the script is exercised before multi-GPU machines exist;
-`--device cpu` (gloo) is a smoke test of the code path only (its times mean nothing).
-Rank 0 prints the table and writes JSON. Never asserts on time. The LayerNormMLP module
-itself is not tensor-parallel yet: this block is built from two TP Linears.
+The block is the sequence-parallel Megatron MLP as one module:
+fp8train.LayerNormMLP(h, 4h, activation="gelu_tanh", tp_group=..., sequence_parallel=True):
+LayerNorm on this rank's rows, fc1 column-parallel (its input gathered once, in FP8, and
+reused for wgrad), GELU(tanh), fc2 row-parallel (output reduce-scattered); forward +
+backward, bf16 activations and parameters, `tokens` rows in all (tokens / N per rank).
+Variants, side by side in one run: BF16 TP (the same module outside fp8train.autocast: torch
+ops, the same collectives on bf16), FP8 TP (FP8 gathers and GEMMs), FP8 TP with tp_overlap
+(the SP gathers / reduce-scatters as ring collective matmuls). N=1 runs the same code with no
+communication, so the script is exercised before multi-GPU machines exist; `--device cpu`
+(gloo) is a smoke test of the code path only (its times mean nothing). Rank 0 prints the
+table and writes JSON. Never asserts on time.
 """
 from __future__ import annotations
 
@@ -25,22 +26,14 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 import fp8train
 
 
-class TPBlock(nn.Module):
-    def __init__(self, h: int, group, overlap: bool, device, dtype):
-        super().__init__()
-        self.norm = nn.LayerNorm(h, device=device, dtype=dtype)
-        kw = dict(params_dtype=dtype, device=device, tp_group=group, sequence_parallel=True, tp_overlap=overlap)
-        self.fc1 = fp8train.Linear(h, 4 * h, parallel_mode="column", **kw)
-        self.fc2 = fp8train.Linear(4 * h, h, parallel_mode="row", **kw)
-
-    def forward(self, x):  # x: (tokens / N, h), this rank's rows
-        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+def tp_block(h: int, group, overlap: bool, device, dtype) -> fp8train.LayerNormMLP:
+    """The SP MLP block; forward takes this rank's rows (tokens / N, h)."""
+    return fp8train.LayerNormMLP(h, 4 * h, activation="gelu_tanh", params_dtype=dtype, device=device,
+                                 tp_group=group, sequence_parallel=True, tp_overlap=overlap)
 
 
 def time_ms(step, device, warmup: int, iters: int) -> float:
@@ -67,7 +60,7 @@ def run_size(h, tokens, group, device, dtype, warmup, iters):
     for name, overlap, recipe in (("bf16 TP", False, None), ("fp8 TP", False, fp8train.DelayedScaling()),
                                   ("fp8 TP overlap", True, fp8train.DelayedScaling())):
         torch.manual_seed(1)
-        block = TPBlock(h, group, overlap, device, dtype)
+        block = tp_block(h, group, overlap, device, dtype)
 
         def step(block=block, recipe=recipe):
             if recipe is None:
