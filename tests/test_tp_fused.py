@@ -6,9 +6,10 @@ below. Every rank builds the full input, grad-output and module from the case's 
 shard of the TP module, gathers the shards back and compares them with (a) the single-process
 module under the same recipe and (b) the float64 torch composition with the same parameters.
 Asserted: SQNR against (b) above the bounds of test_fused_modules.py (LayerNormLinear: 25 dB
-output, 20 dB gradients; LayerNormMLP: 22 / 17 dB, relu's gradients 13 dB) and within 1 dB
-of the single-process module's own SQNR against (b) (up to 60 dB); every gradient, the norm
-parameters' included, on every rank. Rank 0 prints every SQNR as a "TP-FUSED-SQNR" JSON line
+output, 20 dB gradients; LayerNormMLP: 22 / 17 dB, relu's gradients 12 dB) and within 1 dB
+of the single-process module's own SQNR against (b) (up to 60 dB; vectors of the hidden size
+within SMALL_SLACK_DB, see there); every gradient, the norm parameters' included, on every
+rank. Rank 0 prints every SQNR as a "TP-FUSED-SQNR" JSON line
 (pytest -s). Tensors and modules live on `ctx.device` (CPU under gloo) so the same cases can
 run under NCCL on GPUs.
 """
@@ -36,7 +37,9 @@ RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScalin
 HIDDEN, OUT, FFN = 64, 128, 128   # shards of 32 (W=2) / 16 (W=4) at least
 SEQ, BATCH = 8, 3                 # x (SEQ, BATCH, HIDDEN): 3-D, SP splits SEQ
 BOUNDS = {"ln_linear": (25.0, 20.0), "mlp": (22.0, 17.0)}  # (output, gradients) dB vs float64
-RELU_GRAD_DB = 13.0                # test_fused_modules.py says why relu's gradients are lower
+# relu's gradients: test_fused_modules.py says why they are lower (13 dB there); here the
+# single-process module's own norm-weight gradient measured 13.5 dB (TP 13.7), so 12 dB.
+RELU_GRAD_DB = 12.0
 # Sharding costs no accuracy: the TP module's SQNR is within 1 dB of the single-process
 # module's. Except for vectors of the hidden size (norm parameters' gradients, 64 elements):
 # there the SQNR estimate itself spreads. Under current scaling TP and single-process round
