@@ -49,7 +49,21 @@ def time_ms(step, device, warmup: int, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def run_size(h, tokens, group, device, dtype, warmup, iters):
+def trace_steps(step, path: str, iters: int = 3) -> list:
+    """`iters` steps under torch.profiler: the Chrome trace (every stream, NCCL included) to
+    `path`, and the per-kernel device time per step (overlapped kernels both count)."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    rows = [(e.key, e.device_time_total / iters / 1e3, e.count // iters) for e in prof.key_averages()
+            if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def run_size(h, tokens, group, device, dtype, warmup, iters, trace_dir=None):
     world = dist.get_world_size(group)
     if tokens % world or (4 * h) % (16 * world):
         raise SystemExit(f"tokens ({tokens}) and 4h / 16 ({4 * h // 16}) must divide by the world size {world}")
@@ -70,6 +84,14 @@ def run_size(h, tokens, group, device, dtype, warmup, iters):
                     y = block(x)
             y.backward(dy)
         out[name] = time_ms(step, device, warmup, iters)
+        if trace_dir and device.type == "cuda":
+            rank = dist.get_rank()
+            tag = name.replace(" ", "_")
+            rows = trace_steps(step, os.path.join(trace_dir, f"{tag}_h{h}_rank{rank}.json"))
+            if rank == 0:
+                print(f"\n{name}, h={h}, rank 0: device time per step by kernel (overlapped kernels both count)")
+                for key, ms, n in rows[:12]:
+                    print(f"  {ms:7.3f} ms  x{n:<3} {key[:90]}")
         del block
     return out
 
@@ -82,6 +104,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", default="benchmarks/results/tp.json")
+    p.add_argument("--trace", default=None, help="directory for per-rank Chrome traces of 3 steps per variant (CUDA)")
     args = p.parse_args()
     if args.device == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (device README)
@@ -92,7 +115,9 @@ def main():
     group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     rows = []
     for h in (int(v) for v in args.hidden.split(",")):
-        times = run_size(h, args.tokens, group, device, dtype, args.warmup, args.iters)
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+        times = run_size(h, args.tokens, group, device, dtype, args.warmup, args.iters, args.trace)
         worst = {}
         for name, ms in times.items():  # the slowest rank sets the step time
             t = torch.tensor([ms], dtype=torch.float64, device=device)

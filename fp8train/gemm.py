@@ -46,29 +46,32 @@ def _check_device(device: torch.device) -> None:
 
 def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor, *,
               role: GemmRole, config: GemmConfig, out_dtype: torch.dtype,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(a * a_scale_inv) @ (b * b_scale_inv) [+ bias]; a (M, K) row-major, b (K, N) column-major."""
+              bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(a * a_scale_inv) @ (b * b_scale_inv) [+ bias]; a (M, K) row-major, b (K, N) column-major.
+    `out` (M, N) contiguous, of out_dtype: written in place (a row block of a larger output)."""
     fuse_bias = bias is not None and out_dtype in _BIAS_OUT_DTYPES
+    kw = {} if out is None else {"out": out}
     out = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
                            bias=bias.to(out_dtype) if fuse_bias else None, out_dtype=out_dtype,
-                           use_fast_accum=config.fast_accum(role))
+                           use_fast_accum=config.fast_accum(role), **kw)
     if bias is not None and not fuse_bias:
         out += bias.to(out_dtype)
     return out
 
 
 def fprop(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-          config: GemmConfig, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+          config: GemmConfig, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y (M, N) = X (M, K) @ W^T; x (M, K) and w (N, K) fp8 row-major."""
     return scaled_mm(x, x_scale_inv, w.t(), w_scale_inv, role=GemmRole.FPROP, config=config,
-                     out_dtype=out_dtype, bias=bias)
+                     out_dtype=out_dtype, bias=bias, out=out)
 
 
 def dgrad(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w_t: torch.Tensor, w_scale_inv: torch.Tensor,
-          config: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
+          config: GemmConfig, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dX (M, K) = dY (M, N) @ W; dy (M, N) fp8 row-major, w_t (K, N) W's transposed copy, row-major."""
     return scaled_mm(dy, dy_scale_inv, w_t.t(), w_scale_inv, role=GemmRole.DGRAD, config=config,
-                     out_dtype=out_dtype)
+                     out_dtype=out_dtype, out=out)
 
 
 def wgrad(dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, x_t: torch.Tensor, x_scale_inv: torch.Tensor,

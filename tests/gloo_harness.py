@@ -1,17 +1,26 @@
-"""One gloo process-group launch per world size, many cases inside it (STYLE habit 10).
+"""One process-group launch per world size, many cases inside it (STYLE habit 10).
 
 A test module defines CASES = [(case_id, fn, kwargs, worlds), ...] with fn(ctx, **kwargs)
-run on every rank (ctx: rank, world, a per-case seed; fn may return metrics to print), and
-calls `launch(module_name, world, tmp_dir)`: it spawns `world` processes on loopback, runs
-the module's cases in order and returns {case_id: [error text per failing rank]}. After a
-failure on any rank the later cases are reported as not run (collectives would be out of
-step). `metrics_tag` names the line rank 0 prints per case with metrics (pytest -s).
+run on every rank (ctx: rank, world, device, a per-case seed; fn may return metrics to
+print). Every tensor and module a case makes lives on ctx.device, so the same cases run
+
+* on CPU with gloo: `launch(module_name, world, tmp_dir)` spawns `world` processes on
+  loopback (ctx.device is cpu);
+* on GPUs with NCCL under torchrun: `launch_torchrun(module_name, world, tmp_dir)` runs
+  `torchrun --nproc-per-node world tests/gloo_harness.py MODULE OUT_DIR` (this file's
+  __main__; ctx.device is cuda:LOCAL_RANK, NVLink multicast off).
+
+Both return ({case_id: [error text per failing rank]}, seconds). After a failure on any rank
+the later cases are reported as not run (collectives would be out of step). `metrics_tag`
+names the line rank 0 prints per case with metrics (pytest -s).
 """
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import subprocess
+import sys
 import time
 import traceback
 import zlib
@@ -26,12 +35,11 @@ LAUNCH_TIMEOUT_S = 240  # the whole launch; each collective times out after COLL
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, module_name: str, metrics_tag: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    torch.set_num_threads(1)  # several processes share two cores
+def run_cases(rank: int, world: int, device: torch.device, out_dir: str, module_name: str,
+              metrics_tag: str) -> None:
+    """Every case of module_name.CASES for this world size, on an initialised process group;
+    writes OUT_DIR/rank{rank}.json ({case_id: None or error text})."""
     cases = importlib.import_module(module_name).CASES
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
     results, metrics, aborted = {}, {}, None
     for case_id, fn, kwargs, worlds in cases:
         if world not in worlds:
@@ -39,7 +47,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, module_name: st
         if aborted:
             results[case_id] = f"not run: case {aborted} failed on some rank (collectives may be out of step)"
             continue
-        ctx = SimpleNamespace(rank=rank, world=world, seed=zlib.crc32(case_id.encode()))
+        ctx = SimpleNamespace(rank=rank, world=world, device=device, seed=zlib.crc32(case_id.encode()))
         try:
             m = fn(ctx, **kwargs)
             if m:
@@ -47,16 +55,37 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, module_name: st
             results[case_id] = None
         except Exception:
             results[case_id] = f"rank {rank}:\n{traceback.format_exc()}"
-        failed = torch.tensor(float(results[case_id] is not None))
+        failed = torch.tensor(float(results[case_id] is not None), device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
             aborted = case_id
     if rank == 0:
         for case_id, m in metrics.items():
-            print(metrics_tag, json.dumps({"world": world, "case": case_id, **m}), flush=True)
+            print(metrics_tag, json.dumps({"world": world, "device": device.type, "case": case_id, **m}), flush=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, module_name: str, metrics_tag: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    torch.set_num_threads(1)  # several processes share two cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+    try:
+        run_cases(rank, world, torch.device("cpu"), out_dir, module_name, metrics_tag)
+    finally:
+        dist.destroy_process_group()
+
+
+def _merge(out_dir: str, world: int) -> dict:
+    merged: dict = {}
+    for rank in range(world):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            for case_id, err in json.load(f).items():
+                merged.setdefault(case_id, [])
+                if err:
+                    merged[case_id].append(err)
+    return merged
 
 
 def launch(module_name: str, world: int, tmp: str, metrics_tag: str = "METRICS"):
@@ -74,11 +103,45 @@ def launch(module_name: str, world: int, tmp: str, metrics_tag: str = "METRICS")
         for p in ctx.processes:  # only ours, by handle
             if p.is_alive():
                 p.kill()
-    merged: dict = {}
-    for rank in range(world):
-        with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-            for case_id, err in json.load(f).items():
-                merged.setdefault(case_id, [])
-                if err:
-                    merged[case_id].append(err)
-    return merged, time.perf_counter() - start
+    return _merge(tmp, world), time.perf_counter() - start
+
+
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def launch_torchrun(module_name: str, world: int, tmp: str, metrics_tag: str = "METRICS"):
+    """Run `module_name`.CASES under torchrun, one process per GPU with NCCL (gloo on CPU
+    where CUDA is absent, which is how the CPU suite checks this path)."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(tests_dir)
+    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join([repo, tests_dir, os.environ.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                           os.path.abspath(__file__), module_name, tmp, metrics_tag],
+                          env=env, timeout=LAUNCH_TIMEOUT_S, capture_output=True, text=True)
+    sys.stdout.write(proc.stdout)
+    if proc.returncode:
+        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{proc.stderr[-6000:]}")
+    return _merge(tmp, world), time.perf_counter() - start
+
+
+def _torchrun_main(module_name: str, out_dir: str, metrics_tag: str) -> None:
+    """One rank under torchrun: NCCL on cuda:LOCAL_RANK where CUDA is present, else gloo on CPU."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        os.environ.update(NCCL_ENV)  # before NCCL initialises
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=device)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        run_cases(rank, world, device, out_dir, module_name, metrics_tag)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _torchrun_main(*sys.argv[1:4])

@@ -54,19 +54,19 @@ def _chunk(t, dim, ctx):
 
 def _tp_layer(ctx, mode, sp, dtype, bias=True, overlap=False):
     torch.manual_seed(ctx.seed)
-    return fp8train.Linear(IN, OUT, bias=bias, params_dtype=dtype, tp_group=dist.group.WORLD,
+    return fp8train.Linear(IN, OUT, bias=bias, params_dtype=dtype, device=ctx.device, tp_group=dist.group.WORLD,
                            parallel_mode=mode, sequence_parallel=sp, tp_overlap=overlap)
 
 
 def _full_layer(ctx, dtype, bias=True):
     torch.manual_seed(ctx.seed)
-    return fp8train.Linear(IN, OUT, bias=bias, params_dtype=dtype)
+    return fp8train.Linear(IN, OUT, bias=bias, params_dtype=dtype, device=ctx.device)
 
 
 def _inputs(ctx, act_dtype):
     g = torch.Generator().manual_seed(ctx.seed + 1)
-    x = torch.randn(SEQ, BATCH, IN, generator=g).to(act_dtype)
-    dy = torch.randn(SEQ, BATCH, OUT, generator=g).to(act_dtype)
+    x = torch.randn(SEQ, BATCH, IN, generator=g).to(ctx.device, act_dtype)
+    dy = torch.randn(SEQ, BATCH, OUT, generator=g).to(ctx.device, act_dtype)
     return x, dy
 
 
@@ -158,9 +158,9 @@ def case_autocast_reduces_amaxes(ctx):
     reduced over the group before the update, so ranks that saw different data get the same
     scales; plain autocast leaves them rank-local."""
     torch.manual_seed(1234)  # the same layer on every rank ...
-    layer = fp8train.Linear(64, 32, params_dtype=F32)
+    layer = fp8train.Linear(64, 32, params_dtype=F32, device=ctx.device)
     recipe = fp8train.DelayedScaling(amax_history_len=4)
-    x = torch.randn(8, 64) * (1.0 + ctx.rank)  # ... and data whose amax differs per rank
+    x = torch.randn(8, 64).to(ctx.device) * (1.0 + ctx.rank)  # ... and data whose amax differs per rank
     for _ in range(2):
         with fp8train.autocast(recipe=recipe):
             layer(x).sum().backward()
@@ -220,10 +220,11 @@ def case_state_dict_round_trip(ctx, mode, sp):
     _step((src,), (x,), (dy,), fp8train.CurrentScaling())
     state = src.state_dict()
     g = torch.Generator().manual_seed(ctx.seed + 5)  # weights unlike the TP layer's own init
-    state["weight"] = torch.randn(OUT, IN, generator=g)
-    state["bias"] = torch.randn(OUT, generator=g)
+    state["weight"] = torch.randn(OUT, IN, generator=g).to(ctx.device)
+    state["bias"] = torch.randn(OUT, generator=g).to(ctx.device)
     torch.manual_seed(ctx.seed + 99)
-    tp = fp8train.Linear(IN, OUT, tp_group=dist.group.WORLD, parallel_mode=mode, sequence_parallel=sp)
+    tp = fp8train.Linear(IN, OUT, device=ctx.device, tp_group=dist.group.WORLD, parallel_mode=mode,
+                         sequence_parallel=sp)
     tp.load_full_state_dict(state)
     dim = 0 if mode == "column" else 1
     assert torch.equal(tp.weight, _chunk(state["weight"], dim, ctx))
@@ -255,11 +256,11 @@ def case_bad_configs(ctx):
         fp8train.Linear(8 * ctx.world, OUT, tp_group=world, parallel_mode="row")
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8train.Linear(IN, 24 * ctx.world, tp_group=world, parallel_mode="column")
-    row_sp = fp8train.Linear(IN, OUT, tp_group=world, parallel_mode="row", sequence_parallel=True)
+    row_sp = fp8train.Linear(IN, OUT, device=ctx.device, tp_group=world, parallel_mode="row", sequence_parallel=True)
     with pytest.raises(ValueError, match="leading .sequence. dim"):
-        row_sp(torch.randn(ctx.world + 1, IN // ctx.world))
+        row_sp(torch.randn(ctx.world + 1, IN // ctx.world, device=ctx.device))
     with pytest.raises(ValueError, match="takes this rank's input shard"):
-        row_sp(torch.randn(ctx.world, IN))  # a row-parallel layer takes the input shard
+        row_sp(torch.randn(ctx.world, IN, device=ctx.device))  # a row-parallel layer takes the input shard
 
 
 def _cases():
@@ -309,3 +310,12 @@ def test_case(launches, world, case_id):
     assert case_id in results, f"case {case_id} did not report"
     errors = results[case_id]
     assert not errors, "\n".join(errors)
+
+
+def test_torchrun_launch(tmp_path):
+    """The torchrun path that runs these cases on GPUs with NCCL (tests/gpu/test_tp_nccl_gpu.py),
+    here with gloo: every case of world 2 reports, and none fails."""
+    results, _ = gloo_harness.launch_torchrun(__name__, 2, str(tmp_path), "TP-SQNR")
+    assert set(results) == {c[0] for c in CASES if 2 in c[3]}
+    failed = {k: v for k, v in results.items() if v}
+    assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())

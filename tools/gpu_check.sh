@@ -1,20 +1,40 @@
 #!/usr/bin/env bash
-# The whole GPU check in one device call: GPU tests, then the benchmarks (tables and JSON
-# into $OUT). Usage on the device machine: bash tools/gpu_check.sh [tests|bench|all] [cast args...]
+# The whole GPU check in one device call, as named steps (tables and JSON into $OUT):
+#   info   versions, GPUs, NCCL version, the GPU topology (nvidia-smi topo -m)
+#   tp     benchmarks/tp.py under torchrun on every visible GPU (N=1 on one GPU)
+#   mlp    benchmarks/mlp.py (torchao joins when its wheel lies in .whl/: installed to /tmp/site)
+#   bench  benchmarks/linear.py, mlp.py, cast.py
+#   tests  the GPU suite (tools/gpu_tests_parallel.sh: shards over the GPUs, then multi-GPU files)
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [tests]  (default: info tests bench)
 set -uo pipefail
-what=${1:-all}
-shift || true
+steps=${*:-info tests bench}
 OUT=${OUT:-/tmp/fp8train-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-if [[ $what == tests || $what == all ]]; then
-  timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE --tb=short 2>&1 > "$OUT/test-gpu.log"
-  grep -E "^FAILED|^ERROR" "$OUT/test-gpu.log" | sed 's/\[.*//' | sort | uniq -c | head -30
-  tail -1 "$OUT/test-gpu.log"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if compgen -G ".whl/torchao-*.whl" > /dev/null && [[ ! -d /tmp/site/torchao ]]; then
+  python3 -m pip install -q --no-deps --target /tmp/site .whl/torchao-*.whl 2>&1 | tail -2
 fi
-if [[ $what == bench || $what == all ]]; then
-  timeout 120 python3 benchmarks/linear.py --json "$OUT/linear.json" 2>&1 | tee "$OUT/linear.log" | tail -16
-  timeout 200 python3 benchmarks/mlp.py --json "$OUT/mlp.json" 2>&1 | tee "$OUT/mlp.log" | tail -40
-  timeout 150 python3 benchmarks/cast.py --json "$OUT/cast.json" "$@" 2>&1 | tee "$OUT/cast.log" | tail -20
-fi
+[[ -d /tmp/site/torchao ]] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+for step in $steps; do
+  echo "=== $step ($(date +%T))"
+  case $step in
+    info)
+      python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda.nccl.version())"
+      nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt" | head -12 ;;
+    tp)
+      timeout 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/tp.py --json "$OUT/tp.json" 2>&1 \
+        | tee "$OUT/tp.log" | tail -6 ;;
+    mlp)
+      timeout 240 python3 benchmarks/mlp.py --json "$OUT/mlp.json" 2>&1 | tee "$OUT/mlp.log" | tail -40 ;;
+    bench)
+      timeout 120 python3 benchmarks/linear.py --json "$OUT/linear.json" 2>&1 | tee "$OUT/linear.log" | tail -16
+      timeout 200 python3 benchmarks/mlp.py --json "$OUT/mlp.json" 2>&1 | tee "$OUT/mlp.log" | tail -40
+      timeout 150 python3 benchmarks/cast.py --json "$OUT/cast.json" 2>&1 | tee "$OUT/cast.log" | tail -20 ;;
+    tests)
+      bash tools/gpu_tests_parallel.sh "$OUT/tests" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done

@@ -6,8 +6,9 @@ runs as a ring of per-chunk transfers overlapped with per-chunk GEMMs.
   matmul reduce-scatter out = ReduceScatter(G(a))          row-parallel forward (SP output),
                                                            column-parallel dgrad (SP grad-input)
 
-G is a row-wise GEMM given as `gemm_rows(a_rows) -> out_rows` (fprop or dgrad from
-fp8train.gemm, scales and weight bound in), so the rings know nothing of GEMM roles. Rows
+G is a row-wise GEMM given as `gemm_rows(a_rows, out=None) -> out_rows` (fprop or dgrad from
+fp8train.gemm, scales and weight bound in; `out`, where given, is the row block it writes),
+so the rings know nothing of GEMM roles. Rows
 of chunk c are rows [c*m, (c+1)*m) of the full tensor, m = rows per rank; chunk c belongs
 to group rank c. The transfers are ring.RingComm steps (streams and events on CUDA).
 Results equal the non-overlapped path (one all-gather then one GEMM; one GEMM then one
@@ -25,7 +26,7 @@ from ..tensor import FP8_DTYPES
 from .groups import group_rank, group_size
 from .ring import RingComm
 
-GemmRows = Callable[[torch.Tensor], torch.Tensor]
+GemmRows = Callable[..., torch.Tensor]  # gemm_rows(a_rows, out=None) -> (rows, n)
 _ACCUM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -34,10 +35,13 @@ def _check_rows(name: str, a: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected 2-D FP8 rows (rows, k), got a {a.dtype} tensor of shape {tuple(a.shape)}")
 
 
-def all_gather_matmul(a_local: torch.Tensor, gemm_rows: GemmRows, group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def all_gather_matmul(a_local: torch.Tensor, gemm_rows: GemmRows, n: int, out_dtype: torch.dtype,
+                      group=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """gemm_rows(AllGather(a_local)), the gather run as a ring under the GEMMs.
 
     a_local  (m, k) fp8: this rank's rows (the same m on every rank; any m)
+    n, out_dtype  the GEMM's output columns and dtype: each chunk's GEMM writes its rows of
+             the output in place
     returns  (out (size*m, n), a_gathered (size*m, k) fp8): the gathered input is kept for
              the wgrad GEMM, which then needs no second gather.
 
@@ -57,23 +61,18 @@ def all_gather_matmul(a_local: torch.Tensor, gemm_rows: GemmRows, group=None) ->
         return gathered[c * m:(c + 1) * m]  # (m, k) contiguous: chunk c, group rank c's rows
 
     rows(rank).copy_(a_local)
+    out = torch.empty((size * m, n), dtype=out_dtype, device=a_local.device)
     comm = RingComm(group, a_local.device)
     steps = [((rank - s) % size, (rank - s - 1) % size) for s in range(size)]  # (chunk used, chunk received)
     handles = []
     if comm.cuda:
         handles = [comm.start(rows(c), rows(c_in), after_compute=s == 0) for s, (c, c_in) in enumerate(steps[:-1])]
-    out = None
     for s, (c, c_in) in enumerate(steps):
         if s > 0:
             comm.wait(handles[s - 1])  # chunk c has arrived
         if not comm.cuda and s < size - 1:
             handles.append(comm.start(rows(c), rows(c_in)))
-        y = gemm_rows(rows(c))  # (m, n)
-        if out is None:
-            out = torch.empty((size * m, y.shape[1]), dtype=y.dtype, device=y.device)
-        # Note: a copy of each output chunk; a GEMM that writes into `out` (an out= argument
-        # in fp8train.gemm) would save it.
-        out[c * m:(c + 1) * m].copy_(y)
+        gemm_rows(rows(c), out=out[c * m:(c + 1) * m])  # (m, n), written in place
     comm.finish()
     return out, gathered
 
@@ -129,8 +128,9 @@ def all_gather_fprop(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor
 
     x (m, k) fp8 this rank's rows, cast with a group-consistent scale (fp8_comm.cast_consistent);
     w (n, k) fp8 this rank's weight shard. Returns (Y, X gathered (size*m, k) fp8)."""
-    return all_gather_matmul(x, lambda rows: gemm.fprop(rows, x_scale_inv, w, w_scale_inv, config, out_dtype, bias),
-                             group)
+    return all_gather_matmul(
+        x, lambda rows, out=None: gemm.fprop(rows, x_scale_inv, w, w_scale_inv, config, out_dtype, bias, out=out),
+        w.shape[0], out_dtype, group)
 
 
 def all_gather_dgrad(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w_t: torch.Tensor, w_scale_inv: torch.Tensor,
@@ -139,8 +139,9 @@ def all_gather_dgrad(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w_t: torch.Te
 
     dy (m, n) fp8 this rank's rows, group-consistent scale; w_t (k, n) the transposed copy of
     this rank's weight shard (n, k). Returns (dX, dY gathered (size*m, n) fp8, for wgrad)."""
-    return all_gather_matmul(dy, lambda rows: gemm.dgrad(rows, dy_scale_inv, w_t, w_scale_inv, config, out_dtype),
-                             group)
+    return all_gather_matmul(
+        dy, lambda rows, out=None: gemm.dgrad(rows, dy_scale_inv, w_t, w_scale_inv, config, out_dtype, out=out),
+        w_t.shape[0], out_dtype, group)
 
 
 def fprop_reduce_scatter(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
