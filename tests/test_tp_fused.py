@@ -10,8 +10,8 @@ output, 20 dB gradients; LayerNormMLP: 22 / 17 dB, relu's gradients 12 dB) and w
 of the single-process module's own SQNR against (b) (up to 60 dB; vectors of the hidden size
 within SMALL_SLACK_DB, see there); every gradient, the norm parameters' included, on every
 rank. Rank 0 prints every SQNR as a "TP-FUSED-SQNR" JSON line
-(pytest -s). Tensors and modules live on `ctx.device` (CPU under gloo) so the same cases can
-run under NCCL on GPUs.
+(pytest -s). Tensors and modules live on `ctx.device` (CPU under gloo), so the same cases run
+under NCCL on GPUs too (tests/gpu/test_tp_nccl_gpu.py).
 """
 from __future__ import annotations
 
@@ -54,11 +54,6 @@ _TMP_ENV = "FP8TRAIN_TP_FUSED_TMP"  # the pytest tmp dir, for DCP checkpoints (s
 # --------------------------------------------------------------------------- helpers
 
 
-def _device(ctx) -> torch.device:
-    """Where the case's tensors and modules live (ctx.device once the harness provides it)."""
-    return getattr(ctx, "device", torch.device("cpu"))
-
-
 def _same_everywhere(t) -> bool:
     flat = t.detach().reshape(-1).float().clone()
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -91,7 +86,7 @@ def _kwargs(kind, norm, activation, dtype, device, return_ln=False):
 def _module(ctx, kind, norm="LayerNorm", activation="gelu_tanh", dtype=F32, return_ln=False, tp=None, seed=None):
     """The module with the case's parameters; tp: None (single-process) or dict(sp=, overlap=)."""
     torch.manual_seed(ctx.seed if seed is None else seed)
-    kw = _kwargs(kind, norm, activation, dtype, _device(ctx), return_ln)
+    kw = _kwargs(kind, norm, activation, dtype, ctx.device, return_ln)
     if tp is not None:
         kw.update(tp_group=dist.group.WORLD, sequence_parallel=tp["sp"], tp_overlap=tp.get("overlap", False))
         if kind == "ln_linear":
@@ -112,7 +107,7 @@ def _io(ctx, kind, act_dtype, salt=1):
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
     dy = torch.randn(SEQ, BATCH, out, generator=g)
     d_ln = torch.randn(SEQ, BATCH, HIDDEN, generator=g) * 0.5
-    return tuple(t.to(act_dtype).to(_device(ctx)) for t in (x, dy, d_ln))
+    return tuple(t.to(act_dtype).to(ctx.device) for t in (x, dy, d_ln))
 
 
 def _local_io(ctx, kind, sp, x, dy, d_ln):
@@ -294,7 +289,7 @@ def case_full_state_dict_round_trip(ctx, kind, activation="gelu_tanh"):
     state = src.state_dict()
     g = torch.Generator().manual_seed(ctx.seed + 5)  # parameters unlike the TP module's own init
     for name, _, _ in _param_specs(kind, activation):
-        state[name] = torch.randn(state[name].shape, generator=g).to(_device(ctx))
+        state[name] = torch.randn(state[name].shape, generator=g).to(ctx.device)
     tp = _module(ctx, kind, activation=activation, tp={"sp": True}, seed=ctx.seed + 99)
     tp.load_full_state_dict(state)
     for name, dim, parts in _param_specs(kind, activation):
@@ -318,7 +313,7 @@ def _dcp_dir(ctx) -> str:
 def _layer(ctx, kind, seed, activation="swiglu"):
     if kind in ("column", "row"):
         torch.manual_seed(seed)
-        return fp8train.Linear(HIDDEN, OUT, device=_device(ctx), tp_group=dist.group.WORLD, parallel_mode=kind,
+        return fp8train.Linear(HIDDEN, OUT, device=ctx.device, tp_group=dist.group.WORLD, parallel_mode=kind,
                                sequence_parallel=True)
     return _module(ctx, kind, activation=activation, tp={"sp": True}, seed=seed)
 
@@ -327,7 +322,7 @@ def _layer_input(ctx, kind, salt):
     g = torch.Generator().manual_seed(ctx.seed + salt)
     cols = HIDDEN // ctx.world if kind == "row" else HIDDEN
     rows = SEQ // ctx.world if kind != "row" else SEQ
-    return torch.randn(rows, BATCH, cols, generator=g).to(_device(ctx))
+    return torch.randn(rows, BATCH, cols, generator=g).to(ctx.device)
 
 
 def case_dcp_round_trip(ctx, kind, recipe):
@@ -451,7 +446,7 @@ def case_one_gather_per_forward(ctx, kind, recipe, sp, overlap=False):
 
 def case_bad_configs(ctx):
     world = dist.group.WORLD
-    dev = _device(ctx)
+    dev = ctx.device
     with pytest.raises(ValueError, match="normalizes over"):
         fp8train.LayerNormLinear(HIDDEN, OUT, tp_group=world, parallel_mode="row", device=dev)
     with pytest.raises(ValueError, match="needs tp_group"):

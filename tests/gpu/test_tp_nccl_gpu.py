@@ -1,11 +1,12 @@
 """The tensor-parallel test cases of the CPU suite, on GPUs with NCCL under torchrun.
 
 tests/test_tp_linear.py's CASES (column / row, with and without sequence parallelism and
-tp_overlap, both recipes, bf16 / fp32 params, checkpoints, amax reduction) run unchanged on
-every visible GPU (one torchrun process per GPU, up to 4): outputs and gradients against
+tp_overlap, both recipes, bf16 / fp32 params, checkpoints, amax reduction) and
+tests/test_tp_fused.py's (tensor-parallel LayerNormLinear / LayerNormMLP, collective counts,
+DCP checkpoints) run unchanged on every visible GPU (one torchrun process per GPU, up to 4): outputs and gradients against
 the single-GPU layer holding the full weights and the float64 reference, scales bitwise
-identical across ranks. One torchrun launch for all cases; each test reads its case's
-records. Needs two or more GPUs; NVLink multicast stays off (gloo_harness.NCCL_ENV).
+identical across ranks. One torchrun launch per test file for all its cases; each test reads
+its case's records. Needs two or more GPUs; NVLink multicast stays off (gloo_harness.NCCL_ENV).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import gloo_harness
+import test_tp_fused
 import test_tp_linear
 
 pytestmark = [pytest.mark.gpu,
@@ -27,13 +29,22 @@ WORLD = max(2, min(torch.cuda.device_count(), 4))
 def launches(tmp_path_factory):
     @functools.lru_cache(maxsize=None)
     def launch(module_name):
-        return gloo_harness.launch_torchrun(module_name, WORLD, str(tmp_path_factory.mktemp("nccl")), "TP-SQNR")
+        return gloo_harness.launch_torchrun(module_name, WORLD, str(tmp_path_factory.mktemp("nccl")),
+                                            "TP-SQNR" if module_name == "test_tp_linear" else "TP-FUSED-SQNR")
     return launch
 
 
 @pytest.mark.parametrize("case_id", [c[0] for c in test_tp_linear.CASES if WORLD in c[3]])
 def test_tp_linear_nccl(launches, case_id):
     results, _ = launches("test_tp_linear")
+    assert case_id in results, f"case {case_id} did not report"
+    errors = results[case_id]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in test_tp_fused.CASES if WORLD in c[3]])
+def test_tp_fused_nccl(launches, case_id):
+    results, _ = launches("test_tp_fused")
     assert case_id in results, f"case {case_id} did not report"
     errors = results[case_id]
     assert not errors, "\n".join(errors)
