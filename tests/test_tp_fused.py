@@ -173,7 +173,8 @@ def _float64_reference(kind, module, activation, x, grads):
     return ref
 
 
-def _as_dict(kind, activation, outs, module):
+def _as_dict(outs, module):
+    """{name: tensor} of the single-process module's outputs, dx and parameter gradients."""
     names = ["y", "ln_out", "dx"] if len(outs) == 3 else ["y", "dx"]
     got = dict(zip(names, outs))
     got.update({"d_" + n: t.grad for n, t in module.named_parameters()})
@@ -206,7 +207,7 @@ def case_matches_single_process(ctx, kind, norm, recipe, dtype, sp, activation="
             outs_tp = _run(tp, x_l, grads_l, recipe)
             outs_full = _run(full, x, grads, recipe)
     got = _unshard(ctx, kind, activation, sp, outs_tp, tp)
-    ref = _as_dict(kind, activation, outs_full, full)
+    ref = _as_dict(outs_full, full)
     exact = _float64_reference(kind, full, activation, x, grads)
     out_db, grad_db = BOUNDS[kind]
     if activation == "relu":
@@ -247,7 +248,7 @@ def case_outside_autocast(ctx, kind, sp, activation="gelu_tanh", norm="LayerNorm
     x, dy, d_ln = _io(ctx, kind, F32)
     x_l, dy_l, d_ln_l = _local_io(ctx, kind, sp, x, dy, d_ln)
     got = _unshard(ctx, kind, activation, sp, _run(tp, x_l, (dy_l, d_ln_l)), tp)
-    ref = _as_dict(kind, activation, _run(full, x, (dy, d_ln)), full)
+    ref = _as_dict(_run(full, x, (dy, d_ln)), full)
     assert got.keys() == ref.keys()
     for name, g in got.items():
         torch.testing.assert_close(g, ref[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
