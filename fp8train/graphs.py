@@ -37,16 +37,18 @@ class _FP8Region(nn.Module):
     """Runs `forward` (the wrapped module's own bound forward, kept before it is replaced)
     inside the recipe's FP8 region; the first callable's region is a step (scale update)."""
 
-    def __init__(self, module: nn.Module, recipe: Recipe, first: bool):
+    def __init__(self, module: nn.Module, recipe: Recipe, first: bool, amax_reduction=None):
         super().__init__()
         self.inner = module  # registered, so torch sees its parameters as graph inputs
         self._forward = module.forward
         self._recipe = recipe
         self._first = first
+        self._amax_reduction = amax_reduction
         self.captured_update: list = []  # scale-update batches the first region's graph replays
 
     def forward(self, *args):
-        region = autocast(recipe=self._recipe) if self._first else recipe_without_step(self._recipe)
+        region = (autocast(recipe=self._recipe, amax_reduction=self._amax_reduction) if self._first
+                  else recipe_without_step(self._recipe))
         with region:
             return self._forward(*args)
 
@@ -54,7 +56,7 @@ class _FP8Region(nn.Module):
 def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
                            sample_args: Union[Tuple[torch.Tensor, ...], Tuple[Tuple[torch.Tensor, ...], ...]],
                            fp8_weight_caching: bool = False, num_warmup_iters: int = 3,
-                           recipe: Optional[Recipe] = None):
+                           recipe: Optional[Recipe] = None, amax_reduction=None):
     """Capture the forward and backward of `modules` (one module, or a tuple run in that order
     each step) in CUDA graphs; returns them (a module or a tuple) with `forward` replaced.
 
@@ -62,6 +64,9 @@ def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
                  the shapes, dtypes and requires_grad of every later call
     recipe       the FP8 recipe of the graphed steps (default DelayedScaling(), as autocast)
     fp8_weight_caching  the graphed forwards take `is_first_microbatch` (see the module doc)
+    amax_reduction  as fp8train.autocast's (tensor / data parallelism): the first graph also
+                 captures the all-reduce of the pending delayed-scaling amaxes before the
+                 update, so every rank replays to the same scales (NCCL collectives capture)
 
     The graphed forward of a module is `forward(*tensors, is_first_microbatch=None)`.
     Replays need no `fp8train.autocast` around them (the region is in the graph); a module in
@@ -87,7 +92,7 @@ def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
             layer.weight_cast_skip = flag
         flags.append(flag)
 
-    regions = tuple(_FP8Region(m, recipe, first=i == 0) for i, m in enumerate(mods))
+    regions = tuple(_FP8Region(m, recipe, first=i == 0, amax_reduction=amax_reduction) for i, m in enumerate(mods))
     saved = _snapshot(mods)
     torch.cuda.make_graphed_callables(regions, tuple(args), num_warmup_iters=num_warmup_iters)
     _restore(saved)  # the warm-up iterations ran eagerly on random gradients

@@ -1,8 +1,8 @@
 """One process-group launch per world size, many cases inside it (STYLE habit 10).
 
 A test module defines CASES = [(case_id, fn, kwargs, worlds), ...] with fn(ctx, **kwargs)
-run on every rank (ctx: rank, world, device, a per-case seed; fn may return metrics to
-print). Every tensor and module a case makes lives on ctx.device, so the same cases run
+run on every rank (ctx: rank, world, device, a per-case seed, tmp: a directory all ranks
+share; fn may return metrics to print). Every tensor and module a case makes lives on ctx.device, so the same cases run
 
 * on CPU with gloo: `launch(module_name, world, tmp_dir)` spawns `world` processes on
   loopback (ctx.device is cpu);
@@ -47,7 +47,8 @@ def run_cases(rank: int, world: int, device: torch.device, out_dir: str, module_
         if aborted:
             results[case_id] = f"not run: case {aborted} failed on some rank (collectives may be out of step)"
             continue
-        ctx = SimpleNamespace(rank=rank, world=world, device=device, seed=zlib.crc32(case_id.encode()))
+        ctx = SimpleNamespace(rank=rank, world=world, device=device, seed=zlib.crc32(case_id.encode()),
+                              tmp=out_dir)  # tmp: a directory every rank of the launch shares
         try:
             m = fn(ctx, **kwargs)
             if m:
@@ -114,7 +115,9 @@ def launch_torchrun(module_name: str, world: int, tmp: str, metrics_tag: str = "
     where CUDA is absent, which is how the CPU suite checks this path)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(tests_dir)
-    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join([repo, tests_dir, os.environ.get("PYTHONPATH", "")])}
+    case_dir = os.path.dirname(os.path.abspath(importlib.import_module(module_name).__file__))
+    path = [repo, tests_dir, case_dir, os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join(path)}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                            os.path.abspath(__file__), module_name, tmp, metrics_tag],

@@ -31,4 +31,4 @@ def test_tp_benchmark_runs_under_torchrun(world, tmp_path):
     result = json.loads(out.read_text())
     assert result["meta"]["world"] == world
     (row,) = result["rows"]
-    assert row["h"] == 64 and all(row[k] > 0 for k in ("bf16 TP", "fp8 TP", "fp8 TP overlap"))
+    assert row["h"] == 64 and all(row[k] > 0 for k in ("bf16 TP", "fp8 TP", "fp8 TP overlap", "fp8 TP fp32-reduce"))

@@ -48,7 +48,6 @@ RELU_GRAD_DB = 12.0
 # under delayed scaling, where the scales coincide, within 0.5 dB. Tensors under 1024
 # elements get SMALL_SLACK_DB instead (and the absolute bounds above still hold for them).
 SMALL_SLACK_DB = 4.0
-_TMP_ENV = "FP8TRAIN_TP_FUSED_TMP"  # the pytest tmp dir, for DCP checkpoints (set before the launches)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -306,9 +305,8 @@ def case_full_state_dict_round_trip(ctx, kind, activation="gelu_tanh"):
 
 
 def _dcp_dir(ctx) -> str:
-    """A checkpoint directory every rank names alike, under the pytest tmp dir."""
-    base = os.environ.get(_TMP_ENV) or "/tmp"
-    return os.path.join(base, f"dcp-{ctx.seed}-world{ctx.world}")
+    """A checkpoint directory every rank names alike, under the launch's directory."""
+    return os.path.join(ctx.tmp, f"dcp-{ctx.seed}-world{ctx.world}")
 
 
 def _layer(ctx, kind, seed, activation="swiglu"):
@@ -546,9 +544,7 @@ CASES = _cases()
 def launches(tmp_path_factory):
     @functools.lru_cache(maxsize=None)
     def launch(world):
-        tmp = tmp_path_factory.mktemp(f"tp_fused{world}")
-        os.environ[_TMP_ENV] = str(tmp)  # the spawned ranks inherit it (DCP checkpoints)
-        return gloo_harness.launch(__name__, world, str(tmp), "TP-FUSED-SQNR")
+        return gloo_harness.launch(__name__, world, str(tmp_path_factory.mktemp(f"tp_fused{world}")), "TP-FUSED-SQNR")
     return launch
 
 

@@ -52,10 +52,10 @@ def _chunk(t, dim, ctx):
     return t.chunk(ctx.world, dim)[ctx.rank].contiguous()
 
 
-def _tp_layer(ctx, mode, sp, dtype, bias=True, overlap=False):
+def _tp_layer(ctx, mode, sp, dtype, bias=True, overlap=False, reduce_dtype=None):
     torch.manual_seed(ctx.seed)
     return fp8train.Linear(IN, OUT, bias=bias, params_dtype=dtype, device=ctx.device, tp_group=dist.group.WORLD,
-                           parallel_mode=mode, sequence_parallel=sp, tp_overlap=overlap)
+                           parallel_mode=mode, sequence_parallel=sp, tp_overlap=overlap, tp_reduce_dtype=reduce_dtype)
 
 
 def _full_layer(ctx, dtype, bias=True):
@@ -115,12 +115,14 @@ def _float64_reference(weight, bias, x, dy):
 # --------------------------------------------------------------------------- cases
 
 
-def case_matches_single_process(ctx, mode, sp, recipe, dtype, overlap=False):
+def case_matches_single_process(ctx, mode, sp, recipe, dtype, overlap=False, reduce=None):
     """Two steps (delayed: amaxes reduced over the group between them) of the TP layer
-    against the full-weight single-process layer and float64."""
+    against the full-weight single-process layer and float64. reduce: None (partial sums in the
+    activation dtype, the default) or "fp32" (tp_reduce_dtype=torch.float32)."""
     recipe = RECIPES[recipe]()
     act_dtype = dtype  # bf16 params with bf16 activations; float32 params with float32 activations
-    tp, full = _tp_layer(ctx, mode, sp, dtype, overlap=overlap), _full_layer(ctx, dtype)
+    reduce_dtype = {None: None, "fp32": F32}[reduce]
+    tp, full = _tp_layer(ctx, mode, sp, dtype, overlap=overlap, reduce_dtype=reduce_dtype), _full_layer(ctx, dtype)
     x, dy = _inputs(ctx, act_dtype)
     x_local, dy_local = _local_io(ctx, mode, sp, x, dy)
     for step in range(2):
@@ -246,6 +248,8 @@ def case_bad_configs(ctx):
         (dict(tp_group="world", parallel_mode="row"), "ProcessGroup"),
         (dict(tp_overlap=True), "needs parallel_mode"),
         (dict(tp_group=world, parallel_mode="column", tp_overlap=True), "needs sequence_parallel=True"),
+        (dict(tp_reduce_dtype=F32), "tp_reduce_dtype needs parallel_mode"),
+        (dict(tp_group=world, parallel_mode="row", tp_reduce_dtype=torch.int32), "tp_reduce_dtype must be one of"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -280,6 +284,9 @@ def _cases():
             add(case_outside_autocast, mode=mode, sp=sp)
         for recipe in RECIPES:
             add(case_matches_single_process, mode=mode, sp=True, recipe=recipe, dtype=BF16, overlap=True)
+            for overlap in (False, True):  # float32 partial sums under bf16 activations
+                add(case_matches_single_process, mode=mode, sp=True, recipe=recipe, dtype=BF16, overlap=overlap,
+                    reduce="fp32")
             add(case_overlap_matches_plain, mode=mode, recipe=recipe)
             add(case_state_dict_round_trip, worlds=(2,), mode=mode, sp=sp)
         for dtype in (BF16, F32):

@@ -14,9 +14,11 @@ activation, m = M / W per rank under sequence parallelism (SP).
   row_grad_output  dY's FP8 operands for dgrad and wgrad: a local cast (M, N) without SP; under
                  SP the rows (m, N) cast with a group-consistent scale and gathered as FP8
 
-Note: partial sums (the row-parallel output, the column-parallel dX) are reduced in float32
-and cast to the activation dtype once after the reduction (the collective matmuls' default
-accum_dtype), so the result does not depend on W beyond float32 summation order. With
+Note: partial sums (the row-parallel output, the column-parallel dX) are computed and reduced
+in tp.accum_dtype(act_dtype): the activation dtype by default (one rounding per hop, the
+bytes of a BF16 reduce-scatter), or float32 with tp_reduce_dtype=torch.float32 (cast to the
+activation dtype once after the reduction, so the result does not depend on W beyond float32
+summation order, at twice the bytes). With
 `tp.overlap` (SP only) the four SP communication points run as the ring collective matmuls
 of collective_matmul.py instead of one collective next to one GEMM.
 """
@@ -34,9 +36,6 @@ from ..recipe import GemmConfig
 from .collective_matmul import all_gather_dgrad, all_gather_fprop, dgrad_reduce_scatter, fprop_reduce_scatter
 from .fp8_comm import _all_gather_into, all_gather_fp8, cast_consistent, transpose_rows
 from .tp_config import TPConfig
-
-ACCUM = torch.float32  # dtype partial sums are reduced in (see the module docstring)
-
 
 # --------------------------------------------------------------------------- collectives
 
@@ -105,10 +104,11 @@ def column_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, w_fp8, confi
                  act_dtype: torch.dtype, tp: TPConfig) -> torch.Tensor:
     """dX: the sum over ranks of dY_local (M, N/W) @ W_local, in act_dtype; (M, K) without
     SP (all-reduce), this rank's rows (m, K) under SP (reduce-scatter)."""
+    accum = tp.accum_dtype(act_dtype)
     if tp.sequence_parallel and tp.overlap:
         return dgrad_reduce_scatter(dy_data, dy_scale_inv, *weight_transposed(w_fp8), config, act_dtype, tp.group,
-                                    accum_dtype=ACCUM)
-    dx = gemm.dgrad(dy_data, dy_scale_inv, *weight_transposed(w_fp8), config, ACCUM)  # (M, K) partial
+                                    accum_dtype=accum)
+    dx = gemm.dgrad(dy_data, dy_scale_inv, *weight_transposed(w_fp8), config, accum)  # (M, K) partial
     dx = reduce_scatter_rows(dx, tp) if tp.sequence_parallel else all_reduce_sum(dx, tp)
     return dx.to(act_dtype)
 
@@ -120,13 +120,14 @@ def row_fprop(x_data: torch.Tensor, x_scale_inv: torch.Tensor, w_fp8, config: Ge
               bias: Optional[torch.Tensor], tp: TPConfig) -> torch.Tensor:
     """The sum over ranks of X_local (M, K/W) @ W_local^T, + b added once after the
     reduction, in act_dtype: (M, N) without SP, this rank's rows (m, N) under SP."""
+    accum = tp.accum_dtype(act_dtype)
     if tp.sequence_parallel and tp.overlap:
         return fprop_reduce_scatter(x_data, x_scale_inv, *weight_operands(w_fp8), config, act_dtype, tp.group, bias,
-                                    accum_dtype=ACCUM)
-    y = gemm.fprop(x_data, x_scale_inv, *weight_operands(w_fp8), config, ACCUM)  # (M, N) partial
+                                    accum_dtype=accum)
+    y = gemm.fprop(x_data, x_scale_inv, *weight_operands(w_fp8), config, accum)  # (M, N) partial
     y = reduce_scatter_rows(y, tp) if tp.sequence_parallel else all_reduce_sum(y, tp)
     if bias is not None:
-        y += bias.to(ACCUM)
+        y += bias.to(accum)
     return y.to(act_dtype)
 
 

@@ -6,10 +6,14 @@ import dataclasses
 import enum
 from typing import Optional
 
+import torch
 from torch.distributed import ProcessGroup
 
 from .. import gemm
 from .groups import group_rank, group_size
+
+
+REDUCE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 
 class ParallelMode(enum.Enum):
@@ -30,6 +34,10 @@ class TPConfig:
     sequence_parallel: bool = False
     overlap: bool = False  # tp_overlap: ring collective matmuls for the SP gathers / reduce-scatters
     owner: str = "Linear"
+    # tp_reduce_dtype: the dtype partial sums (row-parallel output, column-parallel dX) are
+    # reduced in; None = the activation dtype (bf16 in bf16 training, as Megatron and BF16 TP
+    # do), torch.float32 = the float32 sum whatever W, at twice the bytes (docs/distributed.md)
+    reduce_dtype: Optional[torch.dtype] = None
     world: int = dataclasses.field(init=False)
     rank: int = dataclasses.field(init=False)
 
@@ -42,6 +50,8 @@ class TPConfig:
             raise ValueError(f"{what}: sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"{what}: tp_overlap must be a bool, got {self.overlap!r}")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"{what}: tp_reduce_dtype must be one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}")
         if self.overlap and not self.sequence_parallel:
             raise ValueError(f"{what}: tp_overlap=True overlaps the sequence-parallel all-gather / reduce-scatter "
                              "with the GEMMs; it needs sequence_parallel=True (without SP the layer's one "
@@ -58,12 +68,14 @@ class TPConfig:
 
     @classmethod
     def create(cls, tp_group, parallel_mode, sequence_parallel: bool, in_features: int,
-               out_features: int, tp_overlap: bool = False, owner: str = "Linear") -> Optional["TPConfig"]:
+               out_features: int, tp_overlap: bool = False, owner: str = "Linear",
+               reduce_dtype: Optional[torch.dtype] = None) -> Optional["TPConfig"]:
         """The config for a layer's constructor arguments; None for an unsharded layer."""
         if parallel_mode is None:
-            if sequence_parallel or tp_overlap:
-                flag = "sequence_parallel" if sequence_parallel else "tp_overlap"
-                raise ValueError(f"{owner}: {flag}=True needs parallel_mode='column' or 'row'")
+            if sequence_parallel or tp_overlap or reduce_dtype is not None:
+                flag = ("sequence_parallel=True" if sequence_parallel else "tp_overlap=True" if tp_overlap
+                        else "tp_reduce_dtype")
+                raise ValueError(f"{owner}: {flag} needs parallel_mode='column' or 'row'")
             if tp_group is not None:
                 raise ValueError(f"{owner}: tp_group given without parallel_mode; pass parallel_mode='column' or 'row'")
             return None
@@ -74,7 +86,11 @@ class TPConfig:
         if tp_group is None:
             raise ValueError(f"{owner}: parallel_mode={parallel_mode!r} needs tp_group (a torch.distributed "
                              "ProcessGroup; torch.distributed.group.WORLD for all ranks)")
-        return cls(tp_group, mode, in_features, out_features, sequence_parallel, tp_overlap, owner)
+        return cls(tp_group, mode, in_features, out_features, sequence_parallel, tp_overlap, owner, reduce_dtype)
+
+    def accum_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
+        """The dtype this layer's partial sums are computed and reduced in."""
+        return self.reduce_dtype or act_dtype
 
     @property
     def column(self) -> bool:

@@ -42,7 +42,8 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: str = "LayerNorm",
                  eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None,
                  return_layernorm_output: bool = False, *, tp_group=None, parallel_mode: Optional[str] = None,
-                 sequence_parallel: bool = False, tp_overlap: bool = False):
+                 sequence_parallel: bool = False, tp_overlap: bool = False,
+                 tp_reduce_dtype: Optional[torch.dtype] = None):
         super().__init__()
         for what, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -53,7 +54,8 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
                              "normalizes over; use parallel_mode='column', or a LayerNorm followed by a "
                              "row-parallel fp8train.Linear")
         self.tp: Optional[TPConfig] = TPConfig.create(tp_group, parallel_mode, sequence_parallel, in_features,
-                                                      out_features, tp_overlap, owner="LayerNormLinear")
+                                                      out_features, tp_overlap, owner="LayerNormLinear",
+                                                      reduce_dtype=tp_reduce_dtype)
         self.in_features, self.out_features = in_features, out_features
         self.normalization, self.eps = normalization, float(eps)
         self.return_layernorm_output = bool(return_layernorm_output)

@@ -49,7 +49,8 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, normalization: str = "LayerNorm",
                  activation: str = "gelu", eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None,
-                 device=None, *, tp_group=None, sequence_parallel: bool = False, tp_overlap: bool = False):
+                 device=None, *, tp_group=None, sequence_parallel: bool = False, tp_overlap: bool = False,
+                 tp_reduce_dtype: Optional[torch.dtype] = None):
         super().__init__()
         for what, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -60,8 +61,8 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.normalization, self.activation, self.eps = normalization, activation, float(eps)
         self.fc1_out = fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
-        self.fc1_tp, self.fc2_tp = _tp_configs(tp_group, sequence_parallel, tp_overlap, hidden_size, ffn_hidden_size,
-                                               fc1_out)
+        self.fc1_tp, self.fc2_tp = _tp_configs(tp_group, sequence_parallel, tp_overlap, tp_reduce_dtype, hidden_size,
+                                               ffn_hidden_size, fc1_out)
         world = 1 if self.fc1_tp is None else self.fc1_tp.world
         factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         make_norm_params(self, hidden_size, normalization, factory)
@@ -157,19 +158,21 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
         return F.linear(activation_high_precision(h, self.activation), params[2], params[3])
 
 
-def _tp_configs(tp_group, sequence_parallel, tp_overlap, hidden: int, ffn: int, fc1_out: int):
+def _tp_configs(tp_group, sequence_parallel, tp_overlap, reduce_dtype, hidden: int, ffn: int, fc1_out: int):
     """(fc1 column config, fc2 row config), or (None, None) without a tp_group."""
     if tp_group is None:
-        if sequence_parallel or tp_overlap:
-            flag = "sequence_parallel" if sequence_parallel else "tp_overlap"
-            raise ValueError(f"LayerNormMLP: {flag}=True needs tp_group (a torch.distributed ProcessGroup; "
+        if sequence_parallel or tp_overlap or reduce_dtype is not None:
+            flag = ("sequence_parallel=True" if sequence_parallel else "tp_overlap=True" if tp_overlap
+                    else "tp_reduce_dtype")
+            raise ValueError(f"LayerNormMLP: {flag} needs tp_group (a torch.distributed ProcessGroup; "
                              "torch.distributed.group.WORLD for all ranks)")
         return None, None
     # fc2 first: its in_features = ffn must split into shards of multiples of 16, which also
     # makes swiglu's [gate_r; up_r] rows line up
-    fc2 = TPConfig(tp_group, ParallelMode.ROW, ffn, hidden, sequence_parallel, tp_overlap, owner="LayerNormMLP fc2")
-    fc1 = TPConfig(tp_group, ParallelMode.COLUMN, hidden, fc1_out, sequence_parallel, tp_overlap,
-                   owner="LayerNormMLP fc1")
+    fc2 = TPConfig(tp_group, ParallelMode.ROW, ffn, hidden, sequence_parallel, tp_overlap, "LayerNormMLP fc2",
+                   reduce_dtype)
+    fc1 = TPConfig(tp_group, ParallelMode.COLUMN, hidden, fc1_out, sequence_parallel, tp_overlap, "LayerNormMLP fc1",
+                   reduce_dtype)
     return fc1, fc2
 
 

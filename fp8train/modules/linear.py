@@ -40,7 +40,8 @@ class Linear(FP8Module, TPCheckpoints):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: Optional[torch.dtype] = None, device=None, *, tp_group=None,
-                 parallel_mode: Optional[str] = None, sequence_parallel: bool = False, tp_overlap: bool = False):
+                 parallel_mode: Optional[str] = None, sequence_parallel: bool = False, tp_overlap: bool = False,
+                 tp_reduce_dtype: Optional[torch.dtype] = None):
         super().__init__()
         for what, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -48,7 +49,7 @@ class Linear(FP8Module, TPCheckpoints):
         self.in_features = in_features
         self.out_features = out_features
         self.tp: Optional[TPConfig] = TPConfig.create(tp_group, parallel_mode, sequence_parallel, in_features,
-                                                      out_features, tp_overlap)
+                                                      out_features, tp_overlap, reduce_dtype=tp_reduce_dtype)
         local_in, local_out = (in_features, out_features) if self.tp is None else \
             (self.tp.local_in_features, self.tp.local_out_features)
         factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
