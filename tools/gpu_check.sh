@@ -25,7 +25,7 @@ for step in $steps; do
 torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda.nccl.version())"
       nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt" | head -12 ;;
     tp)
-      timeout 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/tp.py --json "$OUT/tp.json" 2>&1 \
+      timeout 300 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/tp.py --graphed --json "$OUT/tp.json" 2>&1 \
         | tee "$OUT/tp.log" | tail -6 ;;
     mlp)
       timeout 240 python3 benchmarks/mlp.py --json "$OUT/mlp.json" 2>&1 | tee "$OUT/mlp.log" | tail -40 ;;
