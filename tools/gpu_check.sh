@@ -26,7 +26,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       nvidia-smi topo -m 2>&1 | tee "$OUT/topo.txt" | head -12 ;;
     tp)
       timeout 300 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/tp.py --graphed --json "$OUT/tp.json" 2>&1 \
-        | tee "$OUT/tp.log" | tail -6 ;;
+        | tee "$OUT/tp.log" | grep -v "^W1\|OMP_NUM\|\*\*\*\*" | tail -40 ;;
     mlp)
       timeout 240 python3 benchmarks/mlp.py --json "$OUT/mlp.json" 2>&1 | tee "$OUT/mlp.log" | tail -40 ;;
     bench)
