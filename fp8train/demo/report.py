@@ -17,7 +17,9 @@ from .train import RunResult
 SCHEMA = "fp8train.demo.report/1"
 SETUP = ("FP32 master weights; activations in bf16 under torch.autocast for every run; FP8 runs add "
          "fp8train.autocast(recipe) around the forward (fprop, dgrad and wgrad GEMMs in FP8); "
-         "same initial weights and training batches for every run")
+         "same initial weights and training batches for every run; config.graphed: every run's training "
+         "forward and backward replay CUDA graphs after a few eager steps (optimizer, evaluations and "
+         "inspection steps eager)")
 # Top-level keys and per-run keys of report.json, with their types (what check_report enforces).
 REPORT_KEYS = {"schema": str, "config": dict, "model": dict, "n_params": int, "setup": str, "versions": dict,
                "device": dict, "data": dict, "runs": list, "gaps": dict, "files": dict}
@@ -95,10 +97,11 @@ def write_report(report: dict, path: Path) -> None:
     path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
 
 
-def print_table(results: List[RunResult], device: torch.device) -> None:
+def print_table(results: List[RunResult], device: torch.device, cfg: DemoConfig) -> None:
     base = results[0]
     g = gaps(results)
-    print(f"\n{'run':<13}{'train loss':>11}{'val loss':>10}{'train gap':>11}{'val gap':>9}{'tokens/s':>11}"
+    print(f"\ntraining steps {'replayed from CUDA graphs' if cfg.graphed else 'eager'}")
+    print(f"{'run':<13}{'train loss':>11}{'val loss':>10}{'train gap':>11}{'val gap':>9}{'tokens/s':>11}"
           f"{'speedup':>9}")
     for r in results:
         gap = g.get(r.name, {"train_rel": 0.0, "val_rel": 0.0, "speedup": 1.0})
@@ -107,8 +110,8 @@ def print_table(results: List[RunResult], device: torch.device) -> None:
         print(f"{r.name:<13}{r.final_train_loss:>11.4f}{r.final_val_loss:>10.4f}{gap['train_rel']:>+11.2%}"
               f"{gap['val_rel']:>+9.2%}{tps:>11}{speedup:>9}")
     print(f"(train loss: mean of the last 10% of steps; val loss: {base.val_loss[-1][0]} steps, fixed validation "
-          "batches; gaps: relative to bf16; tokens/s: training steps only, without warmup, evaluation and "
-          "inspection steps)")
+          "batches; gaps: relative to bf16; tokens/s: training steps only, without warmup (and graph capture), "
+          "evaluation and inspection steps)")
     if device.type == "cpu":
         print("(on CPU the FP8 GEMMs run as torch's float32 emulation and casts as pure-torch reference "
               "kernels: tokens/s and speedup say nothing about FP8 on a GPU)")
