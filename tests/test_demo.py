@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from fp8train import DelayedScaling, cli, demo
+from fp8train import DelayedScaling, Format, cli, demo
 from fp8train.data import ByteCorpus
 from fp8train.demo.config import PRESETS, DemoConfig, from_args, parser
 from fp8train.demo.report import print_table
@@ -24,7 +24,7 @@ from fp8train.models import GPT
 def demo_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo_out")
     assert cli.main(["demo", "--device", "cpu", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
-                     "--eval-every", "2", "--inspect-every", "2", "--out", str(out)]) == 0
+                     "--eval-every", "2", "--inspect-every", "2", "--fp8-format", "e4m3", "--out", str(out)]) == 0
     return out
 
 
@@ -39,7 +39,8 @@ def test_report_schema(demo_out):
     demo.check_report(report)
     assert [r["name"] for r in report["runs"]] == ["bf16", "fp8 delayed", "fp8 current"]
     assert report["runs"][0]["recipe"] is None and "DelayedScaling" in report["runs"][1]["recipe"]
-    assert report["config"]["graphed"] is False
+    assert all("Format.E4M3" in r["recipe"] for r in report["runs"][1:])
+    assert report["config"]["fp8_format"] == "e4m3" and report["config"]["graphed"] is False
     assert set(report["gaps"]) == {"fp8 delayed", "fp8 current"}
     assert report["config"]["steps"] == 3 and report["model"]["seq_len"] == 32
     assert report["device"]["type"] == "cpu" and report["versions"]["torch"]
@@ -57,6 +58,7 @@ def test_numerics_log_covers_the_fp8_runs(demo_out):
     records = load(demo_out / "numerics_fp8_delayed.jsonl")
     assert {r["step"] for r in records} == {0, 2}
     assert {r["role"] for r in records} == {"input", "weight", "grad_output"}
+    assert {r["dtype"] for r in records} == {"float8_e4m3fn"}  # --fp8-format e4m3: gradients too
 
 
 def test_same_start_same_batches(demo_out):
@@ -96,22 +98,29 @@ def test_replot_draws_the_figures_from_report_json(demo_out):
     assert {p.name for p in demo_out.glob("*.png")} == {"loss.png", "scaling.png", "scaling_fp8_current.png"}
 
 
-def test_graphed_option():
+def test_graphed_and_format_options():
     cfg, device = from_args(parser().parse_args(["--device", "cpu"]))
-    assert device.type == "cpu" and cfg.graphed is False and cfg == PRESETS["cpu"]
-    assert PRESETS["cuda"].graphed is True
-    cfg, _ = from_args(parser().parse_args(["--device", "cpu", "--no-graphed"]))
-    assert cfg.graphed is False
+    assert device.type == "cpu" and cfg.graphed is False and cfg.fp8_format is Format.HYBRID and cfg == PRESETS["cpu"]
+    assert PRESETS["cuda"].graphed is True and PRESETS["cuda"].fp8_format is Format.HYBRID
+    cfg, _ = from_args(parser().parse_args(["--device", "cpu", "--no-graphed", "--fp8-format", "e4m3"]))
+    assert cfg.graphed is False and cfg.fp8_format is Format.E4M3
+    assert [(name, r.fp8_format if r else None) for name, r in cfg.runs()] == \
+        [("bf16", None), ("fp8 delayed", Format.E4M3), ("fp8 current", Format.E4M3)]
     with pytest.raises(SystemExit, match="--graphed needs CUDA"):
         from_args(parser().parse_args(["--device", "cpu", "--graphed"]))
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parser().parse_args(["--fp8-format", "e5m2"])
+    with pytest.raises(ValueError, match="fp8_format"):
+        DemoConfig(fp8_format="e4m3")
     with pytest.raises(ValueError, match="graphed"):
         DemoConfig(graphed=1)
 
 
-def test_table_header_says_graphed(capsys):
+def test_table_header_names_format_and_graphs(capsys):
     runs = [RunResult(name, None, [(1, 2.0)], [(1, 2.0)], 100.0, 1, 1.0) for name in ("bf16", "fp8 delayed")]
-    print_table(runs, torch.device("cuda"), DemoConfig(graphed=True))
-    assert capsys.readouterr().out.strip().splitlines()[0] == "training steps replayed from CUDA graphs"
+    print_table(runs, torch.device("cuda"), DemoConfig(graphed=True, fp8_format=Format.E4M3))
+    header = capsys.readouterr().out.strip().splitlines()[0]
+    assert header == "FP8 format e4m3 (e4m3 forward and gradients); training steps replayed from CUDA graphs"
 
 
 def test_step_plan():

@@ -38,8 +38,8 @@ def main(argv=None) -> List[RunResult]:
     print(f"fp8train demo: GPT '{cfg.model}' ({n_params / 1e6:.1f}M parameters: {gpt_cfg.n_layer} layers, "
           f"d_model {gpt_cfg.d_model}) on {device}; {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes "
           f"from {len(corpus.train_files)} stdlib files ({corpus.train.numel() / 1e6:.1f} MB; validation "
-          f"{len(corpus.val_files)} files); AdamW lr {cfg.lr:g}, warmup {cfg.warmup}, cosine; training "
-          f"steps {'graphed (CUDA graphs)' if cfg.graphed else 'eager'}")
+          f"{len(corpus.val_files)} files); AdamW lr {cfg.lr:g}, warmup {cfg.warmup}, cosine; FP8 format "
+          f"{cfg.fp8_format.value}; training steps {'graphed (CUDA graphs)' if cfg.graphed else 'eager'}")
     results = []
     for name, recipe in cfg.runs():
         results.append(train_run(name, recipe, base, corpus, val_batches, cfg, device, out))

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..models import GPTConfig
-from ..recipe import CurrentScaling, DelayedScaling, Recipe
+from ..recipe import CurrentScaling, DelayedScaling, Format, Recipe
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class DemoConfig:
 
     graphed: every run's training forward and backward replays CUDA graphs after a few eager
     steps (step.py); the optimizer, evaluations and inspection steps stay eager. CUDA only.
+    fp8_format: the format of both FP8 recipes (HYBRID: e5m2 gradients; E4M3: e4m3 for all).
     """
 
     model: str = "tiny"          # GPTConfig preset (GPTConfig.named)
@@ -39,6 +40,7 @@ class DemoConfig:
     inspect_every: int = 20      # steps between numerics inspections of the FP8 runs
     seed: int = 0
     graphed: bool = False
+    fp8_format: Format = Format.HYBRID
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "inspect_every"):
@@ -51,6 +53,8 @@ class DemoConfig:
             raise ValueError(f"DemoConfig: need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
         if not isinstance(self.graphed, bool):
             raise ValueError(f"DemoConfig.graphed must be a bool, got {self.graphed!r}")
+        if not isinstance(self.fp8_format, Format):
+            raise ValueError(f"DemoConfig.fp8_format must be a fp8train.Format, got {self.fp8_format!r}")
         GPTConfig.named(self.model)  # raises for an unknown preset
 
     def gpt_config(self) -> GPTConfig:
@@ -59,7 +63,8 @@ class DemoConfig:
 
     def runs(self) -> Tuple[Tuple[str, Optional[Recipe]], ...]:
         """(name, recipe) of the three runs; None is the BF16 run, the reference of the gaps."""
-        return (("bf16", None), ("fp8 delayed", DelayedScaling()), ("fp8 current", CurrentScaling()))
+        return (("bf16", None), ("fp8 delayed", DelayedScaling(fp8_format=self.fp8_format)),
+                ("fp8 current", CurrentScaling(fp8_format=self.fp8_format)))
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
@@ -101,6 +106,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--graphed", action=argparse.BooleanOptionalAction,
                    help="replay each run's training forward+backward from CUDA graphs after a few eager steps "
                         "(default: on with CUDA; CUDA only)")
+    p.add_argument("--fp8-format", choices=[f.value for f in Format],
+                   help="FP8 format of both FP8 runs: hybrid (e4m3 forward, e5m2 gradients; default) or e4m3")
     p.add_argument("--out", default="demo_out", help="output folder (default: demo_out/)")
     p.add_argument("--replot", action="store_true",
                    help="train nothing: draw the figures again from --out's report.json and numerics logs")
@@ -119,6 +126,8 @@ def from_args(args: argparse.Namespace) -> tuple:
                          "use --device cuda, or leave --graphed out (CPU runs train eagerly)")
     fields = {f.name for f in dataclasses.fields(DemoConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if "fp8_format" in overrides:
+        overrides["fp8_format"] = Format(overrides["fp8_format"])
     preset = PRESETS[device.type]
     if "steps" in overrides and "warmup" not in overrides:
         overrides["warmup"] = min(preset.warmup, overrides["steps"] // 10)  # short runs warm up briefly

@@ -11,6 +11,7 @@ from typing import List
 import torch
 
 from .. import __version__
+from ..recipe import Format
 from .config import DemoConfig
 from .train import RunResult
 
@@ -70,9 +71,16 @@ def build_report(cfg: DemoConfig, n_params: int, device: torch.device, corpus_in
              "timed_steps": r.timed_steps, "timed_seconds": r.timed_seconds,
              "train_loss": [list(p) for p in r.train_loss], "val_loss": [list(p) for p in r.val_loss],
              "numerics_log": r.numerics_log} for r in results]
-    return {"schema": SCHEMA, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.gpt_config()),
+    return {"schema": SCHEMA, "config": config_dict(cfg), "model": dataclasses.asdict(cfg.gpt_config()),
             "n_params": n_params, "setup": SETUP, "versions": versions(), "device": device_info(device),
             "data": corpus_info, "runs": runs, "gaps": gaps(results), "files": {}}
+
+
+def config_dict(cfg: DemoConfig) -> dict:
+    """The config as JSON values: the FP8 format by its name ("hybrid" or "e4m3")."""
+    out = dataclasses.asdict(cfg)
+    out["fp8_format"] = cfg.fp8_format.value
+    return out
 
 
 def check_report(report: dict) -> None:
@@ -100,7 +108,9 @@ def write_report(report: dict, path: Path) -> None:
 def print_table(results: List[RunResult], device: torch.device, cfg: DemoConfig) -> None:
     base = results[0]
     g = gaps(results)
-    print(f"\ntraining steps {'replayed from CUDA graphs' if cfg.graphed else 'eager'}")
+    formats = {Format.HYBRID: "e4m3 forward, e5m2 gradients", Format.E4M3: "e4m3 forward and gradients"}
+    print(f"\nFP8 format {cfg.fp8_format.value} ({formats[cfg.fp8_format]}); training steps "
+          f"{'replayed from CUDA graphs' if cfg.graphed else 'eager'}")
     print(f"{'run':<13}{'train loss':>11}{'val loss':>10}{'train gap':>11}{'val gap':>9}{'tokens/s':>11}"
           f"{'speedup':>9}")
     for r in results:
@@ -117,4 +127,4 @@ def print_table(results: List[RunResult], device: torch.device, cfg: DemoConfig)
               "kernels: tokens/s and speedup say nothing about FP8 on a GPU)")
 
 
-__all__ = ["SCHEMA", "build_report", "check_report", "write_report", "print_table", "gaps"]
+__all__ = ["SCHEMA", "build_report", "check_report", "config_dict", "write_report", "print_table", "gaps"]
