@@ -1,6 +1,7 @@
 """`fp8train demo`: the same GPT trained on Python stdlib bytes in BF16, FP8 with
 DelayedScaling and FP8 with CurrentScaling, from the same initial weights on the same
-batches; a table, loss.png, scaling.png and report.json in --out.
+batches (on CUDA with graphed training steps); a table, loss.png, scaling.png and
+report.json in --out.
 """
 from __future__ import annotations
 
@@ -14,13 +15,9 @@ import torch
 
 from ..data import ByteCorpus
 from ..models import GPT
-from ..recipe import CurrentScaling, DelayedScaling
 from .config import PRESETS, DemoConfig, from_args, parser
 from .report import build_report, check_report, print_table, write_report
 from .train import RunResult, train_run
-
-RUNS = (("bf16", None), ("fp8 delayed", DelayedScaling()), ("fp8 current", CurrentScaling()))
-
 
 def main(argv=None) -> List[RunResult]:
     args = parser().parse_args(argv)
@@ -41,14 +38,15 @@ def main(argv=None) -> List[RunResult]:
     print(f"fp8train demo: GPT '{cfg.model}' ({n_params / 1e6:.1f}M parameters: {gpt_cfg.n_layer} layers, "
           f"d_model {gpt_cfg.d_model}) on {device}; {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes "
           f"from {len(corpus.train_files)} stdlib files ({corpus.train.numel() / 1e6:.1f} MB; validation "
-          f"{len(corpus.val_files)} files); AdamW lr {cfg.lr:g}, warmup {cfg.warmup}, cosine")
+          f"{len(corpus.val_files)} files); AdamW lr {cfg.lr:g}, warmup {cfg.warmup}, cosine; FP8 format "
+          f"{cfg.fp8_format.value}; training steps {'graphed (CUDA graphs)' if cfg.graphed else 'eager'}")
     results = []
-    for name, recipe in RUNS:
+    for name, recipe in cfg.runs():
         results.append(train_run(name, recipe, base, corpus, val_batches, cfg, device, out))
         gc.collect()  # the run's model leaves the delayed-scaling registry (weak references)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print_table(results, device)
+    print_table(results, device, cfg)
     corpus_info = {"source": "Python stdlib .py files, split by CRC32 of the relative path",
                    "train_files": len(corpus.train_files), "val_files": len(corpus.val_files),
                    "train_bytes": corpus.train.numel(), "val_bytes": corpus.val.numel()}
@@ -104,4 +102,4 @@ def write_figures(runs: List[dict], out: Path) -> dict:
     return files
 
 
-__all__ = ["main", "replot", "write_figures", "DemoConfig", "PRESETS", "RUNS", "RunResult", "check_report"]
+__all__ = ["main", "replot", "write_figures", "DemoConfig", "PRESETS", "RunResult", "check_report"]

@@ -5,10 +5,12 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
 from ..models import GPTConfig
+from ..recipe import CurrentScaling, DelayedScaling, Format, Recipe
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,10 @@ class DemoConfig:
 
     Optimizer: AdamW (betas 0.9/0.95, weight decay on matrices only), linear warmup to `lr`
     then cosine decay to `lr * min_lr_ratio`, gradient norm clipped to `grad_clip`.
+
+    graphed: every run's training forward and backward replays CUDA graphs after a few eager
+    steps (step.py); the optimizer, evaluations and inspection steps stay eager. CUDA only.
+    fp8_format: the format of both FP8 recipes (HYBRID: e5m2 gradients; E4M3: e4m3 for all).
     """
 
     model: str = "tiny"          # GPTConfig preset (GPTConfig.named)
@@ -33,6 +39,8 @@ class DemoConfig:
     log_every: int = 10          # steps between progress-bar loss updates (one host sync each)
     inspect_every: int = 20      # steps between numerics inspections of the FP8 runs
     seed: int = 0
+    graphed: bool = False
+    fp8_format: Format = Format.HYBRID
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "inspect_every"):
@@ -43,11 +51,20 @@ class DemoConfig:
             raise ValueError(f"DemoConfig.warmup must be an int >= 0, got {self.warmup!r}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"DemoConfig: need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
+        if not isinstance(self.graphed, bool):
+            raise ValueError(f"DemoConfig.graphed must be a bool, got {self.graphed!r}")
+        if not isinstance(self.fp8_format, Format):
+            raise ValueError(f"DemoConfig.fp8_format must be a fp8train.Format, got {self.fp8_format!r}")
         GPTConfig.named(self.model)  # raises for an unknown preset
 
     def gpt_config(self) -> GPTConfig:
         """The model preset with its context set to the demo's sequence length."""
         return GPTConfig.named(self.model, seq_len=self.seq_len)
+
+    def runs(self) -> Tuple[Tuple[str, Optional[Recipe]], ...]:
+        """(name, recipe) of the three runs; None is the BF16 run, the reference of the gaps."""
+        return (("bf16", None), ("fp8 delayed", DelayedScaling(fp8_format=self.fp8_format)),
+                ("fp8 current", CurrentScaling(fp8_format=self.fp8_format)))
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
@@ -60,11 +77,12 @@ class DemoConfig:
 # CPU: the tiny model; 0.2-0.45 s per step and run on 2 idle cores (the FP8 GEMMs
 # run as torch's float32 emulation; bf16 matmuls are slow on CPUs without bf16 units), so
 # `make demo` took 2 min in all (docs/benchmarks.md).
-# CUDA: GPT-2 small's shape on bytes (86M parameters), 16 x 1024 tokens per step.
+# CUDA: GPT-2 small's shape on bytes (86M parameters), 16 x 1024 tokens per step, graphed:
+# eager FP8 is host-bound at d_model 768 (0.47x BF16's tokens/s, docs/benchmarks.md).
 PRESETS = {
     "cpu": DemoConfig(),
     "cuda": DemoConfig(model="gpt125m", steps=2000, batch_size=16, seq_len=1024, lr=6e-4, warmup=100,
-                       eval_every=200, eval_batches=8, log_every=50, inspect_every=100),
+                       eval_every=200, eval_batches=8, log_every=50, inspect_every=100, graphed=True),
 }
 
 
@@ -85,6 +103,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, help="steps between validation evaluations")
     p.add_argument("--inspect-every", type=int, help="steps between numerics inspections")
     p.add_argument("--seed", type=int)
+    p.add_argument("--graphed", action=argparse.BooleanOptionalAction,
+                   help="replay each run's training forward+backward from CUDA graphs after a few eager steps "
+                        "(default: on with CUDA; CUDA only)")
+    p.add_argument("--fp8-format", choices=[f.value for f in Format],
+                   help="FP8 format of both FP8 runs: hybrid (e4m3 forward, e5m2 gradients; default) or e4m3")
     p.add_argument("--out", default="demo_out", help="output folder (default: demo_out/)")
     p.add_argument("--replot", action="store_true",
                    help="train nothing: draw the figures again from --out's report.json and numerics logs")
@@ -98,8 +121,13 @@ def from_args(args: argparse.Namespace) -> tuple:
         raise SystemExit("fp8train demo: --device cuda, but torch sees no CUDA GPU; use --device cpu")
     if device.type not in ("cpu", "cuda"):
         raise SystemExit(f"fp8train demo: --device must be cpu or cuda, got {args.device!r}")
+    if device.type == "cpu" and args.graphed:
+        raise SystemExit("fp8train demo: --graphed needs CUDA (CUDA graphs do not exist on the CPU); "
+                         "use --device cuda, or leave --graphed out (CPU runs train eagerly)")
     fields = {f.name for f in dataclasses.fields(DemoConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if "fp8_format" in overrides:
+        overrides["fp8_format"] = Format(overrides["fp8_format"])
     preset = PRESETS[device.type]
     if "steps" in overrides and "warmup" not in overrides:
         overrides["warmup"] = min(preset.warmup, overrides["steps"] // 10)  # short runs warm up briefly

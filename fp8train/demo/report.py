@@ -11,13 +11,16 @@ from typing import List
 import torch
 
 from .. import __version__
+from ..recipe import Format
 from .config import DemoConfig
 from .train import RunResult
 
 SCHEMA = "fp8train.demo.report/1"
 SETUP = ("FP32 master weights; activations in bf16 under torch.autocast for every run; FP8 runs add "
          "fp8train.autocast(recipe) around the forward (fprop, dgrad and wgrad GEMMs in FP8); "
-         "same initial weights and training batches for every run")
+         "same initial weights and training batches for every run; config.graphed: every run's training "
+         "forward and backward replay CUDA graphs after a few eager steps (optimizer, evaluations and "
+         "inspection steps eager)")
 # Top-level keys and per-run keys of report.json, with their types (what check_report enforces).
 REPORT_KEYS = {"schema": str, "config": dict, "model": dict, "n_params": int, "setup": str, "versions": dict,
                "device": dict, "data": dict, "runs": list, "gaps": dict, "files": dict}
@@ -68,9 +71,16 @@ def build_report(cfg: DemoConfig, n_params: int, device: torch.device, corpus_in
              "timed_steps": r.timed_steps, "timed_seconds": r.timed_seconds,
              "train_loss": [list(p) for p in r.train_loss], "val_loss": [list(p) for p in r.val_loss],
              "numerics_log": r.numerics_log} for r in results]
-    return {"schema": SCHEMA, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.gpt_config()),
+    return {"schema": SCHEMA, "config": config_dict(cfg), "model": dataclasses.asdict(cfg.gpt_config()),
             "n_params": n_params, "setup": SETUP, "versions": versions(), "device": device_info(device),
             "data": corpus_info, "runs": runs, "gaps": gaps(results), "files": {}}
+
+
+def config_dict(cfg: DemoConfig) -> dict:
+    """The config as JSON values: the FP8 format by its name ("hybrid" or "e4m3")."""
+    out = dataclasses.asdict(cfg)
+    out["fp8_format"] = cfg.fp8_format.value
+    return out
 
 
 def check_report(report: dict) -> None:
@@ -95,10 +105,13 @@ def write_report(report: dict, path: Path) -> None:
     path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
 
 
-def print_table(results: List[RunResult], device: torch.device) -> None:
+def print_table(results: List[RunResult], device: torch.device, cfg: DemoConfig) -> None:
     base = results[0]
     g = gaps(results)
-    print(f"\n{'run':<13}{'train loss':>11}{'val loss':>10}{'train gap':>11}{'val gap':>9}{'tokens/s':>11}"
+    formats = {Format.HYBRID: "e4m3 forward, e5m2 gradients", Format.E4M3: "e4m3 forward and gradients"}
+    print(f"\nFP8 format {cfg.fp8_format.value} ({formats[cfg.fp8_format]}); training steps "
+          f"{'replayed from CUDA graphs' if cfg.graphed else 'eager'}")
+    print(f"{'run':<13}{'train loss':>11}{'val loss':>10}{'train gap':>11}{'val gap':>9}{'tokens/s':>11}"
           f"{'speedup':>9}")
     for r in results:
         gap = g.get(r.name, {"train_rel": 0.0, "val_rel": 0.0, "speedup": 1.0})
@@ -107,11 +120,11 @@ def print_table(results: List[RunResult], device: torch.device) -> None:
         print(f"{r.name:<13}{r.final_train_loss:>11.4f}{r.final_val_loss:>10.4f}{gap['train_rel']:>+11.2%}"
               f"{gap['val_rel']:>+9.2%}{tps:>11}{speedup:>9}")
     print(f"(train loss: mean of the last 10% of steps; val loss: {base.val_loss[-1][0]} steps, fixed validation "
-          "batches; gaps: relative to bf16; tokens/s: training steps only, without warmup, evaluation and "
-          "inspection steps)")
+          "batches; gaps: relative to bf16; tokens/s: training steps only, without warmup (and graph capture), "
+          "evaluation and inspection steps)")
     if device.type == "cpu":
         print("(on CPU the FP8 GEMMs run as torch's float32 emulation and casts as pure-torch reference "
               "kernels: tokens/s and speedup say nothing about FP8 on a GPU)")
 
 
-__all__ = ["SCHEMA", "build_report", "check_report", "write_report", "print_table", "gaps"]
+__all__ = ["SCHEMA", "build_report", "check_report", "config_dict", "write_report", "print_table", "gaps"]

@@ -1,14 +1,15 @@
 """One demo run: train a copy of the GPT with one precision setup and measure it.
 
 Every run: FP32 master weights, activations in bf16 under torch.autocast, and for the FP8
-runs fp8train.autocast(recipe) around the forward. Losses stay on the device; the host
-reads them only every `log_every` steps (progress bar), at evaluations and at the end.
+runs fp8train.autocast(recipe) around the forward; with cfg.graphed the training forward and
+backward replay CUDA graphs (step.py). Losses stay on the device; the host reads them only
+every `log_every` steps (progress bar), at evaluations and at the end.
 """
 from __future__ import annotations
 
 import copy
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -16,14 +17,12 @@ from typing import List, Optional, Tuple
 import torch
 from tqdm import tqdm
 
-from .. import autocast
 from ..data import ByteCorpus
 from ..inspect import Inspector
 from ..models import GPT
 from ..recipe import Recipe
 from .config import DemoConfig
-
-Batch = Tuple[torch.Tensor, torch.Tensor]
+from .step import Batch, Capture, StepPlan, TrainStep, capture_graphs, forward_loss, fp8_region
 
 
 @dataclass
@@ -61,6 +60,13 @@ class Throughput:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def segment(self, on: bool) -> None:
+        """Start a segment if `on` and none runs; end the running one if not."""
+        if on and self._start is None:
+            self.start()
+        elif not on:
+            self.stop()
+
     def start(self) -> None:
         self._sync()
         self._start, self._n = time.perf_counter(), 0
@@ -84,67 +90,58 @@ def make_optimizer(model: torch.nn.Module, cfg: DemoConfig, device: torch.device
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def evaluate(model: GPT, batches: List[Batch], recipe: Optional[Recipe], device: torch.device) -> float:
-    """Mean loss over the fixed validation batches, in the run's own precision. For FP8 all
-    batches run in one fp8train.autocast region: one delayed-scaling step, not one per batch."""
+def evaluate(model: GPT, batches: List[Batch], recipe: Optional[Recipe]) -> float:
+    """Mean loss over the fixed validation batches, in the run's own precision, through the
+    GPT's eager forward (also in a graphed run). For FP8 all batches run in one
+    fp8train.autocast region: one delayed-scaling step, not one per batch."""
     model.eval()
-    with torch.no_grad(), _precision(recipe, device):
-        loss = torch.stack([model(x, y)[1] for x, y in batches]).mean().item()
+    with torch.no_grad(), fp8_region(recipe):
+        loss = torch.stack([forward_loss(model, x, y) for x, y in batches]).mean().item()
     model.train()
     return loss
 
 
-@contextmanager
-def _precision(recipe: Optional[Recipe], device: torch.device):
-    """bf16 activations for every run; FP8 GEMMs as well when a recipe is given."""
-    with torch.autocast(device.type, dtype=torch.bfloat16), (
-            autocast(recipe=recipe) if recipe is not None else nullcontext()):
-        yield
-
-
 def train_run(name: str, recipe: Optional[Recipe], base: GPT, corpus: ByteCorpus, val_batches: List[Batch],
               cfg: DemoConfig, device: torch.device, out: Path) -> RunResult:
-    """Train a deep copy of `base` (so every run starts from the same weights) for
-    cfg.steps steps on the batches of a generator seeded with cfg.seed."""
-    model = copy.deepcopy(base)
+    """Train a deep copy of `base`, so that every run starts from the same weights."""
+    return train_model(copy.deepcopy(base), name, recipe, corpus, val_batches, cfg, device, out)
+
+
+def train_model(model: GPT, name: str, recipe: Optional[Recipe], corpus: ByteCorpus, val_batches: List[Batch],
+                cfg: DemoConfig, device: torch.device, out: Path, capture: Capture = capture_graphs) -> RunResult:
+    """Train `model` in place for cfg.steps steps on the batches of a generator seeded with
+    cfg.seed. capture: how a graphed run (cfg.graphed) captures its step (tests pass their own)."""
     opt = make_optimizer(model, cfg, device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     slug = name.replace(" ", "_")
     inspector = Inspector(model, every=cfg.inspect_every, path=out / f"numerics_{slug}.jsonl") if recipe else None
+    plan = StepPlan.make(cfg.steps, cfg.graphed, cfg.inspect_every if inspector is not None else None)
+    train_step = TrainStep(model, recipe, capture)
     losses = torch.empty(cfg.steps, device=device)
     val: List[Tuple[int, float]] = []
     clock = Throughput(device)
-    warmup_steps = min(10, cfg.steps // 5)  # compilation and first-call costs stay out of tokens/s
     bar = tqdm(total=cfg.steps, desc=f"{name:>12}", dynamic_ncols=True, leave=True)
     postfix = {"loss": "-", "val": "-"}
     for step in range(cfg.steps):
-        if step == warmup_steps:
-            clock.start()
-        inspecting = inspector is not None and step % cfg.inspect_every == 0
-        if inspecting:
+        x, y = corpus.batch("train", cfg.batch_size, cfg.seq_len, gen)
+        if step == plan.capture_at:
             clock.stop()
+            train_step.capture(x, y)
+        clock.segment(plan.timed(step))
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
-        x, y = corpus.batch("train", cfg.batch_size, cfg.seq_len, gen)
+        opt.zero_grad(set_to_none=True)
         with inspector.step(step) if inspector is not None else nullcontext():
-            with _precision(recipe, device):
-                _, loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            losses[step] = train_step(x, y, eager=not plan.replays(step))
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        losses[step] = loss.detach()
-        if inspecting and step >= warmup_steps:
-            clock.start()
-        elif not inspecting:
+        if plan.timed(step):
             clock.count()
         last = step == cfg.steps - 1
         if (step + 1) % cfg.eval_every == 0 or last:
             clock.stop()
-            val.append((step + 1, evaluate(model, val_batches, recipe, device)))
+            val.append((step + 1, evaluate(model, val_batches, recipe)))
             postfix["val"] = f"{val[-1][1]:.4f}"
-            if not last and step + 1 >= warmup_steps:
-                clock.start()
         if (step + 1) % cfg.log_every == 0 or last:
             postfix["loss"] = f"{losses[step].item():.4f}"  # the one host sync of log_every steps
             bar.set_postfix(postfix, refresh=False)
@@ -162,4 +159,4 @@ def train_run(name: str, recipe: Optional[Recipe], base: GPT, corpus: ByteCorpus
         numerics_log=str(inspector.path.name) if inspector is not None else None)
 
 
-__all__ = ["RunResult", "Throughput", "train_run", "evaluate", "make_optimizer"]
+__all__ = ["RunResult", "Throughput", "train_run", "train_model", "evaluate", "make_optimizer"]
