@@ -16,6 +16,7 @@ names the line rank 0 prints per case with metrics (pytest -s).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -105,6 +106,29 @@ def launch(module_name: str, world: int, tmp: str, metrics_tag: str = "METRICS")
             if p.is_alive():
                 p.kill()
     return _merge(tmp, world), time.perf_counter() - start
+
+
+def cached_launcher(tmp_path_factory, module_name: str, metrics_tag: str, torchrun: bool = False):
+    """For a module-scoped fixture: world -> (results, seconds), one launch per world size."""
+    @functools.lru_cache(maxsize=None)
+    def launch_world(world: int):
+        tmp = str(tmp_path_factory.mktemp(f"{module_name}-world{world}"))
+        return (launch_torchrun if torchrun else launch)(module_name, world, tmp, metrics_tag)
+    return launch_world
+
+
+def world_params(cases, worlds):
+    """pytest params (world, case_id) of every case at every world size it runs at."""
+    import pytest
+
+    return [pytest.param(w, c[0], id=f"world{w}-{c[0]}") for w in worlds for c in cases if w in c[3]]
+
+
+def check(results: dict, case_id: str) -> None:
+    """Fail with every rank's error text if the case failed (or did not report)."""
+    assert case_id in results, f"case {case_id} did not report"
+    errors = results[case_id]
+    assert not errors, "\n".join(errors)
 
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

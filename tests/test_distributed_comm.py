@@ -8,7 +8,6 @@ case, so every rank can construct the full tensor and check its own share agains
 """
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import pytest
@@ -332,16 +331,9 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    @functools.lru_cache(maxsize=None)
-    def launch(world):
-        return gloo_harness.launch(__name__, world, str(tmp_path_factory.mktemp(f"gloo{world}")), "METRICS")
-    return launch
+    return gloo_harness.cached_launcher(tmp_path_factory, __name__, "METRICS")
 
 
-@pytest.mark.parametrize("world, case_id", [pytest.param(w, c[0], id=f"world{w}-{c[0]}")
-                                            for w in WORLDS for c in CASES if w in c[3]])
+@pytest.mark.parametrize("world, case_id", gloo_harness.world_params(CASES, WORLDS))
 def test_case(launches, world, case_id):
-    results, _ = launches(world)
-    assert case_id in results, f"case {case_id} did not report"
-    errors = results[case_id]
-    assert not errors, "\n".join(errors)
+    gloo_harness.check(launches(world)[0], case_id)

@@ -11,7 +11,6 @@ against (b), the float64 reference (SQNR >= 25 dB outputs, >= 20 dB gradients, a
 """
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -304,19 +303,12 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    @functools.lru_cache(maxsize=None)
-    def launch(world):
-        return gloo_harness.launch(__name__, world, str(tmp_path_factory.mktemp(f"tp{world}")), "TP-SQNR")
-    return launch
+    return gloo_harness.cached_launcher(tmp_path_factory, __name__, "TP-SQNR")
 
 
-@pytest.mark.parametrize("world, case_id", [pytest.param(w, c[0], id=f"world{w}-{c[0]}")
-                                            for w in WORLDS for c in CASES if w in c[3]])
+@pytest.mark.parametrize("world, case_id", gloo_harness.world_params(CASES, WORLDS))
 def test_case(launches, world, case_id):
-    results, _ = launches(world)
-    assert case_id in results, f"case {case_id} did not report"
-    errors = results[case_id]
-    assert not errors, "\n".join(errors)
+    gloo_harness.check(launches(world)[0], case_id)
 
 
 def test_torchrun_launch(tmp_path):

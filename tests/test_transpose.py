@@ -3,7 +3,7 @@ the interpreter when TRITON_INTERPRET=1 (tests/interpret runs it)."""
 import pytest
 import torch
 
-from fp8train.kernels.transpose import transpose_into, transpose_reference
+from fp8train.kernels.transpose import transpose_into
 
 
 def test_twin_contract():

@@ -67,11 +67,11 @@ class FP8Module(nn.Module):
         if recipe is None or not getattr(self, "_fp8_dims", False):
             return
         device = next(self.parameters()).device
-        for gemm in self.GEMMS:
-            self.quantizers(recipe, device, gemm)
+        for prefix in self.GEMMS:
+            self.quantizers(recipe, device, prefix)
 
     def _quantizer_names(self):
-        return [gemm + name for gemm in self.GEMMS for name in QUANTIZER_NAMES.values()]
+        return [prefix + name for prefix in self.GEMMS for name in QUANTIZER_NAMES.values()]
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -190,9 +190,9 @@ class FP8Module(nn.Module):
         # Quantizers are created lazily: materialise the ones the checkpoint holds so the
         # default loading below (which recurses into submodules after this) fills them.
         device = next((p.device for p in self.parameters(recurse=False)), None)
-        for gemm in self.GEMMS:
+        for gemm_prefix in self.GEMMS:
             for role, base_name in QUANTIZER_NAMES.items():
-                self._materialise(state_dict, prefix, role, gemm + base_name, device)
+                self._materialise(state_dict, prefix, role, gemm_prefix + base_name, device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _materialise(self, state_dict, prefix: str, role: TensorRole, name: str, device) -> None:

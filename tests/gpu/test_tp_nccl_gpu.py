@@ -16,7 +16,6 @@ stays off (gloo_harness.NCCL_ENV).
 """
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -32,34 +31,20 @@ pytestmark = [pytest.mark.gpu,
 WORLD = max(2, min(torch.cuda.device_count(), 4))
 
 
+MODULES = {"test_tp_linear": (test_tp_linear, "TP-SQNR"), "test_tp_fused": (test_tp_fused, "TP-FUSED-SQNR"),
+           "tp_graph_cases": (tp_graph_cases, "TP-GRAPH")}
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    @functools.lru_cache(maxsize=None)
-    def launch(module_name):
-        return gloo_harness.launch_torchrun(module_name, WORLD, str(tmp_path_factory.mktemp("nccl")),
-                                            "TP-SQNR" if module_name == "test_tp_linear" else "TP-FUSED-SQNR")
-    return launch
+    """module name -> its cases' results at WORLD ranks (one torchrun launch per module)."""
+    launchers = {name: gloo_harness.cached_launcher(tmp_path_factory, name, tag, torchrun=True)
+                 for name, (_, tag) in MODULES.items()}
+    return lambda name: launchers[name](WORLD)
 
 
-@pytest.mark.parametrize("case_id", [c[0] for c in test_tp_linear.CASES if WORLD in c[3]])
-def test_tp_linear_nccl(launches, case_id):
-    results, _ = launches("test_tp_linear")
-    assert case_id in results, f"case {case_id} did not report"
-    errors = results[case_id]
-    assert not errors, "\n".join(errors)
-
-
-@pytest.mark.parametrize("case_id", [c[0] for c in test_tp_fused.CASES if WORLD in c[3]])
-def test_tp_fused_nccl(launches, case_id):
-    results, _ = launches("test_tp_fused")
-    assert case_id in results, f"case {case_id} did not report"
-    errors = results[case_id]
-    assert not errors, "\n".join(errors)
-
-
-@pytest.mark.parametrize("case_id", [c[0] for c in tp_graph_cases.CASES if WORLD in c[3]])
-def test_tp_graphed_nccl(launches, case_id):
-    results, _ = launches("tp_graph_cases")
-    assert case_id in results, f"case {case_id} did not report"
-    errors = results[case_id]
-    assert not errors, "\n".join(errors)
+@pytest.mark.parametrize("module, case_id", [pytest.param(name, c[0], id=f"{name}-{c[0]}")
+                                             for name, (mod, _) in MODULES.items()
+                                             for c in mod.CASES if WORLD in c[3]])
+def test_case_nccl(launches, module, case_id):
+    gloo_harness.check(launches(module)[0], case_id)
