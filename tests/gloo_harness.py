@@ -16,10 +16,10 @@ names the line rank 0 prints per case with metrics (pytest -s).
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -109,11 +109,21 @@ def launch(module_name: str, world: int, tmp: str, metrics_tag: str = "METRICS")
 
 
 def cached_launcher(tmp_path_factory, module_name: str, metrics_tag: str, torchrun: bool = False):
-    """For a module-scoped fixture: world -> (results, seconds), one launch per world size."""
-    @functools.lru_cache(maxsize=None)
+    """For a module-scoped fixture: world -> (results, seconds), one launch per world size.
+    A launch that fails (a timeout: ranks left waiting in a collective) is not retried: every
+    later case of that world size gets the same error at once."""
+    done: dict = {}
+
     def launch_world(world: int):
-        tmp = str(tmp_path_factory.mktemp(f"{module_name}-world{world}"))
-        return (launch_torchrun if torchrun else launch)(module_name, world, tmp, metrics_tag)
+        if world not in done:
+            tmp = str(tmp_path_factory.mktemp(f"{module_name}-world{world}"))
+            try:
+                done[world] = (launch_torchrun if torchrun else launch)(module_name, world, tmp, metrics_tag)
+            except Exception as exc:  # noqa: BLE001 - kept and re-raised for every case
+                done[world] = exc
+        if isinstance(done[world], Exception):
+            raise RuntimeError(f"the {world}-rank launch of {module_name} failed") from done[world]
+        return done[world]
     return launch_world
 
 
@@ -143,12 +153,21 @@ def launch_torchrun(module_name: str, world: int, tmp: str, metrics_tag: str = "
     path = [repo, tests_dir, case_dir, os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join(path)}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                           os.path.abspath(__file__), module_name, tmp, metrics_tag],
-                          env=env, timeout=LAUNCH_TIMEOUT_S, capture_output=True, text=True)
-    sys.stdout.write(proc.stdout)
+    # its own session, so a timeout kills torchrun's workers too (signal to the process group)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={world}", os.path.abspath(__file__), module_name, tmp, metrics_tag],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise TimeoutError(f"the {world}-rank torchrun launch ran past {LAUNCH_TIMEOUT_S} s (ranks waiting in a "
+                           f"collective?):\n{out[-3000:]}\n{err[-3000:]}") from None
+    sys.stdout.write(out)
     if proc.returncode:
-        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{proc.stderr[-6000:]}")
+        raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{err[-6000:]}")
     return _merge(tmp, world), time.perf_counter() - start
 
 
