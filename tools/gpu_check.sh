@@ -4,8 +4,10 @@
 #   tp     benchmarks/tp.py under torchrun on every visible GPU (N=1 on one GPU)
 #   mlp    benchmarks/mlp.py (torchao joins when its wheel lies in .whl/: installed to /tmp/site)
 #   bench  benchmarks/linear.py, mlp.py, cast.py
+#   small  benchmarks/small.py (small MLP sizes: graphs, auto precision, torchao reduce-overhead)
+#   demo   the 2000-step GPU demo, hybrid and (second GPU) e4m3 formats side by side
 #   tests  the GPU suite (tools/gpu_tests_parallel.sh: shards over the GPUs, then multi-GPU files)
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [tests]  (default: info tests bench)
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [small] [demo] [tests]  (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
 OUT=${OUT:-/tmp/fp8train-out}
@@ -33,6 +35,19 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 120 python3 benchmarks/linear.py --json "$OUT/linear.json" 2>&1 | tee "$OUT/linear.log" | tail -16
       timeout 200 python3 benchmarks/mlp.py --json "$OUT/mlp.json" 2>&1 | tee "$OUT/mlp.log" | tail -40
       timeout 150 python3 benchmarks/cast.py --json "$OUT/cast.json" 2>&1 | tee "$OUT/cast.log" | tail -20 ;;
+    small)
+      timeout 300 python3 benchmarks/small.py --json "$OUT/small.json" 2>&1 | tee "$OUT/small.log" | tail -45 ;;
+    demo)
+      # the 2000-step GPU demo, graphed, in both FP8 formats: side by side on two GPUs when
+      # there are two (about 6-7 minutes each), else the hybrid one only
+      CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m fp8train demo --device cuda --out "$OUT/demo_hybrid" \
+        > "$OUT/demo_hybrid.log" 2>&1 &
+      if [[ $ngpu -ge 2 ]]; then
+        CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m fp8train demo --device cuda --fp8-format e4m3 \
+          --out "$OUT/demo_e4m3" > "$OUT/demo_e4m3.log" 2>&1 &
+      fi
+      wait
+      for log in "$OUT"/demo_*.log; do echo "--- $log"; grep -v "it/s\|s/it" "$log" | tail -14; done ;;
     tests)
       bash tools/gpu_tests_parallel.sh "$OUT/tests" ;;
     *) echo "unknown step $step"; exit 2 ;;
