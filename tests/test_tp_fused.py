@@ -1,5 +1,6 @@
-"""Tensor-parallel LayerNormLinear and LayerNormMLP (and the DCP state dicts of every TP layer)
-with gloo on CPU, against the single-process modules holding the full weights.
+"""Tensor-parallel LayerNormLinear (one output, and out_features=QKV: parts sharded one by
+one) and LayerNormMLP (and the DCP state dicts of every TP layer) with gloo on CPU, against
+the single-process modules holding the full weights.
 
 One process-group launch per world size (2 and 4, tests/gloo_harness.py) runs every case
 below. Every rank builds the full input, grad-output and module from the case's seed, runs its

@@ -3,7 +3,8 @@
 
 Notation as in docs/distributed.md (W ranks, M rows, m = M / W per rank under SP).
 
-  LayerNormLinear  y (M, N/W) = Norm(x) W_local^T + b_local
+  LayerNormLinear  y (M, N/W) = Norm(x) W_local^T + b_local   (out_features=(q, k, v): W_local is
+                   [W_q,r; W_k,r; W_v,r], the layer splits y into the parts afterwards)
   LayerNormMLP     h (M, F1/W) = Norm(x) W1_local^T + b1_local   (swiglu: [gate_r; up_r])
                    y = sum over ranks of act(h) (M, F/W) W2_local^T, + b2 once after the reduction
 
