@@ -29,15 +29,16 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
     statistics pass that takes the amax first); the backward runs dgrad, wgrad and the
     norm backward. forward(x, is_first_microbatch): see WeightWorkspace.
 
-    out_features=(q, k, v), a tuple of positive ints: several GEMMs that consume the same
-    normalized input (separate Q, K, V projections) run as one. The layer holds one weight
-    (q + k + v, in) = [W_q; W_k; W_v] and one bias [b_q; b_k; b_v] (the state dict of a layer
-    with out_features=q + k + v); inside autocast it normalizes, casts and (under SP) gathers
-    once, runs one FP8 GEMM with one weight scale and one grad-output scale for all parts,
-    and returns the parts (y_q, y_k, y_v), views of the one output (autograd refuses in-place
-    ops on them). Outside autocast: one F.linear per part, on the weight's and bias's row
-    blocks (exactly separate nn.Linear layers). return_layernorm_output appends the norm
-    output: (y_q, y_k, y_v, Norm(x)), a flat tuple so that module hooks see every output.
+    out_features=(q, k, v), a tuple (or list) of positive ints: several GEMMs that consume
+    the same normalized input (separate Q, K, V projections) run as one. The layer holds one
+    weight (q + k + v, in) = [W_q; W_k; W_v] and one bias [b_q; b_k; b_v] (the state dict of
+    a layer with out_features=q + k + v); inside autocast it normalizes, casts and (under SP)
+    gathers once, runs one FP8 GEMM with one weight scale and one grad-output scale for all
+    parts, and returns the parts (y_q, y_k, y_v), views of the one output (autograd refuses
+    in-place ops on them). Outside autocast: one F.linear per part, on the weight's and
+    bias's row blocks (exactly separate nn.Linear layers). return_layernorm_output appends
+    the norm output: (y_q, y_k, y_v, Norm(x)), a flat tuple so that module hooks see every
+    output.
 
     Tensor parallelism (docs/distributed.md): parallel_mode="column" shards out_features over
     the W ranks of `tp_group` (weight (out/W, in), bias (out/W)); the norm's weight and bias
@@ -164,11 +165,10 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
                                                     self.local_out_parts)
             return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
         ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
-        if dtype is None:
-            y = linear_parts(ln, self.weight, self.bias, self.out_parts)
-        else:
-            y = linear_parts(ln.to(dtype), self.weight.to(dtype), self.bias.to(dtype) if self.bias is not None
-                             else None, self.out_parts)
+        gemm_in, w, b = ln, self.weight, self.bias
+        if dtype is not None:
+            gemm_in, w, b = ln.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+        y = linear_parts(gemm_in, w, b, self.out_parts)
         return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
 
 
