@@ -171,9 +171,10 @@ class Inspector:
     def _backward_hook(self, name: str):
         def hook(module, grad_input, grad_output):
             pending = self._pending.pop(id(module), None)
-            if pending is None or grad_output[0] is None:
+            dy = _output_grad(module, grad_output)
+            if pending is None or dy is None:
                 return
-            dy = grad_output[0].detach().to(pending.act_dtype)
+            dy = dy.detach().to(pending.act_dtype)
             with torch.no_grad(), torch.autocast(dy.device.type, enabled=False):
                 for gemm, t in _grad_outputs(module, pending.x, dy):
                     self._record(name, module, gemm, TensorRole.GRAD_OUTPUT, t)
@@ -242,6 +243,20 @@ def _forward_tensors(module: nn.Module, x: torch.Tensor):
                                 module.normalization, module.eps)
     yield "", TensorRole.INPUT, x
     yield "", TensorRole.WEIGHT, module.weight.detach()
+
+
+def _output_grad(module: nn.Module, grad_output: tuple) -> Optional[torch.Tensor]:
+    """The gradient the module's backward casts (None if none): its output's, or for a
+    LayerNormLinear with out_features=(q, k, v) the parts' gradients side by side, as the
+    backward of their split builds it (zeros for a part without one)."""
+    parts = module.local_out_parts if isinstance(module, LayerNormLinear) else None
+    if parts is None:
+        return grad_output[0]
+    grads = grad_output[:len(parts)]
+    some = next((g for g in grads if g is not None), None)
+    if some is None:
+        return None
+    return torch.cat([some.new_zeros(*some.shape[:-1], n) if g is None else g for g, n in zip(grads, parts)], -1)
 
 
 def _grad_outputs(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):

@@ -234,14 +234,19 @@ def measure(make_layer: Callable[[], torch.nn.Module], x_shape, dtype: torch.dty
     def fp8_step():
         with recipe_without_step(fixed):  # not a step: no scale update of the model's quantizers
             y = layer(x)
-        y.backward(torch.ones_like(y))
+        _backward_from_ones(y)
 
     def high_step():
-        y = layer.high_precision_forward(x, dtype)
-        y.backward(torch.ones_like(y))
+        _backward_from_ones(layer.high_precision_forward(x, dtype))
 
     with torch.enable_grad(), torch.autocast(device.type, enabled=False):
         return time_step(fp8_step, device), time_step(high_step, device)
+
+
+def _backward_from_ones(out) -> None:
+    """Backward with all-ones gradients; `out` a tensor or a tuple (LayerNormLinear's parts)."""
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
 
 # ---------------------------------------------------------------------- reporting

@@ -85,6 +85,15 @@ def test_layernorm_linear_compiled_matches_eager(recipe, normalization, want_ln)
     assert counter.frame_count == frames_for(recipe)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_layernorm_linear_with_parts_compiled_matches_eager(recipe):
+    # out_features=(q, k, v): the split of the one GEMM's output traces with it (the first
+    # part's gradient only: the others' come back as zeros through the split)
+    module = fp8train.LayerNormLinear(32, (32, 16, 16), return_layernorm_output=True)
+    counter = run_side_by_side(module, recipe)
+    assert counter.frame_count == frames_for(recipe)
+
+
 @pytest.mark.parametrize("recipe, normalization, activation", [
     pytest.param(DELAYED, "LayerNorm", "gelu", id="delayed-layernorm-gelu"),
     pytest.param(CURRENT, "RMSNorm", "swiglu", id="current-rmsnorm-swiglu"),

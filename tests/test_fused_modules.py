@@ -146,6 +146,113 @@ def test_is_first_microbatch_reuses_both_weight_casts(device):
     assert m._fc1_workspace.fp8 is w1 and m._fc2_workspace.fp8 is w2 and torch.equal(y1, y2)
 
 
+# ---------------------------------------------------------------- out_features=(q, k, v): one GEMM, several parts
+PARTS = (64, 32, 32)  # unequal, as Q, K, V with grouped-query attention
+SHAPES = [pytest.param((39,), id="2d"), pytest.param((3, 13), id="3d")]  # the input's leading dims
+
+
+def part_slices(parts):
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    return [slice(a, a + n) for a, n in zip(starts, parts)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layernorm_linear_parts_are_exactly_separate_linears(shape, normalization, dtype, device):
+    """Outside autocast: the norm, then one F.linear per part with that part's weight and bias
+    rows, bitwise; so are the gradients of x, the weight, the bias and the norm parameters."""
+    m = randomize_norm(fp8train.LayerNormLinear(48, PARTS, normalization=normalization, params_dtype=dtype,
+                                                device=device, return_layernorm_output=True))
+    x = torch.randn(*shape, 48, dtype=dtype, device=device, requires_grad=True)
+    got = m(x)
+    grads = [torch.randn_like(t) for t in got]
+    torch.autograd.backward(got, grads)
+    ref = {n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()}
+    xr = x.detach().clone().requires_grad_()
+    ln = norm_ref(xr, ref["layer_norm_weight"], ref.get("layer_norm_bias"), normalization)
+    want = [F.linear(ln, ref["weight"][s], ref["bias"][s]) for s in part_slices(PARTS)] + [ln]
+    torch.autograd.backward(want, grads)
+    assert len(got) == len(PARTS) + 1
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"output {i}"
+    assert torch.equal(x.grad, xr.grad)
+    for n, p in m.named_parameters():
+        assert torch.equal(p.grad, ref[n].grad), n
+
+
+def fp8_parts_step(m, x, targets, recipe):
+    """Calibrate, then one step with the parts' summed MSE (a one-output layer's output split
+    like the parts): (the parts' outputs, {x and every parameter: gradient})."""
+    parts = lambda out: out if isinstance(out, tuple) else out.split(PARTS, -1)  # noqa: E731
+    loss = lambda out: sum(F.mse_loss(y.float(), t.to(y.dtype).float()) for y, t in zip(parts(out), targets))  # noqa
+    with fp8train.autocast(recipe=recipe):
+        m(x)  # calibrate (delayed scaling's first step takes the tensors' own amax)
+        grads = grads_of(m, x, loss)
+        ys = parts(m(x))
+    return ys, grads
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16], ids=["fp32-params", "bf16-params"])
+def test_layernorm_linear_parts_fp8_accuracy(shape, recipe, pdtype, device):
+    """Inside autocast every part meets the one-output layer's bounds against float64, and the
+    layer computes bitwise what LayerNormLinear(in, q + k + v) with the same parameters
+    computes, split: one norm, one cast, one GEMM (and one of each in backward)."""
+    torch.manual_seed(3)
+    normalization = "LayerNorm" if len(shape) == 1 else "RMSNorm"
+    m = randomize_norm(fp8train.LayerNormLinear(64, PARTS, normalization=normalization, params_dtype=pdtype,
+                                                device=device))
+    ref = fp8train.LayerNormLinear(64, PARTS, normalization=normalization, device=device).double()
+    ref.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    single = fp8train.LayerNormLinear(64, sum(PARTS), normalization=normalization, params_dtype=pdtype,
+                                      device=device)
+    single.load_state_dict(m.state_dict())
+    x = torch.randn(*shape, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    targets = [torch.randn(*shape, n, device=device, dtype=torch.float64) for n in PARTS]
+    ys, got = fp8_parts_step(m, x, targets, recipe)
+    xd = x.detach().double().requires_grad_()
+    want = grads_of(ref, xd, lambda out: sum(F.mse_loss(y, t) for y, t in zip(out, targets)))
+    assert isinstance(ys, tuple) and [y.shape for y in ys] == [(*shape, n) for n in PARTS]
+    for i, (y, y64) in enumerate(zip(ys, ref(xd))):
+        assert sqnr_db(y, y64) >= OUT_DB, f"part {i}"
+    assert got.keys() == {"x", *dict(m.named_parameters())} and {"weight", "bias", "layer_norm_weight"} <= got.keys()
+    for name, g in got.items():
+        assert sqnr_db(g, want[name]) >= GRAD_DB, name
+    ys1, got1 = fp8_parts_step(single, x, targets, recipe)
+    for i, (y, y1) in enumerate(zip(ys, ys1)):
+        assert torch.equal(y, y1), f"part {i}"
+    for name, g in got.items():
+        assert torch.equal(g, got1[name]), name
+
+
+def test_layernorm_linear_parts_layout_and_description():
+    m = fp8train.LayerNormLinear(32, [32, 16, 16], return_layernorm_output=True)
+    assert m.out_features == (32, 16, 16) and m.out_parts == (32, 16, 16)
+    one = fp8train.LayerNormLinear(32, 64)
+    assert {k: v.shape for k, v in m.state_dict().items()} == {k: v.shape for k, v in one.state_dict().items()}
+    assert "out_features=(32, 16, 16)" in repr(m) and "out=(32, 16, 16)" in m.describe()
+    assert isinstance(one(torch.randn(4, 32)), torch.Tensor)
+    q, k, v, ln = m(torch.randn(4, 32))
+    assert (q.shape, k.shape, v.shape, ln.shape) == ((4, 32), (4, 16), (4, 16), (4, 32))
+
+
+@pytest.mark.parametrize("out, match", [
+    ((), r"out_features=\(\) has no parts"),
+    ((32, 0, 16), r"out_features part 1 must be a positive int, got 0"),
+    ((32, -16), r"part 1 must be a positive int, got -16"),
+    ((32.0, 16), r"part 0 must be a positive int, got 32.0"),
+    ((32, True), r"part 1 must be a positive int, got True"),
+    ((32, "16"), r"part 1 must be a positive int, got '16'"),
+    (0, r"out_features must be a positive int or a tuple of positive ints"),
+    ("64", r"out_features must be a positive int or a tuple"),
+])
+def test_layernorm_linear_parts_bad_arguments(out, match):
+    with pytest.raises(ValueError, match=match):
+        fp8train.LayerNormLinear(32, out)
+
+
 # ---------------------------------------------------------------- checkpoints
 def make_stack(seed, device):
     torch.manual_seed(seed)

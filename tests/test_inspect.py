@@ -120,6 +120,22 @@ def test_inspector_records_every_gemm_on_inspection_steps_only(tmp_path):
     assert all(r["sqnr_db"] is None or r["sqnr_db"] > 15 for r in records)
 
 
+def test_inspector_sees_the_grad_output_of_every_part():
+    """LayerNormLinear(in, (q, k, v)) casts the parts' gradients side by side as one
+    GRAD_OUTPUT, zeros for a part without one: the inspector records that tensor."""
+    model = torch.nn.Sequential(fp8train.LayerNormLinear(32, (32, 16, 16)))
+    inspector = Inspector(model, every=1)
+    x = torch.randn(6, 32, requires_grad=True)
+    dq, dv = torch.randn(6, 32), 10 * torch.randn(6, 16)  # dv holds the amax
+    with inspector.step(0):
+        with fp8train.autocast(recipe=fp8train.DelayedScaling()):
+            q, _, v = model(x)
+        torch.autograd.backward((q, v), (dq, dv))  # k gets no gradient
+    (rec,) = [r for r in inspector.records if r["role"] == "grad_output"]
+    q_grad = model[0].grad_output_quantizer
+    assert rec["numel"] == 6 * 64 and rec["amax"] == q_grad.amax_history[0].item() == dv.abs().max().item()
+
+
 def test_inspector_skips_high_precision_steps_and_checks_arguments():
     model = GPT(GPTConfig.named("tiny", seq_len=32, n_layer=1))
     inspector = Inspector(model, every=1)

@@ -51,6 +51,10 @@ def _ln_linear(norm, ln_out=False):
     return lambda: (fp8train.LayerNormLinear(64, 96, normalization=norm, return_layernorm_output=ln_out), (5, 64))
 
 
+def _ln_linear_parts():
+    return fp8train.LayerNormLinear(64, (64, 32, 32), return_layernorm_output=True), (5, 64)
+
+
 def _mlp(act, norm):
     return lambda: (fp8train.LayerNormMLP(32, 112, activation=act, normalization=norm), (9, 32))
 
@@ -65,6 +69,7 @@ MODULES = [
     ("mlp-gelu_tanh-RMSNorm", _mlp("gelu_tanh", "RMSNorm"), 2),
     ("mlp-relu-LayerNorm", _mlp("relu", "LayerNorm"), 2),
     ("mlp-swiglu-RMSNorm", _mlp("swiglu", "RMSNorm"), 2),
+    ("lnlinear-qkv-lnout", _ln_linear_parts, 1),
 ]
 # Every module case in bf16 (the training dtype: the graph casts around Q/DQ); three in
 # float32 as well (no casts), which keeps the suite's time within CI's budget.

@@ -111,6 +111,25 @@ def test_missing_entry_is_measured_once_and_saved(table, monkeypatch):
     assert other.precision_choices[key].choice == entry.choice
 
 
+def test_layernorm_linear_with_parts_is_measured_and_runs_either_path(table):
+    """out_features=(q, k, v): its key names the parts, the measurement runs the tuple of
+    outputs backward, and a high-precision choice computes the layer's own high-precision
+    path (one F.linear per part)."""
+    layer = fp8train.LayerNormLinear(32, (32, 16, 16), params_dtype=torch.float32)
+    x = torch.randn(10, 32)
+    recipe = fp8train.CurrentScaling(auto_precision=True)
+    with fp8train.autocast(recipe=recipe):
+        layer(x)
+    ((key, entry),) = layer.precision_choices.items()
+    assert key == str(ShapeKey("LayerNormLinear", (32, "32+16+16", "LayerNorm", 1), 16, "float32", "CurrentScaling"))
+    assert entry.source == "measured" and entry.fp8_ms > 0 and entry.high_ms > 0
+    table.override("LayerNormLinear[32x32+16+16x", HIGH)
+    with fp8train.autocast(recipe=recipe):
+        ys = layer(x)
+    want = layer.high_precision_forward(x, torch.float32)
+    assert len(ys) == len(want) == 3 and all(torch.equal(y, w) for y, w in zip(ys, want))
+
+
 def test_measuring_leaves_the_layer_state_alone(table):
     """Measurement runs a twin with its own quantizers: the layer's scaling state and
     parameters stay bit for bit what they were."""

@@ -1,5 +1,6 @@
-"""Tensor-parallel LayerNormLinear and LayerNormMLP (and the DCP state dicts of every TP layer)
-with gloo on CPU, against the single-process modules holding the full weights.
+"""Tensor-parallel LayerNormLinear (one output, and out_features=QKV: parts sharded one by
+one) and LayerNormMLP (and the DCP state dicts of every TP layer) with gloo on CPU, against
+the single-process modules holding the full weights.
 
 One process-group launch per world size (2 and 4, tests/gloo_harness.py) runs every case
 below. Every rank builds the full input, grad-output and module from the case's seed, runs its
@@ -34,8 +35,9 @@ BF16, F32 = torch.bfloat16, torch.float32
 WORLDS = (2, 4)
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling}
 HIDDEN, OUT, FFN = 64, 128, 128   # shards of 32 (W=2) / 16 (W=4) at least
+QKV = (128, 64, 64)               # LayerNormLinear(HIDDEN, QKV) ("qkv"): parts of 32 / 16 per rank at least
 SEQ, BATCH = 8, 3                 # x (SEQ, BATCH, HIDDEN): 3-D, SP splits SEQ
-BOUNDS = {"ln_linear": (25.0, 20.0), "mlp": (22.0, 17.0)}  # (output, gradients) dB vs float64
+BOUNDS = {"ln_linear": (25.0, 20.0), "qkv": (25.0, 20.0), "mlp": (22.0, 17.0)}  # (output, gradients) dB vs float64
 # relu's gradients: test_fused_modules.py says why they are lower (13 dB there); here the
 # single-process module's own norm-weight gradient measured 13.5 dB (TP 13.7), so 12 dB.
 RELU_GRAD_DB = 12.0
@@ -59,17 +61,46 @@ def _same_everywhere(t) -> bool:
     return all(torch.equal(flat, g) for g in gathered)
 
 
+def _split(t, dim, parts):
+    """t's blocks along dim: `parts` equal ones (an int), or for a tuple of the unsharded
+    blocks' sizes (QKV) blocks in those proportions (t unsharded, or a shard)."""
+    n = t.shape[dim]
+    return t.split([n // parts] * parts if isinstance(parts, int) else [p * n // sum(parts) for p in parts], dim)
+
+
 def _gather(t, dim, parts=1):
     """Every rank's t concatenated along dim (test-side unsharding); parts=2: each rank holds
-    [gate_r; up_r] along dim, the result is [gate; up]."""
+    [gate_r; up_r] along dim, the result is [gate; up] (parts=QKV: [Q_r; K_r; V_r] -> [Q; K; V])."""
     shards = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(shards, t.detach().contiguous())
-    return torch.cat([s.chunk(parts, dim)[p] for p in range(parts) for s in shards], dim)
+    blocks = [_split(s, dim, parts) for s in shards]
+    return torch.cat([b[p] for p in range(len(blocks[0])) for b in blocks], dim)
 
 
 def _chunk(t, dim, ctx, parts=1):
-    """This rank's shard of t along dim (parts=2: [gate_r; up_r] of [gate; up])."""
-    return torch.cat([b.chunk(ctx.world, dim)[ctx.rank] for b in t.chunk(parts, dim)], dim).contiguous()
+    """This rank's shard of t along dim (parts=2: [gate_r; up_r] of [gate; up]; QKV alike)."""
+    return torch.cat([b.chunk(ctx.world, dim)[ctx.rank] for b in _split(t, dim, parts)], dim).contiguous()
+
+
+def _out_grads(kind, dy, d_ln=None):
+    """The gradients of the module's outputs: from dy, its outputs side by side (full or this
+    rank's columns), qkv's parts or dy itself; then the norm output's, d_ln, if given."""
+    return (*(_split(dy, -1, QKV) if kind == "qkv" else (dy,)), *(() if d_ln is None else (d_ln,)))
+
+
+def _output_names(kind, return_ln):
+    """Names of the module's outputs (qkv: one per part), then the norm output's if returned."""
+    ys = [f"y{i}" for i in range(len(QKV))] if kind == "qkv" else ["y"]
+    return ys + (["ln_out"] if return_ln else [])
+
+
+def _out_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _total(out):
+    """A scalar of every output (a loss for the checkpoint cases)."""
+    return sum(o.sum() for o in _out_tuple(out))
 
 
 def _kwargs(kind, norm, activation, dtype, device, return_ln=False):
@@ -87,9 +118,12 @@ def _module(ctx, kind, norm="LayerNorm", activation="gelu_tanh", dtype=F32, retu
     kw = _kwargs(kind, norm, activation, dtype, ctx.device, return_ln)
     if tp is not None:
         kw.update(tp_group=dist.group.WORLD, sequence_parallel=tp["sp"], tp_overlap=tp.get("overlap", False))
-        if kind == "ln_linear":
+        if kind != "mlp":
             kw["parallel_mode"] = "column"
-    m = fp8train.LayerNormLinear(HIDDEN, OUT, **kw) if kind == "ln_linear" else fp8train.LayerNormMLP(HIDDEN, FFN, **kw)
+    if kind == "mlp":
+        m = fp8train.LayerNormMLP(HIDDEN, FFN, **kw)
+    else:
+        m = fp8train.LayerNormLinear(HIDDEN, QKV if kind == "qkv" else OUT, **kw)
     g = torch.Generator().manual_seed((ctx.seed if seed is None else seed) + 3)  # gamma/beta away from 1/0
     with torch.no_grad():
         m.layer_norm_weight.copy_(torch.rand(HIDDEN, generator=g) + 0.5)
@@ -101,7 +135,7 @@ def _module(ctx, kind, norm="LayerNorm", activation="gelu_tanh", dtype=F32, retu
 def _io(ctx, kind, act_dtype, salt=1):
     """Full x, dy and (LayerNormLinear) the norm output's grad, on the device."""
     g = torch.Generator().manual_seed(ctx.seed + salt)
-    out = OUT if kind == "ln_linear" else HIDDEN
+    out = {"ln_linear": OUT, "qkv": sum(QKV)}.get(kind, HIDDEN)  # qkv: the parts side by side
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
     dy = torch.randn(SEQ, BATCH, out, generator=g)
     d_ln = torch.randn(SEQ, BATCH, HIDDEN, generator=g) * 0.5
@@ -111,15 +145,16 @@ def _io(ctx, kind, act_dtype, salt=1):
 def _local_io(ctx, kind, sp, x, dy, d_ln):
     """This rank's input and grad-outputs for the TP module, from the full ones."""
     x_l = _chunk(x, 0, ctx) if sp else x
-    if kind == "ln_linear":  # the output is this rank's columns (all rows); the norm output x's rows
-        return x_l, _chunk(dy, -1, ctx), (_chunk(d_ln, 0, ctx) if sp else d_ln)
+    if kind != "mlp":  # the output is this rank's columns (all rows; qkv: of each part); the norm output x's rows
+        return x_l, _chunk(dy, -1, ctx, QKV if kind == "qkv" else 1), (_chunk(d_ln, 0, ctx) if sp else d_ln)
     return x_l, (_chunk(dy, 0, ctx) if sp else dy), None
 
 
 def _param_specs(kind, activation):
     """(name, dim the TP module shards it along or None, parts) of every parameter."""
-    if kind == "ln_linear":
-        return [("layer_norm_weight", None, 1), ("layer_norm_bias", None, 1), ("weight", 0, 1), ("bias", 0, 1)]
+    if kind != "mlp":
+        parts = QKV if kind == "qkv" else 1
+        return [("layer_norm_weight", None, 1), ("layer_norm_bias", None, 1), ("weight", 0, parts), ("bias", 0, parts)]
     parts = 2 if activation == "swiglu" else 1
     return [("layer_norm_weight", None, 1), ("layer_norm_bias", None, 1), ("fc1_weight", 0, parts),
             ("fc1_bias", 0, parts), ("fc2_weight", 1, 1), ("fc2_bias", None, 1)]
@@ -133,18 +168,21 @@ def _run(module, x, grads, recipe=None, reduction=None):
     else:
         with fp8train.autocast(recipe=recipe, amax_reduction=reduction):
             out = module(x)
-    out = out if isinstance(out, tuple) else (out,)
+    out = _out_tuple(out)
     torch.autograd.backward(out, grads[:len(out)])
     return tuple(o.detach() for o in out) + (x.grad,)
 
 
 def _unshard(ctx, kind, activation, sp, outs, module):
     """{name: full tensor} of the TP module's outputs, dx and parameter gradients."""
-    y, *rest = outs
-    got = {"y": _gather(y, -1) if kind == "ln_linear" else (_gather(y, 0) if sp else y)}
-    if len(rest) == 2:  # the norm output (this rank's rows)
-        got["ln_out"] = _gather(rest[0], 0) if sp else rest[0]
-    got["dx"] = _gather(rest[-1], 0) if sp else rest[-1]
+    return_ln = len(outs) == len(_output_names(kind, False)) + 2  # outputs, the norm output, dx
+    names = _output_names(kind, return_ln) + ["dx"]
+    got = {}
+    for name, t in zip(names, outs):
+        if name.startswith("y"):  # LayerNormLinear: this rank's columns (of each part); LayerNormMLP: rows
+            got[name] = _gather(t, -1) if kind != "mlp" else (_gather(t, 0) if sp else t)
+        else:  # the norm output and dx: this rank's rows
+            got[name] = _gather(t, 0) if sp else t
     params = dict(module.named_parameters())
     for name, dim, parts in _param_specs(kind, activation):
         if name in params:
@@ -160,21 +198,21 @@ def _float64_reference(kind, module, activation, x, grads):
     ln_w, ln_b = p["layer_norm_weight"], p.get("layer_norm_bias")
     ln = (F.layer_norm(x64, (HIDDEN,), ln_w, ln_b, module.eps) if ln_b is not None
           else F.rms_norm(x64, (HIDDEN,), ln_w, module.eps))
-    if kind == "ln_linear":
-        outs = (F.linear(ln, p["weight"], p["bias"]), ln)[:len(grads)]  # ln: when the module returns it
+    if kind != "mlp":  # ln: when the module returns it
+        outs = (*_out_grads(kind, F.linear(ln, p["weight"], p["bias"])), ln)[:len(grads)]
     else:
         h = F.linear(ln, p["fc1_weight"], p["fc1_bias"])
         outs = (F.linear(activation_high_precision(h, activation), p["fc2_weight"], p["fc2_bias"]),)
     torch.autograd.backward(outs, [g.double() for g in grads])
-    ref = {"y": outs[0].detach(), "ln_out": outs[1].detach() if len(outs) > 1 else None, "dx": x64.grad}
+    names = _output_names(kind, True)
+    ref = {**{n: o.detach() for n, o in zip(names, outs)}, "dx": x64.grad}
     ref.update({"d_" + n: t.grad for n, t in p.items()})
     return ref
 
 
-def _as_dict(outs, module):
+def _as_dict(kind, return_ln, outs, module):
     """{name: tensor} of the single-process module's outputs, dx and parameter gradients."""
-    names = ["y", "ln_out", "dx"] if len(outs) == 3 else ["y", "dx"]
-    got = dict(zip(names, outs))
+    got = dict(zip(_output_names(kind, return_ln) + ["dx"], outs))
     got.update({"d_" + n: t.grad for n, t in module.named_parameters()})
     return got
 
@@ -193,7 +231,8 @@ def case_matches_single_process(ctx, kind, norm, recipe, dtype, sp, activation="
     full = _module(ctx, kind, norm, activation, dtype, return_ln)
     x, dy, d_ln = _io(ctx, kind, dtype)
     x_l, dy_l, d_ln_l = _local_io(ctx, kind, sp, x, dy, d_ln)
-    grads, grads_l = ((dy, d_ln), (dy_l, d_ln_l)) if return_ln else ((dy,), (dy_l,))
+    grads = _out_grads(kind, dy, d_ln if return_ln else None)
+    grads_l = _out_grads(kind, dy_l, d_ln_l if return_ln else None)
     for step in range(2):
         for m in (tp, full):
             m.zero_grad(set_to_none=True)
@@ -205,7 +244,7 @@ def case_matches_single_process(ctx, kind, norm, recipe, dtype, sp, activation="
             outs_tp = _run(tp, x_l, grads_l, recipe)
             outs_full = _run(full, x, grads, recipe)
     got = _unshard(ctx, kind, activation, sp, outs_tp, tp)
-    ref = _as_dict(outs_full, full)
+    ref = _as_dict(kind, return_ln, outs_full, full)
     exact = _float64_reference(kind, full, activation, x, grads)
     out_db, grad_db = BOUNDS[kind]
     if activation == "relu":
@@ -220,7 +259,7 @@ def case_matches_single_process(ctx, kind, norm, recipe, dtype, sp, activation="
             continue
         m = metrics[name] = {"vs_fp8_single": round(sqnr_db(g, r), 1), "vs_float64": round(sqnr_db(g, e), 1),
                              "single_vs_float64": round(sqnr_db(r, e), 1)}
-        bound = out_db if name == "y" else grad_db
+        bound = out_db if name.startswith("y") else grad_db
         assert m["vs_float64"] >= bound, f"{name}: {m} (bound {bound} dB vs float64)"
         # sharding costs no accuracy (capped at 60 dB: float32 sums in another order)
         slack = 1.0 if g.numel() >= 1024 else SMALL_SLACK_DB
@@ -240,13 +279,13 @@ def case_matches_single_process(ctx, kind, norm, recipe, dtype, sp, activation="
 def case_outside_autocast(ctx, kind, sp, activation="gelu_tanh", norm="LayerNorm"):
     """Without fp8train.autocast the TP module computes the single-process module's float32
     results (torch ops, the same communication), norm parameter gradients included."""
-    return_ln = kind == "ln_linear"
+    return_ln = kind != "mlp"
     tp = _module(ctx, kind, norm, activation, F32, return_ln, tp={"sp": sp})
     full = _module(ctx, kind, norm, activation, F32, return_ln)
     x, dy, d_ln = _io(ctx, kind, F32)
     x_l, dy_l, d_ln_l = _local_io(ctx, kind, sp, x, dy, d_ln)
-    got = _unshard(ctx, kind, activation, sp, _run(tp, x_l, (dy_l, d_ln_l)), tp)
-    ref = _as_dict(_run(full, x, (dy, d_ln)), full)
+    got = _unshard(ctx, kind, activation, sp, _run(tp, x_l, _out_grads(kind, dy_l, d_ln_l)), tp)
+    ref = _as_dict(kind, return_ln, _run(full, x, _out_grads(kind, dy, d_ln)), full)
     assert got.keys() == ref.keys()
     for name, g in got.items():
         torch.testing.assert_close(g, ref[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
@@ -261,8 +300,8 @@ def case_overlap_matches_plain(ctx, kind, recipe, activation="gelu_tanh"):
     x, dy, d_ln = _io(ctx, kind, F32)
     x_l, dy_l, _ = _local_io(ctx, kind, True, x, dy, d_ln)
     with fp8train.autocast(recipe=recipe):
-        a = _run(plain, x_l, (dy_l,), recipe)
-        b = _run(ring, x_l, (dy_l,), recipe)
+        a = _run(plain, x_l, _out_grads(kind, dy_l), recipe)
+        b = _run(ring, x_l, _out_grads(kind, dy_l), recipe)
     for u, v in zip(a, b):
         torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(plain.named_parameters(), ring.parameters()):
@@ -284,7 +323,7 @@ def case_full_state_dict_round_trip(ctx, kind, activation="gelu_tanh"):
     exactly; quantizer state (from an FP8 step) is carried as is."""
     src = _module(ctx, kind, activation=activation)
     x, dy, d_ln = _io(ctx, kind, F32)
-    _run(src, x, (dy, d_ln), fp8train.CurrentScaling())
+    _run(src, x, _out_grads(kind, dy), fp8train.CurrentScaling())
     state = src.state_dict()
     g = torch.Generator().manual_seed(ctx.seed + 5)  # parameters unlike the TP module's own init
     for name, _, _ in _param_specs(kind, activation):
@@ -334,17 +373,28 @@ def case_dcp_round_trip(ctx, kind, recipe):
     path = _dcp_dir(ctx)
     src, dst = _layer(ctx, kind, ctx.seed), _layer(ctx, kind, ctx.seed + 17)
     with fp8train.autocast(recipe=recipe):  # quantizers exist (and differ) in both
-        src(_layer_input(ctx, kind, 1)).sum().backward()
-        dst(_layer_input(ctx, kind, 2)).sum().backward()
+        _total(src(_layer_input(ctx, kind, 1))).backward()
+        _total(dst(_layer_input(ctx, kind, 2))).backward()
     sd = src.sharded_state_dict()
-    assert all(isinstance(v, DTensor) for v in sd.values())
+    assert all(isinstance(t, DTensor) for v in sd.values() for t in (v if isinstance(v, list) else [v]))
     if kind == "mlp":  # swiglu: [gate; up] rows as (2, ffn, hidden), sharded on dim 1
         assert sd["fc1_weight"].shape == (2, FFN, HIDDEN) and sd["fc1_weight"].placements == (Shard(1),)
         assert sd["fc2_weight"].shape == (HIDDEN, FFN) and sd["fc2_weight"].placements == (Shard(1),)
         assert sd["layer_norm_weight"].placements == (Replicate(),)
     if kind == "row":
         assert sd["weight"].shape == (OUT, HIDDEN) and sd["bias"].placements == (Replicate(),)
+    if kind == "qkv":  # [Q_r; K_r; V_r] is no DTensor's local part: one DTensor per part, each the unsharded part
+        for name, dims in (("weight", (HIDDEN,)), ("bias", ())):
+            assert [t.shape for t in sd[name]] == [(n, *dims) for n in QKV], name
+            assert all(t.placements == (Shard(0),) for t in sd[name]), name
     dcp.save(sd, checkpoint_id=path)
+    if kind == "qkv":  # what was saved is [Q; K; V] whatever the TP size: read back as plain full tensors
+        full = src.full_state_dict()
+        plain = {"weight": [torch.empty(n, HIDDEN, device=ctx.device) for n in QKV],
+                 "bias": [torch.empty(n, device=ctx.device) for n in QKV]}
+        dcp.load(plain, checkpoint_id=path)
+        for name, parts in plain.items():
+            assert torch.equal(torch.cat(parts), full[name]), f"the checkpoint's {name} is not [Q; K; V]"
     target = dst.sharded_state_dict()
     dcp.load(target, checkpoint_id=path)
     dst.load_sharded_state_dict(target)
@@ -355,8 +405,8 @@ def case_dcp_round_trip(ctx, kind, recipe):
         assert torch.equal(have[k], v), f"{k} differs after the DCP round trip"
     x = _layer_input(ctx, kind, 3)
     with fp8train.autocast(recipe=recipe):
-        ys = [m(x) for m in (src, dst)]
-    assert torch.equal(ys[0], ys[1]), "the restored module computes differently"
+        ys = [_out_tuple(m(x)) for m in (src, dst)]
+    assert all(torch.equal(a, b) for a, b in zip(*ys)), "the restored module computes differently"
     dist.barrier()
     if ctx.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
@@ -402,7 +452,8 @@ def case_one_gather_per_forward(ctx, kind, recipe, sp, overlap=False):
     """The communication plan, counted: under SP the norm output is gathered once in forward
     (as FP8, for fc1's fprop) and never again in backward (fc1's wgrad reads the saved
     transposed copy); the one backward gather of LayerNormMLP is dY's, for fc2. The step
-    counted is the second (delayed: calibrated, so no amax all-reduces)."""
+    counted is the second (delayed: calibrated, so no amax all-reduces). LayerNormLinear(in,
+    QKV) counts as LayerNormLinear(in, sum(QKV)): the one gather serves all three parts."""
     recipe = RECIPES[recipe]()
     delayed = isinstance(recipe, fp8train.DelayedScaling)
     mod = _module(ctx, kind, activation="swiglu", tp={"sp": sp, "overlap": overlap})
@@ -410,12 +461,12 @@ def case_one_gather_per_forward(ctx, kind, recipe, sp, overlap=False):
     x_l, dy_l, _ = _local_io(ctx, kind, sp, x, dy, d_ln)
     x_l = x_l.clone().requires_grad_(True)
     with fp8train.autocast(recipe=recipe):  # first step: quantizers created, delayed ones calibrate
-        mod(x_l).backward(dy_l)
+        torch.autograd.backward(mod(x_l), _out_grads(kind, dy_l))
     with fp8train.autocast(recipe=recipe, amax_reduction=dist.group.WORLD):
         with _CountCollectives() as fwd:
             y = mod(x_l)
     with _CountCollectives() as bwd:
-        y.backward(dy_l)
+        torch.autograd.backward(y, _out_grads(kind, dy_l))
     mlp, ring = kind == "mlp", ctx.world - 1
     amax = 0 if delayed or not sp else 1  # the current-scaling all-reduce of one amax, per gathered cast
     expect_fwd = {"gather": int(sp and not overlap), "all_reduce": amax + int(mlp and not sp),
@@ -455,6 +506,15 @@ def case_bad_configs(ctx):
         fp8train.LayerNormLinear(HIDDEN, OUT, tp_group=world, parallel_mode="column", tp_overlap=True, device=dev)
     with pytest.raises(ValueError, match="LayerNormLinear.*multiples of 16"):
         fp8train.LayerNormLinear(HIDDEN, 24 * ctx.world, tp_group=world, parallel_mode="column", device=dev)
+    # every part on its own: 8 rows per rank of part 1 are refused though 16 + 8 + 8 would do for the GEMM
+    w = ctx.world
+    for parts, match in (((16 * w, 8 * w, 8 * w), rf"part 1 \({8 * w}\) gives 8 rows per rank"),
+                         ((16 * w, 16 * w + 1, 16), rf"part 1 \({16 * w + 1}\) gives {(16 * w + 1) / w:g} rows"),
+                         ((16 * w, 16 * w, 16), r"part 2 \(16\)")):
+        with pytest.raises(ValueError, match=rf"LayerNormLinear\(in=64, out=\({parts[0]}, .*{match}"):
+            fp8train.LayerNormLinear(HIDDEN, parts, tp_group=world, parallel_mode="column", device=dev)
+    with pytest.raises(ValueError, match=r"out_features part 0 must be a positive int"):
+        fp8train.LayerNormLinear(HIDDEN, (0, 32 * w), tp_group=world, parallel_mode="column", device=dev)
     for flag in ("sequence_parallel", "tp_overlap"):
         with pytest.raises(ValueError, match=f"LayerNormMLP: {flag}=True needs tp_group"):
             fp8train.LayerNormMLP(HIDDEN, FFN, device=dev, **{flag: True})
@@ -515,20 +575,33 @@ def _cases():
                 activation=activation, overlap=True)
         add(case_overlap_matches_plain, kind=kind, recipe="current" if activation == "swiglu" else "delayed",
             activation=activation)
-    for kind in ("ln_linear", "mlp"):
+    # LayerNormLinear(HIDDEN, QKV): SP x recipe (dtype, norm and the norm output alternating), overlap
+    for sp in (False, True):
+        for recipe in RECIPES:
+            dtype = BF16 if (recipe == "delayed") == sp else F32
+            add(case_matches_single_process, kind="qkv", norm="LayerNorm" if dtype == BF16 else "RMSNorm",
+                recipe=recipe, dtype=dtype, sp=sp, return_ln=dtype == BF16)
+    add(case_matches_single_process, kind="qkv", norm="LayerNorm", recipe="current", dtype=BF16, sp=True,
+        overlap=True, return_ln=True)
+    add(case_overlap_matches_plain, kind="qkv", recipe="delayed")
+    for kind in ("ln_linear", "mlp", "qkv"):
         for sp in (False, True):
             add(case_outside_autocast, kind=kind, sp=sp, activation="swiglu", norm="RMSNorm" if sp else "LayerNorm")
-        add(case_init_is_slice_of_unsharded, worlds=(2,), kind=kind, activation="swiglu")
+        add(case_init_is_slice_of_unsharded, worlds=WORLDS if kind == "qkv" else (2,), kind=kind,
+            activation="swiglu")
     for activation in ("swiglu", "gelu_tanh"):
         add(case_full_state_dict_round_trip, kind="mlp", activation=activation)
-    add(case_full_state_dict_round_trip, kind="ln_linear")
-    for kind in ("mlp", "ln_linear", "column", "row"):
-        add(case_dcp_round_trip, kind=kind, recipe="delayed" if kind in ("mlp", "row") else "current")
+    for kind in ("ln_linear", "qkv"):
+        add(case_full_state_dict_round_trip, kind=kind)
+    for kind in ("mlp", "ln_linear", "column", "row", "qkv"):
+        add(case_dcp_round_trip, kind=kind, recipe="delayed" if kind in ("mlp", "row", "qkv") else "current")
     for recipe in RECIPES:
         for kind in ("mlp", "ln_linear"):
             for sp in (False, True):
                 add(case_one_gather_per_forward, kind=kind, recipe=recipe, sp=sp)
         add(case_one_gather_per_forward, kind="mlp", recipe=recipe, sp=True, overlap=True)
+        add(case_one_gather_per_forward, kind="qkv", recipe=recipe, sp=True, overlap=recipe == "current")
+    add(case_one_gather_per_forward, kind="qkv", recipe="delayed", sp=False)
     add(case_bad_configs)
     return out
 

@@ -3,7 +3,8 @@
 
 Notation as in docs/distributed.md (W ranks, M rows, m = M / W per rank under SP).
 
-  LayerNormLinear  y (M, N/W) = Norm(x) W_local^T + b_local
+  LayerNormLinear  y (M, N/W) = Norm(x) W_local^T + b_local   (out_features=(q, k, v): W_local is
+                   [W_q,r; W_k,r; W_v,r], the layer splits y into the parts afterwards)
   LayerNormMLP     h (M, F1/W) = Norm(x) W1_local^T + b1_local   (swiglu: [gate_r; up_r])
                    y = sum over ranks of act(h) (M, F/W) W2_local^T, + b2 once after the reduction
 
@@ -34,13 +35,14 @@ import torch
 
 from .. import gemm
 from ..modules.activation import activation_backward_fp8, activation_fp8, activation_high_precision
+from ..modules.linear import linear_parts
 from ..modules.norm import norm_backward, norm_fp8, norm_high_precision
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from .fp8_comm import reduce_amax
 from .tp_comm import all_reduce_sum, column_dgrad, column_fprop, row_fprop, row_grad_output, rows
 from .tp_config import TPConfig
-from .tp_mappings import high_precision_forward, sum_grad
+from .tp_mappings import column_input, high_precision_forward, sum_grad
 
 
 # --------------------------------------------------------------------------- shared steps
@@ -126,13 +128,15 @@ class LayerNormLinearTPFn(torch.autograd.Function):
 
 
 def layernorm_linear_high_precision(x, ln_weight, ln_bias, weight, bias, normalization: str, eps: float,
-                                    tp: TPConfig):
+                                    tp: TPConfig, parts=None):
     """(y, norm output) of a TP LayerNormLinear outside fp8train.autocast (torch ops, the same
-    communication; under SP the norm parameters' gradients are summed over the group)."""
+    communication; under SP the norm parameters' gradients are summed over the group). parts:
+    the local out_features blocks (y is then a tuple, one F.linear per block on the one
+    gathered input), or None."""
     if tp.sequence_parallel:
         ln_weight, ln_bias = sum_grad(ln_weight, tp), sum_grad(ln_bias, tp)
     ln = norm_high_precision(x, ln_weight, ln_bias, normalization, eps)
-    return high_precision_forward(ln, weight, bias, tp), ln
+    return linear_parts(column_input(ln, tp), weight, bias, parts), ln
 
 
 # --------------------------------------------------------------------------- LayerNormMLP

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch.distributed import ProcessGroup
@@ -38,11 +38,15 @@ class TPConfig:
     # reduced in; None = the activation dtype (bf16 in bf16 training, as Megatron and BF16 TP
     # do), torch.float32 = the float32 sum whatever W, at twice the bytes (docs/distributed.md)
     reduce_dtype: Optional[torch.dtype] = None
+    # column mode: out_features made of these blocks, each sharded over the ranks on its own
+    # (LayerNormLinear's out_features=(q, k, v)); () for one block
+    out_parts: Tuple[int, ...] = ()
     world: int = dataclasses.field(init=False)
     rank: int = dataclasses.field(init=False)
 
     def __post_init__(self):
-        what = f"{self.owner}(in={self.in_features}, out={self.out_features}, parallel_mode={self.mode.value!r})"
+        what = (f"{self.owner}(in={self.in_features}, out={self.out_parts or self.out_features}, "
+                f"parallel_mode={self.mode.value!r})")
         if not isinstance(self.group, ProcessGroup):
             raise ValueError(f"{what}: tp_group must be a torch.distributed ProcessGroup (for the whole world: "
                              f"torch.distributed.group.WORLD), got {self.group!r}")
@@ -58,6 +62,13 @@ class TPConfig:
                              "all-reduce has no ring form here)")
         object.__setattr__(self, "world", group_size(self.group))
         object.__setattr__(self, "rank", group_rank(self.group))
+        if self.out_parts and (not self.column or sum(self.out_parts) != self.out_features):
+            raise ValueError(f"{what}: out_parts are the blocks of a column-parallel layer's out_features")
+        for i, part in enumerate(self.out_parts):  # first, so the error names the part
+            if part % self.world or (part // self.world) % 16:
+                raise ValueError(f"{what}: out_features part {i} ({part}) gives {part / self.world:g} rows per rank "
+                                 f"over the {self.world} ranks of tp_group; each part is sharded on its own and "
+                                 "must split into multiples of 16 per rank")
         name, dim = (("out_features", self.out_features) if self.mode is ParallelMode.COLUMN
                      else ("in_features", self.in_features))
         if dim % self.world:
@@ -69,7 +80,7 @@ class TPConfig:
     @classmethod
     def create(cls, tp_group, parallel_mode, sequence_parallel: bool, in_features: int,
                out_features: int, tp_overlap: bool = False, owner: str = "Linear",
-               reduce_dtype: Optional[torch.dtype] = None) -> Optional["TPConfig"]:
+               reduce_dtype: Optional[torch.dtype] = None, out_parts: Tuple[int, ...] = ()) -> Optional["TPConfig"]:
         """The config for a layer's constructor arguments; None for an unsharded layer."""
         if parallel_mode is None:
             if sequence_parallel or tp_overlap or reduce_dtype is not None:
@@ -86,7 +97,8 @@ class TPConfig:
         if tp_group is None:
             raise ValueError(f"{owner}: parallel_mode={parallel_mode!r} needs tp_group (a torch.distributed "
                              "ProcessGroup; torch.distributed.group.WORLD for all ranks)")
-        return cls(tp_group, mode, in_features, out_features, sequence_parallel, tp_overlap, owner, reduce_dtype)
+        return cls(tp_group, mode, in_features, out_features, sequence_parallel, tp_overlap, owner, reduce_dtype,
+                   out_parts)
 
     def accum_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         """The dtype this layer's partial sums are computed and reduced in."""
@@ -103,6 +115,11 @@ class TPConfig:
     @property
     def local_out_features(self) -> int:
         return self.out_features // self.world if self.column else self.out_features
+
+    @property
+    def local_out_parts(self) -> Tuple[int, ...]:
+        """This rank's rows of each out_features block (column mode), in order."""
+        return tuple(p // self.world for p in self.out_parts)
 
     def weight_dim(self) -> int:
         """The weight dim that is sharded: 0 (out_features, column) or 1 (in_features, row)."""

@@ -70,12 +70,17 @@ def sum_grad(t: Optional[torch.Tensor], tp: TPConfig) -> Optional[torch.Tensor]:
     return None if t is None else _SumGrad.apply(t, tp)
 
 
+def column_input(x: torch.Tensor, tp: TPConfig) -> torch.Tensor:
+    """A column-parallel GEMM's input: under SP every rank's rows (gathered; the gradient
+    reduce-scattered), else x itself (its gradient summed over the group)."""
+    return _GatherRows.apply(x, tp) if tp.sequence_parallel else _SumGrad.apply(x, tp)
+
+
 def high_precision_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                            tp: TPConfig) -> torch.Tensor:
     """A TP Linear's GEMM outside fp8train.autocast: torch GEMMs with the same communication."""
     if tp.column:
-        x = _GatherRows.apply(x, tp) if tp.sequence_parallel else _SumGrad.apply(x, tp)
-        return F.linear(x, weight, bias)
+        return F.linear(column_input(x, tp), weight, bias)
     y = F.linear(x, weight)
     if tp.sequence_parallel:
         # Each rank adds the bias to its own rows only: its gradient is summed over the ranks

@@ -9,9 +9,12 @@ layer's tensor (ShardSpec), and the state dicts built from that.
 
 DTensor layout (what a DCP checkpoint holds):
   a sharded parameter     DTensor [Shard(dim)] whose global shape is the unsharded tensor's;
-                          a `parts` > 1 parameter (swiglu's fc1 [gate; up]) is viewed as
-                          (parts, rows / parts, ...) and sharded on dim 1, so the global tensor
-                          is the unsharded one with its dim 0 unflattened
+                          a parameter of `parts` equal blocks (swiglu's fc1 [gate; up]) is
+                          viewed as (parts, rows / parts, ...) and sharded on dim 1, so the
+                          global tensor is the unsharded one with its dim 0 unflattened; one of
+                          blocks of given sizes (LayerNormLinear's [Q; K; V]) is a list of
+                          DTensors [Shard(dim)], one per block, each block's global tensor the
+                          unsharded block (DCP stores them as `name.0`, `name.1`, ...)
   a replicated parameter  DTensor [Replicate()] (norm weight and bias, a row-parallel bias)
   quantizer state         per rank: each buffer b as DTensor [Shard(0)] of b[None], global
                           (W, *b.shape); a quantizer belongs to its rank's shard (a weight
@@ -25,7 +28,7 @@ layer's load hooks (a resumed delayed-scaling quantizer is marked calibrated).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -39,32 +42,44 @@ class ShardSpec:
     """How one parameter of a TP layer is cut from the unsharded layer's tensor.
 
     dim    the dim split over the ranks; None: replicated, every rank holds the full tensor
-    parts  the unsharded tensor is `parts` equal blocks along `dim`, each split over the ranks
-           on its own; a rank's shard is the concatenation of its slice of every block (2 for
-           swiglu's fc1 weight and bias: rows [gate; up] -> rank r holds [gate_r; up_r])
+    parts  the unsharded tensor is made of blocks along `dim`, each split over the ranks on its
+           own; a rank's shard is the concatenation of its slice of every block. An int: that
+           many equal blocks (2 for swiglu's fc1 weight and bias: rows [gate; up] -> rank r
+           holds [gate_r; up_r]); a tuple: the blocks' sizes in the unsharded tensor
+           (LayerNormLinear's out_features=(q, k, v): rows [Q; K; V] -> [Q_r; K_r; V_r])
     """
 
     dim: Optional[int] = None
-    parts: int = 1
+    parts: Union[int, Tuple[int, ...]] = 1
 
     def __post_init__(self):
+        sizes = self.parts if isinstance(self.parts, tuple) else (self.parts,)
+        if not sizes or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in sizes):
+            raise ValueError(f"ShardSpec: parts must be a positive int or a tuple of positive ints, got {self.parts!r}")
         if self.dim is None and self.parts != 1:
             raise ValueError("ShardSpec: a replicated tensor (dim=None) has parts=1")
-        if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1:
-            raise ValueError(f"ShardSpec: parts must be a positive int, got {self.parts!r}")
+
+    def blocks(self, n: int) -> List[int]:
+        """The blocks' sizes along `dim` in a tensor with n rows there: the unsharded tensor,
+        or a shard (every block splits evenly over the ranks, so a shard's blocks are in the
+        same proportions)."""
+        if isinstance(self.parts, int):
+            return [n // self.parts] * self.parts
+        total = sum(self.parts)
+        return [p * n // total for p in self.parts]
 
     def shard(self, full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
         """This rank's shard of the unsharded tensor `full` (a new contiguous tensor, or
         `full` itself when replicated)."""
         if self.dim is None:
             return full
-        blocks = full.chunk(self.parts, self.dim)
+        blocks = full.split(self.blocks(full.shape[self.dim]), self.dim)
         return torch.cat([b.chunk(world, self.dim)[rank] for b in blocks], self.dim).contiguous()
 
     def unshard(self, shards) -> torch.Tensor:
         """The unsharded tensor from every rank's shard, in rank order (inverse of `shard`)."""
-        blocks = [s.chunk(self.parts, self.dim) for s in shards]
-        return torch.cat([blocks[r][p] for p in range(self.parts) for r in range(len(shards))], self.dim)
+        blocks = [s.split(self.blocks(s.shape[self.dim]), self.dim) for s in shards]
+        return torch.cat([b[p] for p in range(len(blocks[0])) for b in blocks], self.dim)
 
     def full_shape(self, local_shape, world: int) -> tuple:
         shape = list(local_shape)
@@ -73,17 +88,26 @@ class ShardSpec:
         return tuple(shape)
 
     def to_dtensor(self, local: torch.Tensor, mesh):
+        """This rank's shard as what sharded_state_dict holds (the module docstring): a
+        DTensor, or for blocks of given sizes a list of DTensors (a list, not a tuple: DCP
+        looks into lists only). Their local tensors are views of `local`."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         if self.dim is None:
             return DTensor.from_local(local, mesh, [Replicate()], run_check=False)
         if self.parts == 1:
             return DTensor.from_local(local, mesh, [Shard(self.dim)], run_check=False)
+        if isinstance(self.parts, tuple):  # no one DTensor has [Q_r; K_r; V_r] as its local part
+            return [DTensor.from_local(b, mesh, [Shard(self.dim)], run_check=False)
+                    for b in local.split(self.blocks(local.shape[self.dim]), self.dim)]
         view = local.unflatten(self.dim, (self.parts, -1))  # (.., parts, rows / parts, ..): a view
         return DTensor.from_local(view, mesh, [Shard(self.dim + 1)], run_check=False)
 
-    def from_local(self, local: torch.Tensor) -> torch.Tensor:
-        """The shard from a DTensor's local tensor (inverse of to_dtensor's view)."""
+    def from_dtensor(self, value) -> torch.Tensor:
+        """This rank's shard from what to_dtensor returned (after dcp.load filled it)."""
+        if isinstance(value, list):
+            return torch.cat([b.to_local() for b in value], self.dim)
+        local = value.to_local()
         return local if self.dim is None or self.parts == 1 else local.flatten(self.dim, self.dim + 1)
 
 
@@ -156,10 +180,9 @@ def load_sharded_state_dict(module: nn.Module, state_dict: dict, layout: TPLayou
 
     local = {}
     for name, t in state_dict.items():
-        if not isinstance(t, DTensor):
+        if not all(isinstance(b, DTensor) for b in (t if isinstance(t, list) else [t])):
             raise ValueError(f"load_sharded_state_dict: {name} is a {type(t).__name__}, expected a DTensor "
                              "(a state dict from sharded_state_dict(), filled by torch.distributed.checkpoint.load)")
         spec = layout.specs.get(name)
-        part = t.to_local()
-        local[name] = spec.from_local(part) if spec is not None else part.squeeze(0)
+        local[name] = spec.from_dtensor(t) if spec is not None else t.to_local().squeeze(0)
     return module.load_state_dict(local, strict=strict)

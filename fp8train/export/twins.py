@@ -23,6 +23,7 @@ from torch import nn
 from ..gemm import _BIAS_OUT_DTYPES
 from ..modules import LayerNormLinear, LayerNormMLP, Linear
 from ..modules.base import FP8Module
+from ..modules.layernorm_linear import layernorm_linear_outputs
 from ..modules.layernorm_mlp import activation_high_precision
 from ..modules.linear import _high_precision as linear_high_precision
 from ..modules.norm import norm_high_precision
@@ -98,11 +99,13 @@ class LayerNormLinearTwin(nn.Module):
         self.norm = _Norm(layer)
         self.gemm = _gemm_of(layer, "", layer.weight, layer.bias)
         self.return_layernorm_output = layer.return_layernorm_output
+        self.parts = layer.local_out_parts  # out_features=(q, k, v): one GEMM, split after
 
     def forward(self, x: torch.Tensor):
         ln = self.norm(x.float())  # the layer casts the float32 norm output straight to FP8
         y = self.gemm(ln, x.dtype)
-        return (y, ln.to(x.dtype)) if self.return_layernorm_output else y
+        y = y if self.parts is None else y.split(self.parts, -1)
+        return layernorm_linear_outputs(y, ln.to(x.dtype), self.return_layernorm_output)
 
 
 class LayerNormMLPTwin(nn.Module):

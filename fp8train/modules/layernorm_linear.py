@@ -1,10 +1,9 @@
 """fp8train.LayerNormLinear: LayerNorm/RMSNorm -> Linear, the norm writing the GEMM's FP8 input."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import gemm
@@ -15,7 +14,7 @@ from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from .base import FP8Module, mark_calibrated
-from .linear import _rows, init_linear_params
+from .linear import _rows, init_linear_params, linear_parts
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
 from .tp_checkpoint import TPCheckpoints
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
@@ -30,36 +29,56 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
     statistics pass that takes the amax first); the backward runs dgrad, wgrad and the
     norm backward. forward(x, is_first_microbatch): see WeightWorkspace.
 
+    out_features=(q, k, v), a tuple (or list) of positive ints: several GEMMs that consume
+    the same normalized input (separate Q, K, V projections) run as one. The layer holds one
+    weight (q + k + v, in) = [W_q; W_k; W_v] and one bias [b_q; b_k; b_v] (the state dict of
+    a layer with out_features=q + k + v); inside autocast it normalizes, casts and (under SP)
+    gathers once, runs one FP8 GEMM with one weight scale and one grad-output scale for all
+    parts, and returns the parts (y_q, y_k, y_v), views of the one output (autograd refuses
+    in-place ops on them). Outside autocast: one F.linear per part, on the weight's and
+    bias's row blocks (exactly separate nn.Linear layers). return_layernorm_output appends
+    the norm output: (y_q, y_k, y_v, Norm(x)), a flat tuple so that module hooks see every
+    output.
+
     Tensor parallelism (docs/distributed.md): parallel_mode="column" shards out_features over
     the W ranks of `tp_group` (weight (out/W, in), bias (out/W)); the norm's weight and bias
     stay whole on every rank. sequence_parallel=True: x is this rank's rows (s/W, b, in), the
     norm runs on them and its FP8 output is gathered (y (s, b, out/W)); the norm output
     returned with return_layernorm_output is this rank's rows. tp_overlap=True (with SP) runs
     the gather and the backward reduce-scatter as ring collective matmuls. "row" is refused: it
-    would normalize over a hidden dim that is sharded.
+    would normalize over a hidden dim that is sharded. With out_features=(q, k, v) each part is
+    sharded on its own: rank r holds [W_q,r; W_k,r; W_v,r] and returns (q/W, k/W, v/W) columns,
+    every part must split into multiples of 16 per rank.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: str = "LayerNorm",
-                 eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None, device=None,
+    def __init__(self, in_features: int, out_features: Union[int, Tuple[int, ...]], bias: bool = True,
+                 normalization: str = "LayerNorm", eps: float = 1e-5, params_dtype: Optional[torch.dtype] = None,
+                 device=None,
                  return_layernorm_output: bool = False, *, tp_group=None, parallel_mode: Optional[str] = None,
                  sequence_parallel: bool = False, tp_overlap: bool = False,
                  tp_reduce_dtype: Optional[torch.dtype] = None):
         super().__init__()
-        for what, v in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"LayerNormLinear: {what} must be a positive int, got {v!r}")
+        if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features <= 0:
+            raise ValueError(f"LayerNormLinear: in_features must be a positive int, got {in_features!r}")
+        # None for an int out_features, else its parts; the GEMM has out_total outputs
+        self.out_parts: Optional[Tuple[int, ...]] = _out_parts(out_features)
+        out_total = out_features if self.out_parts is None else sum(self.out_parts)
         check_norm_args("LayerNormLinear", normalization, eps)
         if parallel_mode == "row":
             raise ValueError("LayerNormLinear: parallel_mode='row' would shard in_features, the dim the norm "
                              "normalizes over; use parallel_mode='column', or a LayerNorm followed by a "
                              "row-parallel fp8train.Linear")
         self.tp: Optional[TPConfig] = TPConfig.create(tp_group, parallel_mode, sequence_parallel, in_features,
-                                                      out_features, tp_overlap, owner="LayerNormLinear",
-                                                      reduce_dtype=tp_reduce_dtype)
-        self.in_features, self.out_features = in_features, out_features
+                                                      out_total, tp_overlap, owner="LayerNormLinear",
+                                                      reduce_dtype=tp_reduce_dtype, out_parts=self.out_parts or ())
+        self.in_features, self._out_total = in_features, out_total
+        self.out_features = out_features if self.out_parts is None else self.out_parts
         self.normalization, self.eps = normalization, float(eps)
         self.return_layernorm_output = bool(return_layernorm_output)
-        local_out = out_features if self.tp is None else self.tp.local_out_features
+        local_out = out_total if self.tp is None else self.tp.local_out_features
+        # this rank's columns of each part (None without parts): how the GEMM output splits
+        self.local_out_parts: Optional[Tuple[int, ...]] = \
+            self.out_parts if self.tp is None or self.out_parts is None else self.tp.local_out_parts
         factory = {"dtype": params_dtype or torch.get_default_dtype(), "device": device}
         make_norm_params(self, in_features, normalization, factory)
         self.weight = nn.Parameter(torch.empty(local_out, in_features, **factory))
@@ -73,13 +92,15 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
         if self.layer_norm_bias is not None:
             nn.init.zeros_(self.layer_norm_bias)
         layout = self.tp_layout()  # nn.Linear's initialisation (TP: shards of the unsharded layer's draws)
-        init_linear_params(self.weight, self.bias, self.in_features, self.out_features,
+        init_linear_params(self.weight, self.bias, self.in_features, self._out_total,
                            None if layout is None else (layout.tp, layout.specs["weight"], layout.specs["bias"]))
 
     def tp_layout(self) -> Optional[TPLayout]:
+        """Weight and bias sharded on dim 0 (out_features=(q, k, v): each part on its own,
+        [W_q; W_k; W_v] -> [W_q,r; W_k,r; W_v,r]); norm parameters replicated."""
         if self.tp is None:
             return None
-        replicated, column = ShardSpec(), ShardSpec(0)
+        replicated, column = ShardSpec(), ShardSpec(0, self.out_parts or 1)
         return TPLayout(self.tp, {"layer_norm_weight": replicated, "layer_norm_bias": replicated,
                                   "weight": column, "bias": column})
 
@@ -113,10 +134,14 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
                 grad and self.weight.requires_grad, self.return_layernorm_output)
         out = _LayerNormLinearFn.apply(*args) if tp is None else LayerNormLinearTPFn.apply(*args, tp)
         mark_calibrated(q_input, q_weight, q_grad)
-        return out  # (y, ln_out) with return_layernorm_output, else y
+        y, ln_out = out if self.return_layernorm_output else (out, None)
+        if self.out_parts is not None:
+            y = y.split(self.local_out_parts, -1)  # views of the one GEMM's output
+        return layernorm_linear_outputs(y, ln_out, self.return_layernorm_output)
 
     def precision_dims(self) -> tuple:
-        return self.in_features, self.out_features, self.normalization, int(self.bias is not None)
+        out = self.out_features if self.out_parts is None else "+".join(map(str, self.out_parts))
+        return self.in_features, out, self.normalization, int(self.bias is not None)
 
     @property
     def precision_in_features(self) -> int:
@@ -129,19 +154,47 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
 
     def high_precision_forward(self, x, dtype):
         out = self._high_precision(x, dtype)
-        return out[0] if self.return_layernorm_output else out
+        if not self.return_layernorm_output:
+            return out
+        return out[:-1] if self.out_parts is not None else out[0]
 
     def _high_precision(self, x, dtype):
         if self.tp is not None:  # outside autocast (TP layers have no dims fallback or auto precision)
             y, ln = layernorm_linear_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.weight,
-                                                    self.bias, self.normalization, self.eps, self.tp)
-            return (y, ln) if self.return_layernorm_output else y
+                                                    self.bias, self.normalization, self.eps, self.tp,
+                                                    self.local_out_parts)
+            return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
         ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
-        if dtype is None:
-            y = F.linear(ln, self.weight, self.bias)
-        else:
-            y = F.linear(ln.to(dtype), self.weight.to(dtype), self.bias.to(dtype) if self.bias is not None else None)
-        return (y, ln) if self.return_layernorm_output else y
+        gemm_in, w, b = ln, self.weight, self.bias
+        if dtype is not None:
+            gemm_in, w, b = ln.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+        y = linear_parts(gemm_in, w, b, self.out_parts)
+        return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
+
+
+def layernorm_linear_outputs(y, ln_out, want_ln: bool):
+    """LayerNormLinear's result: y (a tensor, or the tuple of the parts' outputs), with the
+    norm output appended when want_ln ((y, ln_out), or a flat (y_q, y_k, y_v, ln_out))."""
+    if not want_ln:
+        return y
+    return (*y, ln_out) if isinstance(y, tuple) else (y, ln_out)
+
+
+def _out_parts(out_features) -> Optional[Tuple[int, ...]]:
+    """None for an int out_features, else its parts as a tuple; checks either."""
+    if not isinstance(out_features, (tuple, list)):
+        if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features <= 0:
+            raise ValueError(f"LayerNormLinear: out_features must be a positive int or a tuple of positive ints "
+                             f"(such as (q, k, v)), got {out_features!r}")
+        return None
+    if not out_features:
+        raise ValueError("LayerNormLinear: out_features=() has no parts; give a positive int, or a tuple of "
+                         "positive ints such as (q, k, v)")
+    for i, part in enumerate(out_features):
+        if isinstance(part, bool) or not isinstance(part, int) or part <= 0:
+            raise ValueError(f"LayerNormLinear: out_features part {i} must be a positive int, got {part!r} "
+                             f"(out_features={out_features!r})")
+    return tuple(out_features)
 
 
 class _LayerNormLinearFn(torch.autograd.Function):

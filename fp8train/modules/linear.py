@@ -147,6 +147,18 @@ def init_linear_params(weight: torch.Tensor, bias: Optional[torch.Tensor], in_fe
             bias.copy_(bias_spec.shard(full_bias, tp.world, tp.rank))
 
 
+def linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 parts: Optional[Tuple[int, ...]]):
+    """F.linear(x, weight, bias); with `parts` (the sizes of weight's row blocks) a tuple, one
+    F.linear per block with that block's weight and bias rows: bitwise what separate layers
+    compute (one GEMM of all the blocks, split after, may pick another kernel on a GPU and
+    differ in the last bits)."""
+    if parts is None:
+        return F.linear(x, weight, bias)
+    biases = (None,) * len(parts) if bias is None else bias.split(parts)
+    return tuple(F.linear(x, w, b) for w, b in zip(weight.split(parts), biases))
+
+
 def _high_precision(x, weight, bias, dtype):
     return F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
 
