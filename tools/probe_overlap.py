@@ -98,10 +98,26 @@ try:
     report("GEMM + CE write together", timed(lambda: (ce_copy(), gemm())))
     dist.barrier()
     torch.cuda.synchronize()
-    ok = torch.tensor([float(torch.equal(buf, send))], device=dev)  # every rank sends the same bytes
+    # The data check (the first run of this probe saw it fail, cause unknown): is `send` the
+    # same on every rank, how many bytes of the written buffer differ, and does a pull (the
+    # documented pattern: fill, barrier, copy from the peer's buffer) read the right bytes?
+    sums = torch.tensor([send.sum(dtype=torch.int64).item(), (buf != send).sum().item()], device=dev,
+                        dtype=torch.float64)
+    every = [torch.empty_like(sums) for _ in range(world)]
+    dist.all_gather(every, sums)
+    if rank == 0:
+        print("per rank (sum of send bytes, bytes of buf != send after the pushes):",
+              [tuple(int(v) for v in t.tolist()) for t in every], flush=True)
+    buf.fill_(rank + 1)
+    handle.barrier(channel=0)
+    pulled = torch.empty_like(buf)
+    pulled.copy_(handle.get_buffer(nxt, (BYTES,), torch.uint8))
+    handle.barrier(channel=0)
+    torch.cuda.synchronize()
+    ok = torch.tensor([float(bool((pulled == nxt + 1).all()))], device=dev)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if rank == 0:
-        print("CE write arrived intact on every rank:", bool(ok.item()), flush=True)
+        print("pull from the next rank's buffer reads its bytes on every rank:", bool(ok.item()), flush=True)
     handle.barrier()
     torch.cuda.synchronize()
     if rank == 0:
