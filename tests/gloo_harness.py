@@ -127,6 +127,17 @@ def cached_launcher(tmp_path_factory, module_name: str, metrics_tag: str, torchr
     return launch_world
 
 
+_SHORT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def case(fn, worlds, **kwargs):
+    """One CASES entry (id, fn, kwargs, worlds); the id is fn's name less `case_`, then each
+    kwarg: a dtype by short name, True as its key, False as no<key>, anything else as str."""
+    parts = [fn.__name__[len("case_"):]] + [
+        _SHORT.get(v) or (k if v is True else f"no{k}" if v is False else str(v)) for k, v in kwargs.items()]
+    return "-".join(parts), fn, kwargs, worlds
+
+
 def world_params(cases, worlds):
     """pytest params (world, case_id) of every case at every world size it runs at."""
     import pytest

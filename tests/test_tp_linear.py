@@ -270,10 +270,7 @@ def _cases():
     out = []
 
     def add(fn, worlds=WORLDS, **kw):
-        parts = [fn.__name__[len("case_"):]] + [
-            {BF16: "bf16", F32: "fp32"}.get(v, None) or (k if v is True else f"no{k}" if v is False else str(v))
-            for k, v in kw.items()]
-        out.append(("-".join(parts), fn, kw, worlds))
+        out.append(gloo_harness.case(fn, worlds, **kw))
 
     for mode in ("column", "row"):
         for sp in (False, True):

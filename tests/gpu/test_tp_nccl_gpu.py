@@ -6,8 +6,9 @@ launch per case module, each test reading its case's records:
 * tests/test_tp_linear.py: column / row, with and without sequence parallelism and
   tp_overlap, both recipes, bf16 / fp32 params, both reduce dtypes, checkpoints, amax
   reduction;
-* tests/test_tp_fused.py: tensor-parallel LayerNormLinear / LayerNormMLP, collective
-  counts, full and DCP checkpoints;
+* tests/test_tp_fused.py: tensor-parallel LayerNormLinear (one output, Q/K/V parts) /
+  LayerNormMLP, collective counts;
+* tests/test_tp_checkpoints.py: full and DCP checkpoints of every TP layer;
 * tests/gpu/tp_graph_cases.py (GPU only): CUDA-graphed TP LayerNormMLP steps against eager.
 
 Outputs and gradients against the single-GPU layer holding the full weights and the float64
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import gloo_harness
+import test_tp_checkpoints
 import test_tp_fused
 import test_tp_linear
 import tp_graph_cases
@@ -32,7 +34,7 @@ WORLD = max(2, min(torch.cuda.device_count(), 4))
 
 
 MODULES = {"test_tp_linear": (test_tp_linear, "TP-SQNR"), "test_tp_fused": (test_tp_fused, "TP-FUSED-SQNR"),
-           "tp_graph_cases": (tp_graph_cases, "TP-GRAPH")}
+           "test_tp_checkpoints": (test_tp_checkpoints, "TP-CKPT"), "tp_graph_cases": (tp_graph_cases, "TP-GRAPH")}
 
 
 @pytest.fixture(scope="module")
