@@ -17,7 +17,8 @@ after the first FP8 forward). Calibration of fresh quantizers goes through
 """
 from __future__ import annotations
 
-from typing import Iterable, List
+from collections import OrderedDict
+from typing import Iterable, List, Tuple
 
 import torch
 from torch import nn
@@ -52,7 +53,40 @@ def reduce_delayed_amaxes(quantizers: Iterable[DelayedScalingQuantizer], groups:
     if len(devices) != 1:
         raise ValueError(f"reduce_delayed_amaxes: the quantizers live on several devices ({sorted(map(str, devices))}); "
                          "reduce each device's quantizers separately")
-    pending = [q.amax_history[0] for q in qs]  # () views into each history
-    flat = torch.stack(pending)                # (n,) float32: one buffer, one collective
-    reduce_amax(flat, groups)
-    torch._foreach_copy_(pending, list(flat.unbind(0)))
+    _pending_buffer([q.amax_history for q in qs]).reduce(groups)
+
+
+class _PendingBuffer:
+    """The pending entries (amax_history[0]) of one list of histories in one flat (n,) float32
+    buffer: one fused copy in, the collectives, one fused copy back. Built once per list and
+    reused every step (no per-quantizer indexing, stacking or allocation on the step's host
+    path; capturable in a CUDA graph)."""
+
+    def __init__(self, histories: List[torch.Tensor]):
+        self.pending = [h[0] for h in histories]  # () views; they keep their histories alive
+        self.flat = torch.empty(len(histories), dtype=torch.float32, device=histories[0].device)
+        self.slots = list(self.flat.unbind(0))
+
+    def reduce(self, groups: GroupsLike) -> None:
+        torch._foreach_copy_(self.slots, self.pending)
+        reduce_amax(self.flat, groups)
+        torch._foreach_copy_(self.pending, self.slots)
+
+
+_BUFFERS: "OrderedDict[Tuple[int, ...], _PendingBuffer]" = OrderedDict()
+_MAX_BUFFERS = 8  # lists seen recently (a model's, the registry's live set, ...)
+
+
+def _pending_buffer(histories: List[torch.Tensor]) -> _PendingBuffer:
+    """The cached buffer of exactly these history tensors, in this order. Keyed by the
+    tensors' ids, which cannot be reused while the cache's views keep the tensors alive; a
+    reloaded or new quantizer has a new history tensor and so gets a new buffer."""
+    key = tuple(map(id, histories))
+    buf = _BUFFERS.get(key)
+    if buf is None:
+        buf = _BUFFERS[key] = _PendingBuffer(histories)
+        if len(_BUFFERS) > _MAX_BUFFERS:
+            _BUFFERS.popitem(last=False)
+    else:
+        _BUFFERS.move_to_end(key)
+    return buf
