@@ -48,10 +48,7 @@ class _ColumnParallelFn(torch.autograd.Function):
             xq = q_input.cast(rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
             out_shape = tuple(in_shape[:-1])
         y, x_t, x_scale_inv = column_fprop(xq, w_fp8, config, act_dtype, bias, need_wgrad, tp)  # (M, N/W)
-        if need_wgrad:
-            ctx.save_for_backward(x_t, x_scale_inv)
-        ctx.w_fp8, ctx.q_grad, ctx.config, ctx.tp = w_fp8, q_grad, config, tp
-        ctx.in_shape, ctx.act_dtype, ctx.need_wgrad, ctx.weight_dtype = in_shape, act_dtype, need_wgrad, weight.dtype
+        _keep(ctx, x_t, x_scale_inv, w_fp8, q_grad, config, tp, in_shape, act_dtype, need_wgrad, weight.dtype)
         return y.view(*out_shape, y.shape[-1])
 
     @staticmethod
@@ -64,9 +61,23 @@ class _ColumnParallelFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = column_dgrad(dy_data, dy_scale_inv, ctx.w_fp8, ctx.config, ctx.act_dtype, ctx.tp).view(ctx.in_shape)
         if need_wgrad:
-            x_t, x_scale_inv = ctx.saved_tensors
-            dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
+            dw = _wgrad(ctx, dy_t, dy_scale_inv)
         return dx, dw, db, None, None, None, None, None, None, None
+
+
+def _keep(ctx, x_t, x_scale_inv, w_fp8, q_grad, config, tp, in_shape, act_dtype, need_wgrad, weight_dtype) -> None:
+    """What both Functions' backward needs: the input's transposed FP8 copy and its scale_inv
+    (saved only when wgrad runs) and the GEMM settings."""
+    if need_wgrad:
+        ctx.save_for_backward(x_t, x_scale_inv)
+    ctx.w_fp8, ctx.q_grad, ctx.config, ctx.tp = w_fp8, q_grad, config, tp
+    ctx.in_shape, ctx.act_dtype, ctx.need_wgrad, ctx.weight_dtype = in_shape, act_dtype, need_wgrad, weight_dtype
+
+
+def _wgrad(ctx, dy_t: torch.Tensor, dy_scale_inv: torch.Tensor) -> torch.Tensor:
+    """dW = dY^T X from the transposed copies; X^T is the one saved by `_keep`."""
+    x_t, x_scale_inv = ctx.saved_tensors
+    return gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
 
 
 class _RowParallelFn(torch.autograd.Function):
@@ -81,10 +92,7 @@ class _RowParallelFn(torch.autograd.Function):
         y = row_fprop(x_data, x_scale_inv, w_fp8, config, act_dtype, bias, tp)  # (M, N), SP: (M/W, N)
         # the leading dim splits over the ranks under SP (tp_plan checks)
         out_shape = (in_shape[0] // tp.world, *in_shape[1:-1]) if tp.sequence_parallel else tuple(in_shape[:-1])
-        if need_wgrad:
-            ctx.save_for_backward(x_t, x_scale_inv)
-        ctx.w_fp8, ctx.q_grad, ctx.config, ctx.tp = w_fp8, q_grad, config, tp
-        ctx.in_shape, ctx.act_dtype, ctx.need_wgrad, ctx.weight_dtype = in_shape, act_dtype, need_wgrad, weight.dtype
+        _keep(ctx, x_t, x_scale_inv, w_fp8, q_grad, config, tp, in_shape, act_dtype, need_wgrad, weight.dtype)
         return y.view(*out_shape, y.shape[-1])
 
     @staticmethod
@@ -97,8 +105,7 @@ class _RowParallelFn(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(ctx.in_shape)
         if need_wgrad:
-            x_t, x_scale_inv = ctx.saved_tensors
-            dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
+            dw = _wgrad(ctx, dy_t, dy_scale_inv)
         return dx, dw, db, None, None, None, None, None, None, None
 
 
