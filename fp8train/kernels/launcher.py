@@ -44,6 +44,13 @@ def hooks_installed() -> bool:
     return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
+def _is_constexpr(annotation: Any) -> bool:
+    """A parameter annotated tl.constexpr: a string under `from __future__ import annotations`,
+    else the class itself."""
+    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    return name.split(".")[-1] == "constexpr"
+
+
 _I32_MIN, _I32_MAX = -2**31, 2**31 - 1
 
 
@@ -71,7 +78,7 @@ class DirectKernel:
     def __init__(self, fn, num_warps: int, **constexprs):
         params = inspect.signature(fn.fn).parameters
         names = list(params)
-        wanted = [n for n, p in params.items() if str(p.annotation).endswith("constexpr")]
+        wanted = [n for n, p in params.items() if _is_constexpr(p.annotation)]
         n_runtime = len(names) - len(constexprs)
         if set(wanted) != set(constexprs) or names[n_runtime:] != wanted:
             raise ValueError(f"DirectKernel: constexprs {sorted(constexprs)} must be exactly the trailing "
