@@ -16,6 +16,8 @@ names the line rank 0 prints per case with metrics (pytest -s).
 """
 from __future__ import annotations
 
+import faulthandler
+import gc
 import importlib
 import json
 import os
@@ -34,6 +36,7 @@ import torch.multiprocessing as mp
 
 LAUNCH_TIMEOUT_S = 240  # the whole launch; each collective times out after COLLECTIVE_TIMEOUT
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+CASE_TIMEOUT_S = 150  # a rank still inside one case after this prints every thread's stack and exits
 
 
 def run_cases(rank: int, world: int, device: torch.device, out_dir: str, module_name: str,
@@ -50,6 +53,11 @@ def run_cases(rank: int, world: int, device: torch.device, out_dir: str, module_
             continue
         ctx = SimpleNamespace(rank=rank, world=world, device=device, seed=zlib.crc32(case_id.encode()),
                               tmp=out_dir)  # tmp: a directory every rank of the launch shares
+        # A rank stuck in a case (a collective its peers never joined, a hung CUDA graph
+        # replay, which no NCCL watchdog sees) prints where it is and exits, so the launch
+        # ends with that stack in its error output instead of running into the launch timeout.
+        print(f"rank {rank}: case {case_id}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
         try:
             m = fn(ctx, **kwargs)
             if m:
@@ -59,6 +67,7 @@ def run_cases(rank: int, world: int, device: torch.device, out_dir: str, module_
             results[case_id] = f"rank {rank}:\n{traceback.format_exc()}"
         failed = torch.tensor(float(results[case_id] is not None), device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        faulthandler.cancel_dump_traceback_later()
         if failed.item():
             aborted = case_id
     if rank == 0:
@@ -197,6 +206,9 @@ def _torchrun_main(module_name: str, out_dir: str, metrics_tag: str) -> None:
     try:
         run_cases(rank, world, device, out_dir, module_name, metrics_tag)
     finally:
+        gc.collect()  # CUDA graphs a case left in reference cycles go before the communicators
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         dist.destroy_process_group()
 
 

@@ -87,6 +87,11 @@ def case_graphed_matches_eager(ctx, overlap, activation):
     eager_outs, (eager_grads, eager_scales) = run(graphed=False)
     gc.collect()  # the eager module's quantizers leave the registry before the graphed run
     graph_outs, (graph_grads, graph_scales) = run(graphed=True)
+    # The graphed module (reference cycles: its forward closes over the graphs) and with it
+    # the graphs holding captured NCCL collectives must be gone before the process group is
+    # destroyed: a GPU run whose graphs were still alive hung in the teardown after passing.
+    gc.collect()
+    torch.cuda.synchronize()
 
     errors = {}
     for s, ((y1, dx1), (y0, dx0)) in enumerate(zip(graph_outs, eager_outs), start=1):
