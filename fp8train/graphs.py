@@ -9,9 +9,8 @@ a shared memory pool); what this adds is the FP8 part:
   (amax recording, the scale update, current-scaling amax passes: all in the graphs);
 * torch's warm-up iterations (run eagerly, on random gradients) would move the scaling
   state; it is put back afterwards, so the first replay starts where eager training was;
-* parameter gradients that would accumulate into the graph's static buffers are copied out
-  first (`_GradAliasGuard`), so microbatches add up as in eager training, while a step of
-  one microbatch per `zero_grad(set_to_none=True)` copies nothing;
+* parameter gradients are copied out of the graph's static buffers before they accumulate
+  (`_fresh_grad`), so microbatches add up as in eager training;
 * fp8_weight_caching=True: the weight casts are captured, and each cast kernel first reads
   a device flag (`FP8Module.weight_cast_skip`) and returns at once while it is nonzero. The
   graphed forward takes `is_first_microbatch` and sets the flag before the replay: False
@@ -102,57 +101,29 @@ def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
     regions[0].captured_update = _REGISTRY.batches()
 
     for m, region, flag in zip(mods, regions, flags):
-        m.forward = _graphed_forward(region, flag, _GradAliasGuard(m.parameters()))
+        m.forward = _graphed_forward(region, flag)
+        for p in m.parameters():
+            if p.requires_grad and not getattr(p, "_fp8train_fresh_grad", False):
+                p.register_hook(_fresh_grad)
+                p._fp8train_fresh_grad = True
     return mods[0] if single else mods
 
 
-class _GradAliasGuard:
-    """Keeps `.grad` from accumulating into a graph's static gradient buffers.
+def _fresh_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The graphed backward hands out its static gradient buffers (detached views of them).
+    AccumulateGrad adopts a gradient it alone holds as `.grad` without a copy, so `.grad`
+    would alias the static buffer: the next replay overwrites it, and accumulating the next
+    microbatch adds the buffer to itself (a GPU test saw 2x the last microbatch's gradient
+    instead of the sum of four). A copy per parameter per backward breaks the alias.
 
-    The graphed backward hands out its static gradient buffers (detached views). When a
-    parameter has no `.grad`, AccumulateGrad adopts the incoming gradient as `.grad` without
-    a copy, so `.grad` aliases the static buffer; the next backward replay overwrites it, and
-    accumulating that microbatch then adds the buffer to itself (a GPU test saw 2x the last
-    microbatch's gradient instead of the sum of four). Copying every gradient every backward
-    fixes that at one clone per parameter per step (~35 us of host time each on the GPU
-    machine, the graphed small step's whole overhead over BF16). Instead:
-
-    * the first backward records where the static buffers live (a hook per parameter that
-      removes itself);
-    * before each later backward replay (a hook on the graphed output's gradient) a `.grad`
-      still aliasing a static buffer is replaced by a copy: once per parameter when
-      microbatches accumulate, never for one microbatch per `zero_grad(set_to_none=True)`.
-    """
-
-    def __init__(self, params):
-        self.params = [p for p in params if p.requires_grad]
-        self.static: set = set()  # data_ptr of each static gradient buffer
-        self._learning = [p.register_hook(self._learn) for p in self.params]
-
-    def _learn(self, grad: torch.Tensor) -> torch.Tensor:
-        self.static.add(grad.data_ptr())
-        if len(self.static) >= len(self.params):
-            for h in self._learning:
-                h.remove()
-            self._learning = []
-        return grad
-
-    def before_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        for p in self.params:
-            g = p.grad
-            if g is not None and g.data_ptr() in self.static:
-                p.grad = g.clone()
-        return grad
-
-    def watch(self, out):
-        """Hook every output that carries a gradient; returns `out`."""
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self.before_backward)
-        return out
+    It cannot wait: a copy deferred to just before the next backward was tried and failed 8
+    GPU tests, since the graphs share one memory pool and the next *forward* replay already
+    writes its temporaries where a static gradient may lie. Dropping the copies did not make
+    the graphed small step measurably faster either (docs/benchmarks.md, sixth session)."""
+    return grad.clone()
 
 
-def _graphed_forward(region: nn.Module, flag: Optional[torch.Tensor], guard: _GradAliasGuard):
+def _graphed_forward(region: _FP8Region, flag: Optional[torch.Tensor]):
     last = [0]  # the flag's value on the device, so a fill is issued only on a change
 
     def forward(*tensors, is_first_microbatch: Optional[bool] = None):
@@ -161,7 +132,7 @@ def _graphed_forward(region: nn.Module, flag: Optional[torch.Tensor], guard: _Gr
             if want != last[0]:
                 flag.fill_(want)
                 last[0] = want
-        return guard.watch(region(*tensors))
+        return region(*tensors)
     return forward
 
 
