@@ -119,7 +119,7 @@ def _fresh_grad(grad: torch.Tensor) -> torch.Tensor:
     It cannot wait: a copy deferred to just before the next backward was tried and failed 8
     GPU tests, since the graphs share one memory pool and the next *forward* replay already
     writes its temporaries where a static gradient may lie. Dropping the copies did not make
-    the graphed small step measurably faster either (docs/benchmarks.md, sixth session)."""
+    the graphed small step measurably faster either (docs/benchmarks.md, fifth session)."""
     return grad.clone()
 
 

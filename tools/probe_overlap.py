@@ -98,16 +98,20 @@ try:
     report("GEMM + CE write together", timed(lambda: (ce_copy(), gemm())))
     dist.barrier()
     torch.cuda.synchronize()
-    # The data check (the first run of this probe saw it fail, cause unknown): is `send` the
-    # same on every rank, how many bytes of the written buffer differ, and does a pull (the
-    # documented pattern: fill, barrier, copy from the peer's buffer) read the right bytes?
-    sums = torch.tensor([send.sum(dtype=torch.int64).item(), (buf != send).sum().item()], device=dev,
-                        dtype=torch.float64)
-    every = [torch.empty_like(sums) for _ in range(world)]
-    dist.all_gather(every, sums)
+    # The data check: every rank pushed its own random `send` into the next rank's buffer, so
+    # each rank's buffer must hold the *previous* rank's bytes. (Two earlier runs compared it
+    # with the rank's own `send`, which differs by design: the "failure" they reported, 255 of
+    # every 256 bytes different, is what random bytes give; the pull check below passed.)
+    from_prev = torch.empty_like(send)
+    every = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(every, send)
+    from_prev.copy_(every[prv])
+    wrong = torch.tensor([float((buf != from_prev).sum().item())], device=dev)
+    dist.all_reduce(wrong)
     if rank == 0:
-        print("per rank (sum of send bytes, bytes of buf != send after the pushes):",
-              [tuple(int(v) for v in t.tolist()) for t in every], flush=True)
+        print("copy-engine pushes: bytes differing from the previous rank's data, all ranks:", int(wrong.item()),
+              flush=True)
+    del every, from_prev
     buf.fill_(rank + 1)
     handle.barrier(channel=0)
     pulled = torch.empty_like(buf)
