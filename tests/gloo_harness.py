@@ -11,8 +11,11 @@ share; fn may return metrics to print). Every tensor and module a case makes liv
   __main__; ctx.device is cuda:LOCAL_RANK, NVLink multicast off).
 
 Both return ({case_id: [error text per failing rank]}, seconds). After a failure on any rank
-the later cases are reported as not run (collectives would be out of step). `metrics_tag`
-names the line rank 0 prints per case with metrics (pytest -s).
+the later cases are reported as not run (collectives would be out of step). A rank still
+inside one case after CASE_TIMEOUT_S (a case module may set its own) prints every thread's
+stack and exits, which ends the launch with that stack in its error output
+(tests/test_gloo_harness.py). `metrics_tag` names the line rank 0 prints per case with
+metrics (pytest -s).
 """
 from __future__ import annotations
 
@@ -43,7 +46,9 @@ def run_cases(rank: int, world: int, device: torch.device, out_dir: str, module_
               metrics_tag: str) -> None:
     """Every case of module_name.CASES for this world size, on an initialised process group;
     writes OUT_DIR/rank{rank}.json ({case_id: None or error text})."""
-    cases = importlib.import_module(module_name).CASES
+    module = importlib.import_module(module_name)
+    cases = module.CASES
+    case_timeout_s = getattr(module, "CASE_TIMEOUT_S", CASE_TIMEOUT_S)  # a case module may set its own
     results, metrics, aborted = {}, {}, None
     for case_id, fn, kwargs, worlds in cases:
         if world not in worlds:
@@ -57,7 +62,7 @@ def run_cases(rank: int, world: int, device: torch.device, out_dir: str, module_
         # replay, which no NCCL watchdog sees) prints where it is and exits, so the launch
         # ends with that stack in its error output instead of running into the launch timeout.
         print(f"rank {rank}: case {case_id}", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
+        faulthandler.dump_traceback_later(case_timeout_s, exit=True)
         try:
             m = fn(ctx, **kwargs)
             if m:
