@@ -116,10 +116,11 @@ def _fresh_grad(grad: torch.Tensor) -> torch.Tensor:
     microbatch adds the buffer to itself (a GPU test saw 2x the last microbatch's gradient
     instead of the sum of four). A copy per parameter per backward breaks the alias.
 
-    It cannot wait: a copy deferred to just before the next backward was tried and failed 8
-    GPU tests, since the graphs share one memory pool and the next *forward* replay already
-    writes its temporaries where a static gradient may lie. Dropping the copies did not make
-    the graphed small step measurably faster either (docs/benchmarks.md, fifth session)."""
+    A copy deferred to just before the next backward was tried and failed 8 GPU tests: the
+    graphs share one memory pool, and the next *forward* replay of any of them already writes
+    temporaries where a static gradient may lie. A deferred copy would have to run before
+    every replay of every graph in the pool. Without the copies the graphed small step was
+    not faster beyond this host's run-to-run spread (docs/benchmarks.md, fifth session)."""
     return grad.clone()
 
 
