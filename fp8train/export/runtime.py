@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import List, Union
+from typing import TYPE_CHECKING, List, Union
 
 import torch
+
+if TYPE_CHECKING:  # an optional extra: imported where used
+    import onnxruntime
 
 
 def _to_ort(t: torch.Tensor):

@@ -25,7 +25,6 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
 pytest.importorskip("triton")
 
 from triton.runtime import interpreter as _interpreter  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from fp8train import scaling  # noqa: E402
 from fp8train.kernels import activation, reference  # noqa: E402

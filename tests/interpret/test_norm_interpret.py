@@ -24,7 +24,6 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
     pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
-import triton.language as tl  # noqa: E402
 
 from fp8train import scaling  # noqa: E402
 from fp8train.kernels import norm  # noqa: E402
