@@ -36,7 +36,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 200 python3 benchmarks/mlp.py --json "$OUT/mlp.json" 2>&1 | tee "$OUT/mlp.log" | tail -40
       timeout 150 python3 benchmarks/cast.py --json "$OUT/cast.json" 2>&1 | tee "$OUT/cast.log" | tail -20 ;;
     small)
-      timeout 300 python3 benchmarks/small.py --json "$OUT/small.json" 2>&1 | tee "$OUT/small.log" | tail -45 ;;
+      timeout 540 python3 benchmarks/small.py --json "$OUT/small.json" 2>&1 | tee "$OUT/small.log" | tail -45 ;;
     demo)
       # the 2000-step GPU demo, graphed, in both FP8 formats: side by side on two GPUs when
       # there are two (about 6-7 minutes each), else the hybrid one only
