@@ -37,6 +37,18 @@ def check_device(device: torch.device) -> None:
         _check_device(device)
 
 
+def check_tensor_device(x: torch.Tensor) -> None:
+    """check_device(x.device) for a layer's input on every call: a CPU tensor needs no check
+    and a CUDA one is looked up by index (building x.device costs more than the lookup)."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        _check_cuda_index(x.get_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _check_cuda_index(index: int) -> None:
+    _check_device(torch.device("cuda", index))
+
+
 @functools.lru_cache(maxsize=None)
 def _check_device(device: torch.device) -> None:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
