@@ -446,7 +446,7 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
     scratch = None
     if dbias_out is not None:
         # Every tile writes its (BLOCK_N,) column sums into its row tile's row: no zeroing needed.
-        scratch = torch.empty((row_tiles, fh), dtype=torch.float32, device=h.device)  # (row tiles, Fh)
+        scratch = torch.empty(row_tiles, fh, dtype=torch.float32, device=h.device)  # (row tiles, Fh)
     stand_in, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     kernel = _bwd(cfg, _ACT_CODES[act], *flags, scratch is not None)
     with device_guard(h.device):

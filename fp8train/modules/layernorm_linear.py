@@ -124,14 +124,15 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
         recipe, act_dtype = self.fp8_plan(x, self.in_features) if tp is None else tp_plan(self, x, self.in_features)
         if recipe is None:
             return self._high_precision(x, act_dtype)
-        q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)
+        weight, ln_weight = self.weight, self.layer_norm_weight  # read once: parameters are Module.__getattr__ calls
+        q_input, q_weight, q_grad = self.quantizers(recipe, weight.device)
         grad = torch.is_grad_enabled()
-        need_dgrad = grad and (x.requires_grad or self.layer_norm_weight.requires_grad)
-        w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch, need_transpose=need_dgrad,
+        need_dgrad = grad and (x.requires_grad or ln_weight.requires_grad)
+        w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad,
                                     skip=self.weight_cast_skip)
-        args = (x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, w_fp8, q_input, q_grad,
+        args = (x, ln_weight, self.layer_norm_bias, weight, self.bias, w_fp8, q_input, q_grad,
                 recipe.gemm, act_dtype, self.eps, self.normalization == "LayerNorm",
-                grad and self.weight.requires_grad, self.return_layernorm_output)
+                grad and weight.requires_grad, self.return_layernorm_output)
         out = _LayerNormLinearFn.apply(*args) if tp is None else LayerNormLinearTPFn.apply(*args, tp)
         mark_calibrated(q_input, q_weight, q_grad)
         y, ln_out = out if self.return_layernorm_output else (out, None)
@@ -215,7 +216,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         y = y.view(*lead, y.shape[-1])
         # Only outputs that exist: a None output would get a None gradient, which torch.compile's
         # tracing of the backward cannot handle.
-        return y if ln_out is None else (y, ln_out.view(x.shape))
+        return y if ln_out is None else (y, ln_out.view(*x.shape))
 
     @staticmethod
     def backward(ctx, dy, d_ln_out=None):
@@ -235,5 +236,5 @@ class _LayerNormLinearFn(torch.autograd.Function):
         if need_wgrad:
             dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
         if dx is not None:
-            dx = dx.view(ctx.in_shape)
+            dx = dx.view(*ctx.in_shape)  # ints, not a torch.Size: parsed ~2 us faster
         return dx, d_lnw, d_lnb, dw, db, None, None, None, None, None, None, None, None, None
