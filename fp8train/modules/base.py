@@ -226,6 +226,12 @@ def mark_calibrated(*quantizers: Quantizer) -> None:
                 q.calibrated = True
 
 
+def in_dtype(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """t in dtype (None stays None). The high-precision paths call it per parameter per step,
+    and most calls change nothing: a same-dtype `.to()` still costs a dispatch."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def activation_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a layer computes in: torch.autocast's when it is on, else the input's."""
     # Note: torch.device.type builds a new string on every read (through a C++ ostringstream,

@@ -13,7 +13,7 @@ from ..distributed.tp_config import TPConfig
 from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
-from .base import FP8Module, mark_calibrated
+from .base import FP8Module, in_dtype, mark_calibrated
 from .linear import _rows, init_linear_params, linear_parts
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
 from .tp_checkpoint import TPCheckpoints
@@ -168,7 +168,7 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
         ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
         gemm_in, w, b = ln, self.weight, self.bias
         if dtype is not None:
-            gemm_in, w, b = ln.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+            gemm_in, w, b = in_dtype(ln, dtype), in_dtype(w, dtype), in_dtype(b, dtype)
         y = linear_parts(gemm_in, w, b, self.out_parts)
         return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
 

@@ -16,7 +16,7 @@ from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from .activation import ACTIVATIONS, activation_backward_fp8, activation_fp8, activation_high_precision
-from .base import FP8Module, mark_calibrated
+from .base import FP8Module, in_dtype, mark_calibrated
 from .linear import _rows, init_linear_params
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
 from .tp_checkpoint import TPCheckpoints
@@ -154,8 +154,8 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
         ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
         params = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
         if dtype is not None:
-            ln = ln.to(dtype)
-            params = tuple(p.to(dtype) if p is not None else None for p in params)
+            ln = in_dtype(ln, dtype)
+            params = tuple(in_dtype(p, dtype) for p in params)
         h = F.linear(ln, params[0], params[1])
         return F.linear(activation_high_precision(h, self.activation), params[2], params[3])
 

@@ -15,7 +15,7 @@ from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from ..tensor import Float8Tensor
-from .base import FP8Module, mark_calibrated
+from .base import FP8Module, in_dtype, mark_calibrated
 from .tp_checkpoint import TPCheckpoints
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
@@ -161,7 +161,7 @@ def linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 def _high_precision(x, weight, bias, dtype):
-    return F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
+    return F.linear(in_dtype(x, dtype), in_dtype(weight, dtype), in_dtype(bias, dtype))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
