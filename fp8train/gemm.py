@@ -37,6 +37,18 @@ def check_device(device: torch.device) -> None:
         _check_device(device)
 
 
+def check_tensor_device(x: torch.Tensor) -> None:
+    """check_device(x.device) for a layer's input on every call: a CPU tensor needs no check
+    and a CUDA one is looked up by index (building x.device costs more than the lookup)."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        _check_cuda_index(x.get_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _check_cuda_index(index: int) -> None:
+    _check_device(torch.device("cuda", index))
+
+
 @functools.lru_cache(maxsize=None)
 def _check_device(device: torch.device) -> None:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -49,13 +61,16 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
               bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(a * a_scale_inv) @ (b * b_scale_inv) [+ bias]; a (M, K) row-major, b (K, N) column-major.
     `out` (M, N) contiguous, of out_dtype: written in place (a row block of a larger output)."""
-    fuse_bias = bias is not None and out_dtype in _BIAS_OUT_DTYPES
-    kw = {} if out is None else {"out": out}
-    out = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv,
-                           bias=bias.to(out_dtype) if fuse_bias else None, out_dtype=out_dtype,
-                           use_fast_accum=config.fast_accum(role), **kw)
-    if bias is not None and not fuse_bias:
-        out += bias.to(out_dtype)
+    if bias is None:
+        return torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype,
+                                use_fast_accum=config.fast_accum(role), out=out)
+    if bias.dtype != out_dtype:  # checked here: even a no-op .to() costs a dispatch
+        bias = bias.to(out_dtype)
+    fuse_bias = out_dtype in _BIAS_OUT_DTYPES
+    out = torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv, bias=bias if fuse_bias else None,
+                           out_dtype=out_dtype, use_fast_accum=config.fast_accum(role), out=out)
+    if not fuse_bias:
+        out += bias
     return out
 
 

@@ -90,23 +90,28 @@ class Quantizer(nn.Module):
         x = self._checked(x)
         if torch.compiler.is_compiling():  # traced code: the same kernels as a custom op (fp8train/ops.py)
             return Cast(*ops.cast(x, self.dtype, self.scaling_state(), transpose, dbias))
-        out = self.allocate(x.shape, x.device, transpose=transpose)
+        shape, device = x.shape, x.device
+        data, data_t, scale_inv = self._buffers_for(shape, device, transpose)
+        dbias_out = None
         if dbias:
-            cols = x.shape[-1] if x.dim() else 1
-            out = Cast(out.data, out.data_t, out.scale_inv, torch.empty(cols, dtype=torch.float32, device=x.device))
-        self._cast(x, *out)
-        return out
+            dbias_out = torch.empty(shape[-1] if shape else 1, dtype=torch.float32, device=device)
+        self._cast(x, data, data_t, scale_inv, dbias_out)
+        return Cast(data, data_t, scale_inv, dbias_out)
 
     def allocate(self, shape, device, *, transpose: bool = False) -> "Cast":
         """Uninitialised output buffers of one cast of a tensor of `shape` (for producers)."""
-        data = torch.empty(shape, dtype=self.dtype, device=device)
+        return Cast(*self._buffers_for(shape, device, transpose))
+
+    def _buffers_for(self, shape, device, transpose: bool):
+        dtype = self.dtype
+        # Sizes as separate ints: torch.empty parses a torch.Size or tuple ~1.5 us slower.
+        data = torch.empty(*shape, dtype=dtype, device=device) if shape else torch.empty((), dtype=dtype, device=device)
         scale_inv = torch.empty(1, dtype=torch.float32, device=device)  # (1,): cheaper to allocate than ()
         if not transpose:
-            return Cast(data, None, scale_inv)
+            return data, None, scale_inv
         cols = shape[-1]
-        data_t = torch.empty((cols, padded_rows(data.numel() // cols if cols else 0)), dtype=self.dtype,
-                             device=device)
-        return Cast(data, data_t, scale_inv)
+        data_t = torch.empty(cols, padded_rows(data.numel() // cols if cols else 0), dtype=dtype, device=device)
+        return data, data_t, scale_inv
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in _CASTABLE or isinstance(x, Float8Tensor):
@@ -206,9 +211,10 @@ class CurrentScalingQuantizer(Quantizer):
         self.register_buffer("amax", torch.zeros((), device=device))
 
     def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
-        self.amax.zero_()
-        self._launch(x, None, None, None, amax_out=self.amax)  # not skipped: `amax` is this cast's scratch
-        self._launch(x, data, data_t, scale_inv, from_amax=self.amax, count=self.nonfinite_count,
+        amax = self.amax  # a buffer: each read is a Module.__getattr__ call
+        amax.zero_()
+        self._launch(x, None, None, None, amax_out=amax)  # not skipped: `amax` is this cast's scratch
+        self._launch(x, data, data_t, scale_inv, from_amax=amax, count=self.nonfinite_count,
                      dbias_out=dbias_out, skip=skip)
 
     def scaling_state(self) -> ops.ScalingState:

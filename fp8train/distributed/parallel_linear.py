@@ -122,7 +122,7 @@ def tp_plan(layer, x: torch.Tensor, in_features: int) -> Tuple[Optional[Recipe],
         raise TypeError(f"{layer.describe()}: tensor-parallel layers take high-precision inputs, not Float8Tensor")
     if recipe is None:
         return None, x.dtype
-    gemm.check_device(x.device)
+    gemm.check_tensor_device(x)
     return recipe, activation_dtype(x)
 
 

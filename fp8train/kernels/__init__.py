@@ -4,6 +4,7 @@ documented on the twin.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -155,9 +156,15 @@ def _checked_twin(name: str):
 
 def _family(x: torch.Tensor, name: str):
     """The Triton module of a kernel family on CUDA, its pure-torch twin module elsewhere."""
+    return _family_module(name, x.is_cuda)
+
+
+@functools.lru_cache(maxsize=None)
+def _family_module(name: str, cuda: bool):
+    # Cached: import_module costs a few us, and norm / activation layers ask on every launch.
     import importlib
 
-    return importlib.import_module(f".{name}" if x.is_cuda else f".{name}_reference", __name__)
+    return importlib.import_module(f".{name}" if cuda else f".{name}_reference", __name__)
 
 
 def _triton_cast():

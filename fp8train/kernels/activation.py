@@ -38,7 +38,7 @@ import triton.language as tl
 from .. import scaling
 from . import activation_reference as ref
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
-from .launcher import DirectKernel
+from .launcher import DirectKernel, device_guard
 from .transpose import transpose_into
 
 # Activation codes (constexpr ACT), in the order of ref.ACTIVATIONS.
@@ -427,7 +427,7 @@ def _launch_fwd(fn, h, act, out, out_t, scale, scale_inv_out, amax_out, from_ama
     tiles = triton.cdiv(mp, cfg.block_m) * triton.cdiv(f, cfg.block_n)
     _, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     kernel = _fwd(cfg, _ACT_CODES[act], *flags)
-    with _device_guard(h.device):
+    with device_guard(h.device):
         kernel(_grid(tiles, cfg.programs_per_sm, h.device), h, _or(out, h), _or(out_t, _or(out, h)),
                *pointers, m, f, mp, stride_hm)
         _finish_transpose(out, copy_t)
@@ -446,10 +446,10 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
     scratch = None
     if dbias_out is not None:
         # Every tile writes its (BLOCK_N,) column sums into its row tile's row: no zeroing needed.
-        scratch = torch.empty((row_tiles, fh), dtype=torch.float32, device=h.device)  # (row tiles, Fh)
+        scratch = torch.empty(row_tiles, fh, dtype=torch.float32, device=h.device)  # (row tiles, Fh)
     stand_in, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     kernel = _bwd(cfg, _ACT_CODES[act], *flags, scratch is not None)
-    with _device_guard(h.device):
+    with device_guard(h.device):
         kernel(_grid(row_tiles * triton.cdiv(f, cfg.block_n), cfg.programs_per_sm, h.device),
                da, h, _or(out, h), _or(out_t, _or(out, h)), _or(scratch, stand_in),
                *pointers, m, f, mp, stride_dam, stride_hm)
@@ -511,10 +511,6 @@ def _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinit
 def _grid(tiles: int, programs_per_sm: int, device: torch.device) -> int:
     """Programs of the persistent 1-D grid: enough for the tiles, at most programs_per_sm per SM."""
     return max(1, min(tiles, programs_per_sm * _sm_count(device)))
-
-
-def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _or(t: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ shapes again and again (a quantizer's prepared cast) keep the binary and skip ev
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Dict, Tuple
 
@@ -127,9 +128,15 @@ _NO_GUARD = contextlib.nullcontext()
 
 def device_guard(device: torch.device):
     """Make `device` current for a launch; free when it already is (the usual case)."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
+    if _is_cuda(device) and device.index != torch._C._cuda_getDevice():
         return torch.cuda.device(device)
     return _NO_GUARD
+
+
+@functools.lru_cache(maxsize=None)
+def _is_cuda(device: torch.device) -> bool:
+    # Cached: torch.device.type builds a new string on every read (a C++ ostringstream).
+    return device.type == "cuda"
 
 
 __all__ = ["DirectKernel", "device_guard", "hooks_installed"]

@@ -124,7 +124,7 @@ class FP8Module(nn.Module):
             return None, act_dtype
         if recipe.auto_precision and not self.runs_fp8(x, recipe, act_dtype):
             return None, act_dtype
-        gemm.check_device(x.device)
+        gemm.check_tensor_device(x)
         return recipe, act_dtype
 
     # ------------------------------------------------------------------ auto precision
@@ -226,10 +226,22 @@ def mark_calibrated(*quantizers: Quantizer) -> None:
                 q.calibrated = True
 
 
+def in_dtype(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """t in dtype (None stays None). The high-precision paths call it per parameter per step,
+    and most calls change nothing: a same-dtype `.to()` still costs a dispatch."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def activation_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a layer computes in: torch.autocast's when it is on, else the input's."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
+    # Note: torch.device.type builds a new string on every read (through a C++ ostringstream,
+    # several us in a training loop), so the usual cases do not read it: no torch.autocast
+    # at all, or a CUDA input.
+    if not torch._C._is_any_autocast_enabled():
+        return x.dtype
+    device_type = "cuda" if x.is_cuda else x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
     return x.dtype
 
 

@@ -13,7 +13,7 @@ from ..distributed.tp_config import TPConfig
 from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
-from .base import FP8Module, mark_calibrated
+from .base import FP8Module, in_dtype, mark_calibrated
 from .linear import _rows, init_linear_params, linear_parts
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
 from .tp_checkpoint import TPCheckpoints
@@ -124,14 +124,15 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
         recipe, act_dtype = self.fp8_plan(x, self.in_features) if tp is None else tp_plan(self, x, self.in_features)
         if recipe is None:
             return self._high_precision(x, act_dtype)
-        q_input, q_weight, q_grad = self.quantizers(recipe, self.weight.device)
+        weight, ln_weight = self.weight, self.layer_norm_weight  # read once: parameters are Module.__getattr__ calls
+        q_input, q_weight, q_grad = self.quantizers(recipe, weight.device)
         grad = torch.is_grad_enabled()
-        need_dgrad = grad and (x.requires_grad or self.layer_norm_weight.requires_grad)
-        w_fp8 = self._workspace.get(self.weight, q_weight, is_first_microbatch, need_transpose=need_dgrad,
+        need_dgrad = grad and (x.requires_grad or ln_weight.requires_grad)
+        w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad,
                                     skip=self.weight_cast_skip)
-        args = (x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, w_fp8, q_input, q_grad,
+        args = (x, ln_weight, self.layer_norm_bias, weight, self.bias, w_fp8, q_input, q_grad,
                 recipe.gemm, act_dtype, self.eps, self.normalization == "LayerNorm",
-                grad and self.weight.requires_grad, self.return_layernorm_output)
+                grad and weight.requires_grad, self.return_layernorm_output)
         out = _LayerNormLinearFn.apply(*args) if tp is None else LayerNormLinearTPFn.apply(*args, tp)
         mark_calibrated(q_input, q_weight, q_grad)
         y, ln_out = out if self.return_layernorm_output else (out, None)
@@ -167,7 +168,7 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
         ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
         gemm_in, w, b = ln, self.weight, self.bias
         if dtype is not None:
-            gemm_in, w, b = ln.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+            gemm_in, w, b = in_dtype(ln, dtype), in_dtype(w, dtype), in_dtype(b, dtype)
         y = linear_parts(gemm_in, w, b, self.out_parts)
         return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
 
@@ -215,7 +216,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         y = y.view(*lead, y.shape[-1])
         # Only outputs that exist: a None output would get a None gradient, which torch.compile's
         # tracing of the backward cannot handle.
-        return y if ln_out is None else (y, ln_out.view(x.shape))
+        return y if ln_out is None else (y, ln_out.view(*x.shape))
 
     @staticmethod
     def backward(ctx, dy, d_ln_out=None):
@@ -235,5 +236,5 @@ class _LayerNormLinearFn(torch.autograd.Function):
         if need_wgrad:
             dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
         if dx is not None:
-            dx = dx.view(ctx.in_shape)
+            dx = dx.view(*ctx.in_shape)  # ints, not a torch.Size: parsed ~2 us faster
         return dx, d_lnw, d_lnb, dw, db, None, None, None, None, None, None, None, None, None
