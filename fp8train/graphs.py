@@ -9,8 +9,9 @@ a shared memory pool); what this adds is the FP8 part:
   (amax recording, the scale update, current-scaling amax passes: all in the graphs);
 * torch's warm-up iterations (run eagerly, on random gradients) would move the scaling
   state; it is put back afterwards, so the first replay starts where eager training was;
-* parameter gradients are copied out of the graph's static buffers before they accumulate
-  (`_fresh_grad`), so microbatches add up as in eager training;
+* parameter gradients are kept from aliasing the graphs' static buffers across replays
+  (`_GradAliasGuard`), so microbatches add up as in eager training, while a step of one
+  microbatch per `zero_grad(set_to_none=True)` copies nothing;
 * fp8_weight_caching=True: the weight casts are captured, and each cast kernel first reads
   a device flag (`FP8Module.weight_cast_skip`) and returns at once while it is nonzero. The
   graphed forward takes `is_first_microbatch` and sets the flag before the replay: False
@@ -100,34 +101,55 @@ def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
     # tables alive for as long as the graphs are (a later eager update may rebuild them).
     regions[0].captured_update = _REGISTRY.batches()
 
+    guard = _GradAliasGuard([p for m in mods for p in m.parameters()])  # one pool: one guard
     for m, region, flag in zip(mods, regions, flags):
-        m.forward = _graphed_forward(region, flag)
-        for p in m.parameters():
-            if p.requires_grad and not getattr(p, "_fp8train_fresh_grad", False):
-                p.register_hook(_fresh_grad)
-                p._fp8train_fresh_grad = True
+        m.forward = _graphed_forward(region, flag, guard)
     return mods[0] if single else mods
 
 
-def _fresh_grad(grad: torch.Tensor) -> torch.Tensor:
-    """The graphed backward hands out its static gradient buffers (detached views of them).
-    AccumulateGrad adopts a gradient it alone holds as `.grad` without a copy, so `.grad`
-    would alias the static buffer: the next replay overwrites it, and accumulating the next
-    microbatch adds the buffer to itself (a GPU test saw 2x the last microbatch's gradient
-    instead of the sum of four). A copy per parameter per backward breaks the alias.
+class _GradAliasGuard:
+    """Keeps `.grad` from aliasing the graphs' static gradient buffers across a replay.
 
-    A copy deferred to just before the next backward was tried and failed 8 GPU tests: the
-    graphs share one memory pool, and the next *forward* replay of any of them already writes
-    temporaries where a static gradient may lie. A deferred copy would have to run before
-    every replay of every graph in the pool. Without the copies the graphed small step was
-    not faster beyond this host's run-to-run spread (docs/benchmarks.md, fifth session)."""
-    return grad.clone()
+    The graphed backward hands out its static gradient buffers (detached views). A parameter
+    without a `.grad` adopts the incoming gradient without a copy, so `.grad` then aliases
+    the static buffer. That buffer is only valid until the next replay of *any* graph of the
+    call: they share one memory pool, and a forward graph's temporaries may lie where a
+    static gradient does. So before every graphed forward, each `.grad` that still aliases a
+    static buffer is replaced by a copy (a GPU test saw the first step's gradients turn to
+    garbage when the copy waited for the next backward, and twice the last microbatch when
+    there was no copy at all).
+
+    Cost: one copy per parameter per step when microbatches accumulate, none for one
+    microbatch per `zero_grad(set_to_none=True)` (earlier versions copied every gradient of
+    every backward). Where the static buffers lie is learned on the first backward, by a
+    hook per parameter that is removed once every parameter has been seen.
+    """
+
+    def __init__(self, params):
+        self.params = [p for p in dict.fromkeys(params) if p.requires_grad]  # shared ones once
+        self.static: set = set()  # data_ptr of each static gradient buffer
+        self._learning = [p.register_hook(self._learn) for p in self.params]
+
+    def _learn(self, grad: torch.Tensor) -> torch.Tensor:
+        self.static.add(grad.data_ptr())
+        if len(self.static) >= len(self.params):
+            for h in self._learning:
+                h.remove()
+            self._learning = []
+        return grad
+
+    def before_replay(self) -> None:
+        for p in self.params:
+            g = p.grad
+            if g is not None and g.data_ptr() in self.static:
+                p.grad = g.clone()
 
 
-def _graphed_forward(region: _FP8Region, flag: Optional[torch.Tensor]):
+def _graphed_forward(region: nn.Module, flag: Optional[torch.Tensor], guard: _GradAliasGuard):
     last = [0]  # the flag's value on the device, so a fill is issued only on a change
 
     def forward(*tensors, is_first_microbatch: Optional[bool] = None):
+        guard.before_replay()
         if flag is not None:
             want = 1 if is_first_microbatch is False else 0
             if want != last[0]:

@@ -14,7 +14,7 @@ by SQNR >= 30 dB, losses rtol 2e-3, updates SQNR >= 20 dB (the module parity thr
 the core issue), amax/scale state rtol 2e-2, counters exact. What these catch: the first
 GPU run of this test found the graphed gradients at 0.3 dB - `.grad` aliased the graph's
 static gradient buffer, so four microbatches summed to twice the last one (graphs.py
-`_fresh_grad` since); a missing scale update or a stale cached weight moves them as far.
+`_GradAliasGuard` since); a missing scale update or a stale cached weight moves them as far.
 """
 from __future__ import annotations
 
