@@ -6,10 +6,12 @@
 Per activation and size (M rows, F activation columns): the forward (act(h) -> fp8 + its
 transposed copy + amax, delayed scaling) and the backward (da * act'(h) -> fp8 + transposed
 copy + amax + dbias), each also without the transposed copy (the kernel alone: on CUDA the
-copy is a second kernel, see activation._FUSED_TRANSPOSE_ON_CUDA), beside torch's bf16
-activation forward / backward. GB/s counts the bytes an op must move (bf16 inputs read once,
-each fp8 output written once); "% copy" is that rate over a measured bf16 device copy's.
-Times are medians of triton.testing.do_bench (L2 flushed between runs). Never asserts on time.
+copy is a second kernel, see activation._FUSED_TRANSPOSE_ON_CUDA), the backward also without
+dbias; beside them torch's bf16 activation forward / backward. relu shows the kernels' cost
+with next to no activation math. GB/s counts the bytes an op must move (bf16 inputs read
+once, each fp8 output written once); "% copy" is that rate over a measured bf16 device
+copy's. Times are medians of triton.testing.do_bench (L2 flushed between runs). Never
+asserts on time.
 """
 from __future__ import annotations
 
@@ -90,12 +92,15 @@ def run_size(act: str, m: int, f: int, configs) -> list:
                 add(f"fp8 backward + dbias{t}", label, median_ms(lambda: activation.act_bwd_fp8(
                     da, h, act, out_b, out_bt if transpose else None, scale, scale_inv, amax, dbias_out=dbias)),
                     bwd_bytes[transpose])
+            # the dbias partial sums' own cost (the layers without fc1 bias skip them)
+            add("fp8 backward, no dbias", label, median_ms(lambda: activation.act_bwd_fp8(
+                da, h, act, out_b, None, scale, scale_inv, amax)), bwd_bytes[False])
     return rows, copy_gbs
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--acts", default="gelu_tanh,swiglu")
+    p.add_argument("--acts", default="gelu_tanh,swiglu,relu")
     p.add_argument("--sizes", default="4096x4096,8192x16384", help="MxF pairs")
     p.add_argument("--variants", action="store_true", help="also time the VARIANTS launch shapes")
     p.add_argument("--json", default="benchmarks/results/activation.json")
