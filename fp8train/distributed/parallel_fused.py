@@ -16,7 +16,9 @@ gathered rows feed fc1's fprop and, as their transposed copy saved for backward,
 (never gathered again); fc1's dgrad is reduce-scattered back to this rank's rows, fc2's output
 reduce-scattered. The norm parameters' gradients are then partial (this rank's rows only) and
 are all-reduced over the group, in float32, inside the backward (Megatron leaves that to the
-optimizer), so every rank holds the single-process layer's gradients.
+optimizer), so every rank holds the single-process layer's gradients. In both backwards the
+column dgrad's reduction is issued before the column wgrad GEMM and waited for after it
+(tp_comm.column_dgrad), so the two overlap.
 
 Note (the group-consistent norm producer): under current scaling the fused norm runs as its
 two-pass producer: the statistics pass takes the amax of the normalized rows, the
@@ -40,7 +42,7 @@ from ..modules.norm import norm_backward, norm_fp8, norm_high_precision
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from .fp8_comm import reduce_amax
-from .tp_comm import all_reduce_sum, column_dgrad, column_fprop, row_fprop, row_grad_output, rows
+from .tp_comm import PendingReduction, all_reduce_sum, column_dgrad, column_fprop, row_fprop, row_grad_output, rows
 from .tp_config import TPConfig
 from .tp_mappings import column_input, high_precision_forward, sum_grad
 
@@ -63,12 +65,13 @@ def _norm_fprop(x2, ln_weight, ln_bias, layer: bool, eps: float, q_input: Quanti
     return y, x_t, x_scale_inv, mean, rstd, ln_out
 
 
-def _dgrad_norm_backward(dy_data, dy_scale_inv, w_fp8, config: GemmConfig, act_dtype, d_ln_out, x2, ln_weight,
-                         ln_bias, mean, rstd, need_dx: bool, tp: TPConfig):
-    """The column-parallel dgrad reduced over the group (to this rank's rows under SP), plus
-    the gradient of a returned norm output (already this rank's), then the norm backward.
+def _norm_backward_tp(dgrad: PendingReduction, d_ln_out, x2, ln_weight, ln_bias, mean, rstd, need_dx: bool,
+                      tp: TPConfig):
+    """The column-parallel dgrad (column_dgrad's, waited for here: the caller queues the wgrad
+    GEMM in between) reduced over the group (to this rank's rows under SP), plus the gradient
+    of a returned norm output (already this rank's), then the norm backward.
     Returns (dx (rows of x2) or None, d ln_weight, d ln_bias or None)."""
-    d_ln = column_dgrad(dy_data, dy_scale_inv, w_fp8, config, act_dtype, tp)  # (M, K), SP: (m, K)
+    d_ln = dgrad.wait()  # (M, K), SP: (m, K)
     if d_ln_out is not None:
         d_ln = d_ln + rows(d_ln_out).to(d_ln.dtype)
     if not tp.sequence_parallel:  # every rank normalized all rows: its parameter gradients are complete
@@ -91,9 +94,10 @@ def _sp_rows(x: torch.Tensor, tp: TPConfig) -> tuple:
 
 class LayerNormLinearTPFn(torch.autograd.Function):
     """Column-parallel LayerNormLinear. Forward: norm -> FP8 (group scale under SP), gather
-    (SP), fprop. Backward: local cast of dY (M, N/W), dgrad reduced (all-reduce, or reduce-
-    scatter under SP), norm backward on this rank's rows, wgrad with the saved transposed
-    copy of the gathered rows. Saved: x's rows, mean/rstd, X^T (K, Mp) fp8 and its scale_inv."""
+    (SP), fprop. Backward: local cast of dY (M, N/W), dgrad and its reduction issued (all-
+    reduce, or reduce-scatter under SP), wgrad with the saved transposed copy of the gathered
+    rows while it runs, then the norm backward on this rank's rows. Saved: x's rows,
+    mean/rstd, X^T (K, Mp) fp8 and its scale_inv."""
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, w_fp8, q_input: Quantizer, q_grad: Quantizer,
@@ -116,12 +120,13 @@ class LayerNormLinearTPFn(torch.autograd.Function):
         # dY (M, N/W) is this rank's own columns: a local cast; db from the same pass
         dy_data, dy_t, dy_scale_inv, db = ctx.q_grad.cast(rows(dy).to(ctx.act_dtype), transpose=need_wgrad,
                                                           dbias=needs[4])
-        dx = d_lnw = d_lnb = dw = None
-        if any(needs[:3]):
-            dx, d_lnw, d_lnb = _dgrad_norm_backward(dy_data, dy_scale_inv, ctx.w_fp8, ctx.config, ctx.act_dtype,
-                                                    d_ln_out, x2, ln_weight, ln_bias, mean, rstd, needs[0], ctx.tp)
-        if need_wgrad:
-            dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
+        # dgrad, its reduction left in flight while the wgrad GEMM runs (tp_comm.column_dgrad)
+        dgrad = column_dgrad(dy_data, dy_scale_inv, ctx.w_fp8, ctx.config, ctx.act_dtype, ctx.tp) \
+            if any(needs[:3]) else None
+        dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype) if need_wgrad else None
+        dx = d_lnw = d_lnb = None
+        if dgrad is not None:
+            dx, d_lnw, d_lnb = _norm_backward_tp(dgrad, d_ln_out, x2, ln_weight, ln_bias, mean, rstd, needs[0], ctx.tp)
         if dx is not None:
             dx = dx.view(ctx.in_shape)
         return (dx, d_lnw, d_lnb, dw, db) + (None,) * 10
@@ -145,11 +150,12 @@ def layernorm_linear_high_precision(x, ln_weight, ln_bias, weight, bias, normali
 class LayerNormMLPTPFn(torch.autograd.Function):
     """LayerNormMLP with fc1 column- and fc2 row-parallel.
     Forward: norm -> FP8 X, gathered once under SP; fc1 -> H (M, F1/W); act -> FP8 A (this
-    rank's columns, its own scale); fc2 partial sums reduced in float32 (all-reduce, or
-    reduce-scatter under SP), + b2 once.
+    rank's columns, its own scale); fc2 partial sums reduced in the reduce dtype (all-reduce,
+    or reduce-scatter under SP), + b2 once.
     Backward: dY cast (under SP with the group's scale and gathered as FP8); fc2 dgrad -> dA,
-    fc2 wgrad; act backward -> FP8 dH (+dH^T, db1); fc1 wgrad with the saved X^T of the
-    gathered rows; fc1 dgrad reduced, norm backward (SP: parameter gradients all-reduced).
+    fc2 wgrad; act backward -> FP8 dH (+dH^T, db1); fc1 dgrad and its reduction issued; fc1
+    wgrad with the saved X^T of the gathered rows while it runs; norm backward (SP: parameter
+    gradients all-reduced).
     Saved: x's rows, mean/rstd, X^T and A^T in FP8 with their scale_inv, and H."""
 
     @staticmethod
@@ -179,11 +185,12 @@ class LayerNormMLPTPFn(torch.autograd.Function):
         dw2 = gemm.wgrad(dy_t, dy_si, a_t, a_si, config, w2_dtype) if needs[5] else None
         # (M, F1/W), (F1/W, Mp); db1 (F1/W,) in b1's dtype from the same pass
         dhq = activation_backward_fp8(da, h, ctx.activation, q1_grad, b1_dtype if needs[4] else None)
+        # fc1 dgrad, its reduction left in flight while fc1's wgrad GEMM runs (tp_comm.column_dgrad)
+        dgrad = column_dgrad(dhq.data, dhq.scale_inv, w1_fp8, config, act_dtype, tp1) if any(needs[:3]) else None
         dw1 = gemm.wgrad(dhq.data_t, dhq.scale_inv, x_t, x_si, config, w1_dtype) if needs[3] else None
         dx = d_lnw = d_lnb = None
-        if any(needs[:3]):
-            dx, d_lnw, d_lnb = _dgrad_norm_backward(dhq.data, dhq.scale_inv, w1_fp8, config, act_dtype, None, x2,
-                                                    ln_weight, ln_bias, mean, rstd, needs[0], tp1)
+        if dgrad is not None:
+            dx, d_lnw, d_lnb = _norm_backward_tp(dgrad, None, x2, ln_weight, ln_bias, mean, rstd, needs[0], tp1)
             if dx is not None:
                 dx = dx.view(ctx.in_shape)
         return (dx, d_lnw, d_lnb, dw1, dhq.dbias, dw2, db2) + (None,) * 14

@@ -11,8 +11,10 @@ activation, m = M / W per rank under sequence parallelism (SP).
   row + SP  this rank's rows of the reduce-scatter, + b; backward: FP8 all-gather of dY
           (group-consistent scale), then dgrad and wgrad on the gathered rows
 
-The GEMMs with their communication are tp_comm.py's (shared with the fused modules); the
-high-precision path outside fp8train.autocast is tp_mappings.py's.
+The column backward issues dX's reduction (all-reduce or reduce-scatter) right after the
+dgrad GEMM and waits for it after the wgrad GEMM, so the two overlap. The GEMMs with their
+communication are tp_comm.py's (shared with the fused modules); the high-precision path
+outside fp8train.autocast is tp_mappings.py's.
 """
 from __future__ import annotations
 
@@ -57,11 +59,11 @@ class _ColumnParallelFn(torch.autograd.Function):
         need_wgrad = ctx.needs_input_grad[1] and ctx.need_wgrad
         # dY (M, N/W) is this rank's own columns: a local cast (no other rank reads it)
         dy_data, dy_t, dy_scale_inv, db = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[2])
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = column_dgrad(dy_data, dy_scale_inv, ctx.w_fp8, ctx.config, ctx.act_dtype, ctx.tp).view(ctx.in_shape)
-        if need_wgrad:
-            dw = _wgrad(ctx, dy_t, dy_scale_inv)
+        # dgrad, its reduction left in flight while the wgrad GEMM runs (tp_comm.column_dgrad)
+        pending = column_dgrad(dy_data, dy_scale_inv, ctx.w_fp8, ctx.config, ctx.act_dtype, ctx.tp) \
+            if ctx.needs_input_grad[0] else None
+        dw = _wgrad(ctx, dy_t, dy_scale_inv) if need_wgrad else None
+        dx = pending.wait().view(ctx.in_shape) if pending is not None else None
         return dx, dw, db, None, None, None, None, None, None, None
 
 

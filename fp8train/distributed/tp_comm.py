@@ -8,7 +8,8 @@ activation, m = M / W per rank under sequence parallelism (SP).
   column_fprop   Y (M, N/W) = X W_local^T + b_local; under SP X is gathered as FP8 bytes from
                  every rank's rows (m, K), cast beforehand with a group-consistent scale
   column_dgrad   dX = sum over ranks of dY_local W_local: all-reduce (M, K), or under SP
-                 reduce-scatter to this rank's rows (m, K)
+                 reduce-scatter to this rank's rows (m, K); returned as a PendingReduction
+                 (the collective issued, not waited for) so the caller runs wgrad meanwhile
   row_fprop      Y = sum over ranks of X_local W_local^T, then + b once: all-reduce (M, N), or
                  under SP this rank's rows (m, N) of the reduce-scatter
   row_grad_output  dY's FP8 operands for dgrad and wgrad: a local cast (M, N) without SP; under
@@ -46,12 +47,53 @@ def all_reduce_sum(t: torch.Tensor, tp: TPConfig) -> torch.Tensor:
     return t
 
 
-def reduce_scatter_rows(t: torch.Tensor, tp: TPConfig) -> torch.Tensor:
-    """This rank's rows (M/W, ...) of the sum over ranks of t (M, ...)."""
+def _reduce_scatter_rows(t: torch.Tensor, tp: TPConfig, async_op: bool):
+    """(out (M/W, ...), the work handle when async_op, else None)."""
     out = torch.empty((t.shape[0] // tp.world, *t.shape[1:]), dtype=t.dtype, device=t.device)
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # see _all_gather_into
-    rs(out, t.contiguous(), group=tp.group)
-    return out
+    return out, rs(out, t, group=tp.group, async_op=async_op)
+
+
+def reduce_scatter_rows(t: torch.Tensor, tp: TPConfig) -> torch.Tensor:
+    """This rank's rows (M/W, ...) of the sum over ranks of t (M, ...)."""
+    return _reduce_scatter_rows(t.contiguous(), tp, async_op=False)[0]
+
+
+class PendingReduction:
+    """A sum over the TP group issued with async_op=True and not yet waited for; `wait()`
+    returns it in `dtype`. Between the two the caller runs work that does not read it (the
+    column-parallel backward: the wgrad GEMM), which the collective runs beside.
+
+    NCCL: an async collective runs on ProcessGroupNCCL's stream, which waits for the current
+    stream at issue (a synchronous one, async_op=False, runs on the current stream itself, so
+    it could not overlap); `wait()` makes the current stream wait for it without blocking the
+    host, an event wait that a CUDA graph capture records like the ring's (ring.py). gloo: it
+    runs in gloo's threads and `wait()` blocks the host. The input is referenced here until
+    `wait()`, so its memory is not reused while the collective reads it, whatever the backend
+    keeps alive on its own.
+    """
+
+    __slots__ = ("_out", "_work", "_dtype", "_input")
+
+    def __init__(self, out: torch.Tensor, work, dtype: torch.dtype, inp: Optional[torch.Tensor] = None):
+        self._out, self._work, self._dtype, self._input = out, work, dtype, inp
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:  # None: already reduced (the ring), or a rank outside the group
+            self._work.wait()
+            self._work = self._input = None
+        out = self._out
+        return out if out.dtype == self._dtype else out.to(self._dtype)
+
+
+def _start_sum(t: torch.Tensor, tp: TPConfig, dtype: torch.dtype) -> PendingReduction:
+    """Issue the sum over ranks of t (M, ...): this rank's rows (M/W, ...) under SP
+    (reduce-scatter), else all of it (all-reduce, in place); wait() casts it to dtype."""
+    if tp.sequence_parallel:
+        t = t.contiguous()
+        out, work = _reduce_scatter_rows(t, tp, async_op=True)
+        return PendingReduction(out, work, dtype, t)
+    return PendingReduction(t, dist.all_reduce(t, group=tp.group, async_op=True), dtype)
 
 
 def all_gather_rows(t: torch.Tensor, tp: TPConfig) -> torch.Tensor:
@@ -101,16 +143,21 @@ def column_fprop(xq: Cast, w_fp8, config: GemmConfig, act_dtype: torch.dtype, bi
 
 
 def column_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, w_fp8, config: GemmConfig,
-                 act_dtype: torch.dtype, tp: TPConfig) -> torch.Tensor:
+                 act_dtype: torch.dtype, tp: TPConfig) -> PendingReduction:
     """dX: the sum over ranks of dY_local (M, N/W) @ W_local, in act_dtype; (M, K) without
-    SP (all-reduce), this rank's rows (m, K) under SP (reduce-scatter)."""
+    SP (all-reduce), this rank's rows (m, K) under SP (reduce-scatter).
+
+    Returns it pending: the dgrad GEMM is queued and its reduction issued, not waited for.
+    The caller queues the wgrad GEMM (independent of dX) and then calls `.wait()`, so the
+    reduction runs beside wgrad ("bulk" overlap; the same ops as reducing first, reordered).
+    Under tp.overlap the ring has already reduced dX by the time this returns.
+    """
     accum = tp.accum_dtype(act_dtype)
     if tp.sequence_parallel and tp.overlap:
-        return dgrad_reduce_scatter(dy_data, dy_scale_inv, *weight_transposed(w_fp8), config, act_dtype, tp.group,
-                                    accum_dtype=accum)
+        return PendingReduction(dgrad_reduce_scatter(dy_data, dy_scale_inv, *weight_transposed(w_fp8), config,
+                                                     act_dtype, tp.group, accum_dtype=accum), None, act_dtype)
     dx = gemm.dgrad(dy_data, dy_scale_inv, *weight_transposed(w_fp8), config, accum)  # (M, K) partial
-    dx = reduce_scatter_rows(dx, tp) if tp.sequence_parallel else all_reduce_sum(dx, tp)
-    return dx.to(act_dtype)
+    return _start_sum(dx, tp, act_dtype)
 
 
 # --------------------------------------------------------------------------- row parallel
