@@ -26,7 +26,7 @@ from fp8train.distributed import delayed_quantizers, reduce_delayed_amaxes
 from fp8train.modules.layernorm_mlp import activation_high_precision
 
 import gloo_harness
-from helpers import sqnr_db
+from helpers import RecordDgradOverlap, sqnr_db
 
 BF16, F32 = torch.bfloat16, torch.float32
 WORLDS = (2, 4)
@@ -396,6 +396,21 @@ def case_one_gather_per_forward(ctx, kind, recipe, sp, overlap=False):
     return {"forward": fwd.counts, "backward": bwd.counts}
 
 
+def case_dgrad_reduction_overlaps_wgrad(ctx, kind, sp):
+    """The column GEMM's backward (LayerNormLinear's, LayerNormMLP's fc1): dX's reduction is
+    issued before the wgrad GEMM and waited for after it (then the norm backward reads it).
+    LayerNormMLP runs fc2's wgrad first; fc2's reductions (db2) are vectors, not recorded."""
+    mod = _module(ctx, kind, tp={"sp": sp})
+    x, dy, d_ln = _io(ctx, kind, F32)
+    x_l, dy_l, _ = _local_io(ctx, kind, sp, x, dy, d_ln)
+    with fp8train.autocast(recipe=fp8train.CurrentScaling()):
+        y = mod(x_l.clone().requires_grad_(True))
+    with RecordDgradOverlap() as order:
+        torch.autograd.backward(y, _out_grads(kind, dy_l))
+    expect = (["wgrad"] if kind == "mlp" else []) + ["issue", "wgrad", "done"]
+    assert order.events == expect, f"backward order: {order.events}, expected {expect}"
+
+
 def case_bad_configs(ctx):
     world = dist.group.WORLD
     dev = ctx.device
@@ -496,6 +511,9 @@ def _cases():
         add(case_one_gather_per_forward, kind="mlp", recipe=recipe, sp=True, overlap=True)
         add(case_one_gather_per_forward, kind="qkv", recipe=recipe, sp=True, overlap=recipe == "current")
     add(case_one_gather_per_forward, kind="qkv", recipe="delayed", sp=False)
+    for kind in ("mlp", "ln_linear"):
+        for sp in (False, True):
+            add(case_dgrad_reduction_overlaps_wgrad, worlds=(2,), kind=kind, sp=sp)
     add(case_bad_configs)
     return out
 

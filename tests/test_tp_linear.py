@@ -20,7 +20,7 @@ import fp8train
 from fp8train.distributed import delayed_quantizers, reduce_delayed_amaxes
 
 import gloo_harness
-from helpers import sqnr_db
+from helpers import RecordDgradOverlap, sqnr_db
 
 BF16, F32 = torch.bfloat16, torch.float32
 WORLDS = (2, 4)
@@ -191,6 +191,19 @@ def case_overlap_matches_plain(ctx, mode, recipe):
     assert torch.equal(ring.bias.grad, plain.bias.grad)
 
 
+def case_dgrad_reduction_overlaps_wgrad(ctx, sp):
+    """Column backward: dX's reduction (all-reduce, reduce-scatter under SP) is issued before
+    the wgrad GEMM and waited for after it, so the two overlap."""
+    layer = _tp_layer(ctx, "column", sp, F32)
+    x, dy = _inputs(ctx, F32)
+    x_local, dy_local = _local_io(ctx, "column", sp, x, dy)
+    with fp8train.autocast(recipe=fp8train.CurrentScaling()):
+        y = layer(x_local.clone().requires_grad_(True))
+    with RecordDgradOverlap() as order:
+        y.backward(dy_local)
+    assert order.events == ["issue", "wgrad", "done"], f"backward order: {order.events}"
+
+
 def case_outside_autocast(ctx, mode, sp):
     """Without fp8train.autocast the TP layer computes the full layer's float32 results."""
     tp, full = _tp_layer(ctx, mode, sp, F32), _full_layer(ctx, F32)
@@ -287,6 +300,8 @@ def _cases():
             add(case_state_dict_round_trip, worlds=(2,), mode=mode, sp=sp)
         for dtype in (BF16, F32):
             add(case_init_is_slice_of_unsharded, worlds=(2,), mode=mode, dtype=dtype)
+    for sp in (False, True):
+        add(case_dgrad_reduction_overlaps_wgrad, worlds=(2,), sp=sp)
     add(case_bad_configs)
     add(case_autocast_reduces_amaxes)
     return out
