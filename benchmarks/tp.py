@@ -1,4 +1,4 @@
-"""Tensor-parallel MLP block: BF16 TP, FP8 TP, FP8 TP with collective-matmul overlap.
+"""Tensor-parallel MLP block: BF16 TP, FP8 TP without overlap, with the bulk overlap, with collective matmuls.
 
 Run under torchrun, one process per GPU:
 
@@ -10,10 +10,11 @@ LayerNorm on this rank's rows, fc1 column-parallel (its input gathered once, in 
 reused for wgrad), GELU(tanh), fc2 row-parallel (output reduce-scattered); forward +
 backward, bf16 activations and parameters, `tokens` rows in all (tokens / N per rank).
 Variants, side by side in one run: BF16 TP (the same module outside fp8train.autocast: torch
-ops, the same collectives on bf16), FP8 TP (FP8 gathers and GEMMs; partial sums reduced in
-bf16, the default), FP8 TP with tp_overlap (the SP gathers / reduce-scatters as ring
+ops, the same collectives on bf16), FP8 TP sequential (FP8 gathers and GEMMs, partial sums
+reduced in bf16, every collective waited for before the next GEMM: no overlap), FP8 TP (the
+default: the same, with fc1's dX reduce-scatter beside its wgrad GEMM), FP8 TP with tp_overlap (the SP gathers / reduce-scatters as ring
 collective matmuls), FP8 TP with float32 partial sums (tp_reduce_dtype=torch.float32); with
---graphed also BF16 TP, FP8 TP and FP8 TP overlap replayed from CUDA graphs (no host bound). N=1 runs the same code with no
+--graphed also BF16 TP and the three FP8 TP variants replayed from CUDA graphs (no host bound). N=1 runs the same code with no
 communication, so the script is exercised before multi-GPU machines exist; `--device cpu`
 (gloo) is a smoke test of the code path only (its times mean nothing). Rank 0 prints the
 table and writes JSON. Never asserts on time.
@@ -21,6 +22,7 @@ table and writes JSON. Never asserts on time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import gc
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import fp8train
+from fp8train.distributed import tp_comm
 
 
 def tp_block(h: int, group, overlap: bool, device, dtype, reduce_dtype=None) -> fp8train.LayerNormMLP:
@@ -73,14 +76,18 @@ def trace_steps(step, path: str, iters: int = 3) -> list:
     return sorted(rows, key=lambda r: -r[1])
 
 
-# (name, tp_overlap, FP8, tp_reduce_dtype, graphed)
-VARIANTS = (("bf16 TP", False, False, None, False),
-            ("fp8 TP", False, True, None, False),
-            ("fp8 TP overlap", True, True, None, False),
-            ("fp8 TP fp32-reduce", False, True, torch.float32, False))
-GRAPHED = (("bf16 TP graphed", False, False, None, True),
-           ("fp8 TP graphed", False, True, None, True),
-           ("fp8 TP overlap graphed", True, True, None, True))
+# (name, tp_overlap, FP8, tp_reduce_dtype, graphed, sequential): "fp8 TP" reduces dX beside the
+# wgrad GEMM (the bulk overlap, tp_comm.column_dgrad); "sequential" waits for it first
+# (tp_comm.sequential_reductions), the FP8 TP without any overlap
+VARIANTS = (("bf16 TP", False, False, None, False, False),
+            ("fp8 TP sequential", False, True, None, False, True),
+            ("fp8 TP", False, True, None, False, False),
+            ("fp8 TP overlap", True, True, None, False, False),
+            ("fp8 TP fp32-reduce", False, True, torch.float32, False, False))
+GRAPHED = (("bf16 TP graphed", False, False, None, True, False),
+           ("fp8 TP sequential graphed", False, True, None, True, True),
+           ("fp8 TP graphed", False, True, None, True, False),
+           ("fp8 TP overlap graphed", True, True, None, True, False))
 
 
 def build_step(h, group, device, dtype, x, dy, overlap, fp8, reduce_dtype, graphed):
@@ -121,9 +128,11 @@ def run_size(h, tokens, group, device, dtype, warmup, iters, trace_dir=None, gra
     x = torch.randn(tokens // world, h, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
     out = {}
-    for name, overlap, fp8, reduce_dtype, graph in VARIANTS + (GRAPHED if graphed else ()):
-        step, block = build_step(h, group, device, dtype, x, dy, overlap, fp8, reduce_dtype, graph)
-        out[name] = time_ms(step, device, warmup, iters)
+    for name, overlap, fp8, reduce_dtype, graph, sequential in VARIANTS + (GRAPHED if graphed else ()):
+        order = tp_comm.sequential_reductions if sequential else contextlib.nullcontext
+        with order():  # around the capture of graphed variants and every eager step
+            step, block = build_step(h, group, device, dtype, x, dy, overlap, fp8, reduce_dtype, graph)
+            out[name] = time_ms(step, device, warmup, iters)
         if trace_dir and device.type == "cuda":
             rank = dist.get_rank()
             tag = name.replace(" ", "_")
@@ -171,10 +180,15 @@ def main():
             worst[name] = float(t)
         rows.append({"h": h, **worst,
                      "fp8_vs_bf16": worst["fp8 TP"] / worst["bf16 TP"],
+                     "bulk_vs_sequential": worst["fp8 TP"] / worst["fp8 TP sequential"],
+                     "overlap_vs_sequential": worst["fp8 TP overlap"] / worst["fp8 TP sequential"],
                      "overlap_vs_fp8": worst["fp8 TP overlap"] / worst["fp8 TP"],
                      "overlap_vs_bf16": worst["fp8 TP overlap"] / worst["bf16 TP"]})
         if args.graphed:
-            rows[-1].update({"graphed_overlap_vs_fp8": worst["fp8 TP overlap graphed"] / worst["fp8 TP graphed"],
+            rows[-1].update({"graphed_bulk_vs_sequential": worst["fp8 TP graphed"] / worst["fp8 TP sequential graphed"],
+                             "graphed_overlap_vs_sequential":
+                                 worst["fp8 TP overlap graphed"] / worst["fp8 TP sequential graphed"],
+                             "graphed_overlap_vs_fp8": worst["fp8 TP overlap graphed"] / worst["fp8 TP graphed"],
                              "graphed_overlap_vs_bf16": worst["fp8 TP overlap graphed"] / worst["bf16 TP graphed"]})
     if rank == 0:
         meta = {"date": datetime.date.today().isoformat(), "world": world, "tokens": args.tokens,

@@ -11,13 +11,14 @@ against (b), the float64 reference (SQNR >= 25 dB outputs, >= 20 dB gradients, a
 """
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import fp8train
-from fp8train.distributed import delayed_quantizers, reduce_delayed_amaxes
+from fp8train.distributed import delayed_quantizers, reduce_delayed_amaxes, tp_comm
 
 import gloo_harness
 from helpers import RecordDgradOverlap, sqnr_db
@@ -191,17 +192,30 @@ def case_overlap_matches_plain(ctx, mode, recipe):
     assert torch.equal(ring.bias.grad, plain.bias.grad)
 
 
-def case_dgrad_reduction_overlaps_wgrad(ctx, sp):
+def case_dgrad_reduction_overlaps_wgrad(ctx, sp, sequential=False):
     """Column backward: dX's reduction (all-reduce, reduce-scatter under SP) is issued before
-    the wgrad GEMM and waited for after it, so the two overlap."""
+    the wgrad GEMM and waited for after it, so the two overlap. Inside
+    tp_comm.sequential_reductions (the benchmarks' no-overlap baseline) it is waited for
+    first, with the same gradient bits."""
     layer = _tp_layer(ctx, "column", sp, F32)
     x, dy = _inputs(ctx, F32)
     x_local, dy_local = _local_io(ctx, "column", sp, x, dy)
-    with fp8train.autocast(recipe=fp8train.CurrentScaling()):
-        y = layer(x_local.clone().requires_grad_(True))
-    with RecordDgradOverlap() as order:
-        y.backward(dy_local)
-    assert order.events == ["issue", "wgrad", "done"], f"backward order: {order.events}"
+
+    def backward(order_ctx):
+        xi = x_local.clone().requires_grad_(True)
+        with fp8train.autocast(recipe=fp8train.CurrentScaling()):
+            y = layer(xi)
+        layer.weight.grad = None
+        with order_ctx(), RecordDgradOverlap() as order:
+            y.backward(dy_local)
+        return order.events, xi.grad, layer.weight.grad
+
+    events, dx, dw = backward(contextlib.nullcontext)
+    assert events == ["issue", "wgrad", "done"], f"backward order: {events}"
+    if sequential:
+        events, dx_seq, dw_seq = backward(tp_comm.sequential_reductions)
+        assert events == ["issue", "done", "wgrad"], f"sequential backward order: {events}"
+        assert torch.equal(dx_seq, dx) and torch.equal(dw_seq, dw)
 
 
 def case_outside_autocast(ctx, mode, sp):
@@ -302,6 +316,7 @@ def _cases():
             add(case_init_is_slice_of_unsharded, worlds=(2,), mode=mode, dtype=dtype)
     for sp in (False, True):
         add(case_dgrad_reduction_overlaps_wgrad, worlds=(2,), sp=sp)
+    add(case_dgrad_reduction_overlaps_wgrad, worlds=(2,), sp=True, sequential=True)
     add(case_bad_configs)
     add(case_autocast_reduces_amaxes)
     return out

@@ -25,7 +25,8 @@ of collective_matmul.py instead of one collective next to one GEMM.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -157,7 +158,25 @@ def column_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, w_fp8, confi
         return PendingReduction(dgrad_reduce_scatter(dy_data, dy_scale_inv, *weight_transposed(w_fp8), config,
                                                      act_dtype, tp.group, accum_dtype=accum), None, act_dtype)
     dx = gemm.dgrad(dy_data, dy_scale_inv, *weight_transposed(w_fp8), config, accum)  # (M, K) partial
-    return _start_sum(dx, tp, act_dtype)
+    pending = _start_sum(dx, tp, act_dtype)
+    return PendingReduction(pending.wait(), None, act_dtype) if _sequential else pending
+
+
+_sequential = False
+
+
+@contextlib.contextmanager
+def sequential_reductions() -> Iterator[None]:
+    """Inside the block column_dgrad waits for dX's reduction before it returns, so the wgrad
+    GEMM runs after it (the order before the bulk overlap): the benchmarks' no-overlap
+    baseline and tests. Applies to what runs, or is captured into a CUDA graph, inside the
+    block; not thread-safe."""
+    global _sequential
+    saved, _sequential = _sequential, True
+    try:
+        yield
+    finally:
+        _sequential = saved
 
 
 # --------------------------------------------------------------------------- row parallel
