@@ -66,6 +66,16 @@ for name in steps:
     print(f"{name:<16} wall {med(samples[name]):.3f} ms/step (min {min(samples[name]):.3f}, max "
           f"{max(samples[name]):.3f}); host to issue one step {med(host[name]):.3f} ms")
 
+# the same steps timed as benchmarks/small.py times them (do_bench: L2 flush and events per
+# call), three interleaved rounds
+import triton.testing  # noqa: E402
+bench = {name: [] for name in steps}
+for _ in range(3):
+    for name, step in steps.items():
+        bench[name].append(triton.testing.do_bench(step, warmup=100, rep=300, return_mode="median"))
+for name in steps:
+    print(f"{name:<16} do_bench {med(bench[name]):.3f} ms/step (rounds {' '.join(f'{v:.3f}' for v in bench[name])})")
+
 t = time.perf_counter()
 for _ in range(1000):
     with fp8train.autocast(recipe=auto):
