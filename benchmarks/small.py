@@ -8,11 +8,13 @@ graphed (fp8train.make_graphed_callables, after one eager step), eager, and eage
 `auto_precision=True` (fp8train/precision.py measures each layer shape once and keeps the
 faster path); torchao float8 tensorwise compiled, default and "reduce-overhead", at h=1024
 when importable (`--torchao-all` for every size). Loss and Adam stay eager in every
-variant. Every variant is built and timed once per round (--rounds, default 5) and the
-table shows each variant's median, and its fastest round beside it (on a host-bound step
-the fastest round is the one the host disturbed least). Prints a table with each ratio to BF16 eager, the auto-precision report and the
-host time of one fwd+bwd of a 1024 x 1024 FP8 Linear against nn.Linear's (linear.py's
-host_time), so one run shows the issue's three targets; writes JSON. Never asserts on time.
+variant. Every variant is built and timed once per round (--rounds, default 5; each round
+starts one variant later than the previous, so no variant always follows the same one).
+Prints a table with each variant's median and its ratio to BF16 eager, its fastest round
+and that ratio (on a host-bound step the fastest round is the one the host disturbed
+least), the auto-precision report and the host time of one fwd+bwd of a 1024 x 1024 FP8
+Linear against nn.Linear's (linear.py's host_time), so one run shows the issue's three
+targets; writes JSON. Never asserts on time.
 """
 from __future__ import annotations
 
@@ -107,12 +109,16 @@ def main():
         target = torch.randn(args.tokens, h, device=device)
         # The host of the GPU machine moves step times by +-20% between runs, so every
         # variant is built and timed once per round, rounds one after another, and the table
-        # takes each variant's median: the ratios compare times taken side by side.
-        samples: dict = {}
+        # takes each variant's median: the ratios compare times taken side by side. Each
+        # round starts one variant later than the one before (a rotation), so no variant
+        # always runs in the same place, e.g. always right after the slowest one.
+        samples: dict = {name: [] for name, _ in variants(h, device, x, target, False)}
         for r in range(args.rounds):
             # torchao's compiled variants are timed in the first round only (compiling takes
             # tens of seconds per variant)
-            for name, build in variants(h, device, x, target, r == 0 and (args.torchao_all or h == 1024)):
+            order = variants(h, device, x, target, r == 0 and (args.torchao_all or h == 1024))
+            shift = r % len(order)
+            for name, build in order[shift:] + order[:shift]:
                 step, model = build()
                 samples.setdefault(name, []).append(
                     triton.testing.do_bench(step, warmup=100, rep=300, return_mode="median"))
@@ -125,8 +131,7 @@ def main():
                 del step, model
                 gc.collect()
                 torch.cuda.empty_cache()
-        first = next(iter(samples.values()))  # bf16 eager, the first variant
-        base, base_min = statistics.median(first), min(first)
+        base, base_min = statistics.median(samples["bf16 eager"]), min(samples["bf16 eager"])
         for name, ms in samples.items():
             med = statistics.median(ms)
             results.append({"h": h, "variant": name, "ms": med, "ratio_to_bf16_eager": med / base,
