@@ -4,10 +4,12 @@
 #   tp     benchmarks/tp.py under torchrun on every visible GPU (N=1 on one GPU)
 #   mlp    benchmarks/mlp.py (torchao joins when its wheel lies in .whl/: installed to /tmp/site)
 #   bench  benchmarks/linear.py, mlp.py, cast.py
+#   kernels  benchmarks/activation.py and norm.py, each with its launch-shape sweep (--variants)
 #   small  benchmarks/small.py (small MLP sizes: graphs, auto precision, torchao reduce-overhead)
 #   demo   the 2000-step GPU demo, hybrid and (second GPU) e4m3 formats side by side
 #   tests  the GPU suite (tools/gpu_tests_parallel.sh: shards over the GPUs, then multi-GPU files)
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [small] [demo] [tests]  (default: info tests bench)
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests]
+#   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
 OUT=${OUT:-/tmp/fp8train-out}
@@ -35,6 +37,10 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 120 python3 benchmarks/linear.py --json "$OUT/linear.json" 2>&1 | tee "$OUT/linear.log" | tail -16
       timeout 200 python3 benchmarks/mlp.py --json "$OUT/mlp.json" 2>&1 | tee "$OUT/mlp.log" | tail -40
       timeout 150 python3 benchmarks/cast.py --json "$OUT/cast.json" 2>&1 | tee "$OUT/cast.log" | tail -20 ;;
+    kernels)
+      timeout 200 python3 benchmarks/activation.py --variants --json "$OUT/activation.json" 2>&1 \
+        | tee "$OUT/activation.log" | tail -30
+      timeout 200 python3 benchmarks/norm.py --variants --json "$OUT/norm.json" 2>&1 | tee "$OUT/norm.log" | tail -30 ;;
     small)
       timeout 540 python3 benchmarks/small.py --json "$OUT/small.json" 2>&1 | tee "$OUT/small.log" | tail -45 ;;
     demo)
