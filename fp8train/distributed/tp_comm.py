@@ -41,6 +41,22 @@ from .tp_config import TPConfig
 
 # --------------------------------------------------------------------------- collectives
 
+_sequential = False  # sequential_reductions(): column_dgrad waits before it returns
+
+
+@contextlib.contextmanager
+def sequential_reductions() -> Iterator[None]:
+    """Inside the block column_dgrad waits for dX's reduction before it returns, so the wgrad
+    GEMM runs after it (the order before the bulk overlap): the benchmarks' no-overlap
+    baseline and tests. Applies to what runs, or is captured into a CUDA graph, inside the
+    block; not thread-safe."""
+    global _sequential
+    saved, _sequential = _sequential, True
+    try:
+        yield
+    finally:
+        _sequential = saved
+
 
 def all_reduce_sum(t: torch.Tensor, tp: TPConfig) -> torch.Tensor:
     """In place: t <- the sum of t over the ranks. Returns t."""
@@ -161,22 +177,6 @@ def column_dgrad(dy_data: torch.Tensor, dy_scale_inv: torch.Tensor, w_fp8, confi
     pending = _start_sum(dx, tp, act_dtype)
     return PendingReduction(pending.wait(), None, act_dtype) if _sequential else pending
 
-
-_sequential = False
-
-
-@contextlib.contextmanager
-def sequential_reductions() -> Iterator[None]:
-    """Inside the block column_dgrad waits for dX's reduction before it returns, so the wgrad
-    GEMM runs after it (the order before the bulk overlap): the benchmarks' no-overlap
-    baseline and tests. Applies to what runs, or is captured into a CUDA graph, inside the
-    block; not thread-safe."""
-    global _sequential
-    saved, _sequential = _sequential, True
-    try:
-        yield
-    finally:
-        _sequential = saved
 
 
 # --------------------------------------------------------------------------- row parallel
