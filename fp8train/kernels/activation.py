@@ -4,15 +4,18 @@ Twins: activation_reference.act_amax, act_fwd_fp8, act_bwd_amax, act_bwd_fp8 (th
 specification, with the formulas, the activations and the argument contracts; the wrappers
 here have the same signatures and in-place behaviour). Scale conventions: fp8train/scaling.py.
 
-Two kernels serve the four wrappers, both persistent loops over 2-D tiles like
+Two kernels serve the four wrappers, both loops over 2-D tiles (persistent, but for the dbias backward) like
 cast._tile_kernel (same scale resolution, saturation, amax bits and byte transpose):
   _act_fwd_kernel  h (M, F) [or (M, 2F) = gate | up] -> a = act(h) as fp8 (M, F) and its
                    transpose (F, Mp), amax of a.
   _act_bwd_kernel  da (M, F), h -> dh = da * act'(h) as fp8 (M, Fh) and its transpose
-                   (Fh, Mp), amax of dh, and per-row-tile column sums of dh (dbias) written
-                   to a float32 scratch that the host reduces with torch.sum (deterministic:
-                   no float atomics). For swiglu one tile of da yields two output tiles,
-                   dgate at columns [c, c + BN) and dup at [F + c, F + c + BN).
+                   (Fh, Mp), amax of dh, and with dbias the column sums of dh: each program
+                   then takes one column strip over a run of row tiles, sums its dh tiles
+                   elementwise in registers and reduces them across rows once, into its
+                   row of a float32 scratch that the host reduces with torch.sum
+                   (deterministic for a launch shape: no float atomics). For swiglu one
+                   tile of da yields two output tiles, dgate at columns [c, c + BN) and
+                   dup at [F + c, F + c + BN).
 Every program does a single `atomic_max` for the amax at its end. On CUDA the transposed
 copy is for now written from out's bytes after the kernel by kernels/transpose.py
 (_FUSED_TRANSPOSE_ON_CUDA says why); the interpreter runs the in-kernel transpose.
@@ -266,12 +269,44 @@ def _act_fwd_kernel(
 
 
 @triton.jit
+def _act_bwd_tile(da_ptr, h_ptr, out_ptr, out_t_ptr, scale, row0, col0, M, F, Fh, Mp, stride_dam, stride_hm, r, c,
+                  ACT: tl.constexpr, FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of da at (row0, col0): dh = da * act'(h), cast and stored
+    (CAST). Returns (dh, dh) for the one-input activations, (dgate, dup) for swiglu, whose
+    tile of da yields two output tiles, dgate at columns [c, c + BN) and dup at [F + c, ...)."""
+    rows = row0 + r
+    cols = col0 + c
+    col_ok = cols < F
+    in_x = (rows < M)[:, None] & col_ok[None, :]
+    # Masked elements load da = 0 and h = 0, so dh = +0 there: no effect on amax or dbias.
+    da_tile = da_ptr + tl.cast(row0, tl.int64) * stride_dam + col0
+    g = tl.load(da_tile + r[:, None] * stride_dam + c[None, :], mask=in_x, other=0.0).to(tl.float32)
+    h_tile = h_ptr + tl.cast(row0, tl.int64) * stride_hm + col0
+    offs_h = r[:, None] * stride_hm + c[None, :]
+    x = tl.load(h_tile + offs_h, mask=in_x, other=0.0).to(tl.float32)
+    if ACT == _SWIGLU:
+        up = tl.load(h_tile + F + offs_h, mask=in_x, other=0.0).to(tl.float32)
+        s, e = _sigmoid(x)
+        v1 = (g * up) * (s * tl.math.fma(x, _sigmoid_complement(x, s, e), 1.0))  # dgate
+        v2 = g * (x * s)  # dup
+        if CAST:
+            _emit(v1, rows, r, c, col_ok, row0, col0, M, Fh, Mp, out_ptr, out_t_ptr, scale, FP8_MAX, TRANSPOSE)
+            _emit(v2, rows, r, c, col_ok, row0, F + col0, M, Fh, Mp, out_ptr, out_t_ptr, scale, FP8_MAX, TRANSPOSE)
+    else:
+        v1 = _act_grad(g, x, ACT)
+        v2 = v1
+        if CAST:
+            _emit(v1, rows, r, c, col_ok, row0, col0, M, Fh, Mp, out_ptr, out_t_ptr, scale, FP8_MAX, TRANSPOSE)
+    return v1, v2
+
+
+@triton.jit
 def _act_bwd_kernel(
     da_ptr,         # (M, F) bf16/fp16/fp32 gradient w.r.t. the activation, unit column stride
     h_ptr,          # (M, Fh) bf16/fp16/fp32 saved fc1 output, Fh = F (2F = gate | up for swiglu)
     out_ptr,        # (M, Fh) fp8 dh, row-major (CAST)
     out_t_ptr,      # (Fh, Mp) fp8 transposed copy of dh; columns M..Mp-1 get zeros (TRANSPOSE)
-    dbias_ptr,      # (row tiles, Fh) float32 scratch: row i gets the column sums of dh's row tile i (DBIAS)
+    dbias_ptr,      # (row splits, Fh) float32 scratch: row k gets the column sums of dh over split k (DBIAS)
     scale_ptr,      # () float32 scale: read; set from from_amax by program 0 (FROM_AMAX)
     scale_inv_ptr,  # () float32 output 1/scale, written by program 0 (CAST)
     amax_ptr,       # () float32 running amax of dh: one atomic max per program (AMAX)
@@ -280,12 +315,14 @@ def _act_bwd_kernel(
     M, F, Mp,       # rows, columns of da, out_t row length (>= M)
     stride_dam,     # row stride of da, in elements
     stride_hm,      # row stride of h, in elements
+    split_rows,     # DBIAS: row tiles per split (each program: one column strip x one split)
     ACT: tl.constexpr, FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr,
     AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    scale = 1.0
     if CAST:
         scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
     if ACT == _SWIGLU:
@@ -297,49 +334,46 @@ def _act_bwd_kernel(
     else:
         rows_covered = M
     tiles_n = tl.cdiv(F, BLOCK_N)
-    num_tiles = tl.cdiv(rows_covered, BLOCK_M) * tiles_n
+    row_tiles = tl.cdiv(rows_covered, BLOCK_M)
     r = tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M], dtype=tl.int32)  # per-row maxima of _abs_bits
-    for t in range(pid, num_tiles, nprog):
-        row_tile = t // tiles_n
-        row0 = row_tile * BLOCK_M
-        col0 = (t % tiles_n) * BLOCK_N
-        rows = row0 + r
-        cols = col0 + c
-        col_ok = cols < F
-        in_x = (rows < M)[:, None] & col_ok[None, :]
-        # Masked elements load da = 0 and h = 0, so dh = +0 there: no effect on amax or dbias.
-        da_tile = da_ptr + tl.cast(row0, tl.int64) * stride_dam + col0
-        g = tl.load(da_tile + r[:, None] * stride_dam + c[None, :], mask=in_x, other=0.0).to(tl.float32)
-        h_tile = h_ptr + tl.cast(row0, tl.int64) * stride_hm + col0
-        offs_h = r[:, None] * stride_hm + c[None, :]
-        x = tl.load(h_tile + offs_h, mask=in_x, other=0.0).to(tl.float32)
-        dbias_row = dbias_ptr + tl.cast(row_tile, tl.int64) * Fh + col0  # row_tile: a Python int when interpreted
+    if DBIAS:
+        # One column strip x one run of split_rows row tiles per program (the grid has one
+        # program per pair): dh is summed elementwise in registers down the strip and reduced
+        # across rows once at the end, instead of once per tile.
+        strip = pid % tiles_n
+        split = pid // tiles_n
+        col0 = strip * BLOCK_N
+        db1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        db2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        first = split * split_rows
+        last = tl.minimum(first + split_rows, row_tiles)
+        for row_tile in range(first, last):
+            v1, v2 = _act_bwd_tile(da_ptr, h_ptr, out_ptr, out_t_ptr, scale, row_tile * BLOCK_M, col0, M, F, Fh, Mp,
+                                   stride_dam, stride_hm, r, c, ACT, FP8_MAX, CAST, TRANSPOSE)
+            db1 += v1
+            if AMAX:
+                acc = tl.maximum(acc, tl.max(_abs_bits(v1), axis=1))
+            if ACT == _SWIGLU:
+                db2 += v2
+                if AMAX:
+                    acc = tl.maximum(acc, tl.max(_abs_bits(v2), axis=1))
+        dbias_row = dbias_ptr + tl.cast(split, tl.int64) * Fh + col0  # split: a Python int when interpreted
+        col_ok = col0 + c < F
+        tl.store(dbias_row + c, tl.sum(db1, axis=0), mask=col_ok)
         if ACT == _SWIGLU:
-            up = tl.load(h_tile + F + offs_h, mask=in_x, other=0.0).to(tl.float32)
-            s, e = _sigmoid(x)
-            dgate = (g * up) * (s * tl.math.fma(x, _sigmoid_complement(x, s, e), 1.0))
-            dup = g * (x * s)
+            tl.store(dbias_row + F + c, tl.sum(db2, axis=0), mask=col_ok)
+    else:
+        num_tiles = row_tiles * tiles_n
+        for t in range(pid, num_tiles, nprog):
+            v1, v2 = _act_bwd_tile(da_ptr, h_ptr, out_ptr, out_t_ptr, scale, (t // tiles_n) * BLOCK_M,
+                                   (t % tiles_n) * BLOCK_N, M, F, Fh, Mp, stride_dam, stride_hm, r, c, ACT, FP8_MAX,
+                                   CAST, TRANSPOSE)
             if AMAX:
-                acc = tl.maximum(acc, tl.max(_abs_bits(dgate), axis=1))
-                acc = tl.maximum(acc, tl.max(_abs_bits(dup), axis=1))
-            if DBIAS:
-                tl.store(dbias_row + c, tl.sum(dgate, axis=0), mask=col_ok)
-                tl.store(dbias_row + F + c, tl.sum(dup, axis=0), mask=col_ok)
-            if CAST:
-                _emit(dgate, rows, r, c, col_ok, row0, col0, M, Fh, Mp, out_ptr, out_t_ptr, scale,
-                      FP8_MAX, TRANSPOSE)
-                _emit(dup, rows, r, c, col_ok, row0, F + col0, M, Fh, Mp, out_ptr, out_t_ptr, scale,
-                      FP8_MAX, TRANSPOSE)
-        else:
-            dh = _act_grad(g, x, ACT)
-            if AMAX:
-                acc = tl.maximum(acc, tl.max(_abs_bits(dh), axis=1))
-            if DBIAS:
-                tl.store(dbias_row + c, tl.sum(dh, axis=0), mask=col_ok)
-            if CAST:
-                _emit(dh, rows, r, c, col_ok, row0, col0, M, Fh, Mp, out_ptr, out_t_ptr, scale, FP8_MAX, TRANSPOSE)
+                acc = tl.maximum(acc, tl.max(_abs_bits(v1), axis=1))
+                if ACT == _SWIGLU:
+                    acc = tl.maximum(acc, tl.max(_abs_bits(v2), axis=1))
     if AMAX:
         tl.atomic_max(amax_ptr, _amax_of_bits(acc))
 
@@ -444,24 +478,29 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
     mp = m if out_t is None else out_t.shape[1]
     stride_dam, stride_hm = _row_stride(da), _row_stride(h)
     _check_tile_offsets(fn, cfg, fh, max(stride_dam, stride_hm), mp)
-    row_tiles = triton.cdiv(mp, cfg.block_m)
-    scratch = None
+    row_tiles, tiles_n = triton.cdiv(mp, cfg.block_m), triton.cdiv(f, cfg.block_n)
+    programs = _grid(row_tiles * tiles_n, cfg.programs_per_sm, h.device)
+    scratch, split_rows = None, row_tiles
     if dbias_out is not None:
-        # Every tile writes its (BLOCK_N,) column sums into its row tile's row: no zeroing needed.
-        scratch = torch.empty(row_tiles, fh, dtype=torch.float32, device=h.device)  # (row tiles, Fh)
+        # One program per (column strip, run of split_rows row tiles), about as many programs
+        # as the persistent grid has; each writes its strip's columns of its split's scratch
+        # row, so every row is written: no zeroing. Rows of padding tiles (out_t's, past M)
+        # add zeros.
+        split_rows = triton.cdiv(row_tiles, max(1, programs // tiles_n))
+        splits = triton.cdiv(row_tiles, split_rows)
+        programs = splits * tiles_n
+        scratch = torch.empty(splits, fh, dtype=torch.float32, device=h.device)  # (splits, Fh)
     stand_in, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     kernel = _bwd(cfg, _ACT_CODES[act], *flags, scratch is not None)
     with device_guard(h.device):
-        kernel(_grid(row_tiles * triton.cdiv(f, cfg.block_n), cfg.programs_per_sm, h.device),
-               da, h, _or(out, h), _or(out_t, _or(out, h)), _or(scratch, stand_in),
-               *pointers, m, f, mp, stride_dam, stride_hm)
+        kernel(programs, da, h, _or(out, h), _or(out_t, _or(out, h)), _or(scratch, stand_in),
+               *pointers, m, f, mp, stride_dam, stride_hm, split_rows)
         _finish_transpose(out, copy_t)
         if scratch is not None:
-            partial = scratch[:triton.cdiv(m, cfg.block_m)]  # rows past that are out_t's padding tiles: zeros
             if dbias_out.dtype == torch.float32:
-                torch.sum(partial, dim=0, out=dbias_out)
+                torch.sum(scratch, dim=0, out=dbias_out)
             else:
-                dbias_out.copy_(partial.sum(dim=0))
+                dbias_out.copy_(scratch.sum(dim=0))
 
 
 # Whether the kernels write out_t themselves on CUDA (the byte transpose through shared
