@@ -5,9 +5,10 @@
 
 Per activation and size (M rows, F activation columns): the forward (act(h) -> fp8 + its
 transposed copy + amax, delayed scaling) and the backward (da * act'(h) -> fp8 + transposed
-copy + amax + dbias), each also without the transposed copy (the kernel alone: on CUDA the
-copy is a second kernel, see activation._FUSED_TRANSPOSE_ON_CUDA), the backward also without
-dbias; beside them torch's bf16 activation forward / backward. relu shows the kernels' cost
+copy + amax + dbias), each also without the transposed copy, the library's shapes also with
+the copy made by a second kernel (kernels/transpose.py, the route before
+activation._FUSED_TRANSPOSE_ON_CUDA), the backward also without dbias;
+beside them torch's bf16 activation forward / backward. relu shows the kernels' cost
 with next to no activation math. GB/s counts the bytes an op must move (bf16 inputs read
 once, each fp8 output written once); "% copy" is that rate over a measured bf16 device
 copy's. Times are medians of triton.testing.do_bench (L2 flushed between runs). Never
@@ -44,6 +45,17 @@ VARIANTS = [activation.ActConfig(bm, bn, warps, per_sm)
 
 def median_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+@contextlib.contextmanager
+def separate_copy(module):
+    """module's kernels write the row-major output only; kernels/transpose.py makes out_t."""
+    saved = module._FUSED_TRANSPOSE_ON_CUDA
+    module._FUSED_TRANSPOSE_ON_CUDA = False
+    try:
+        yield
+    finally:
+        module._FUSED_TRANSPOSE_ON_CUDA = saved
 
 
 def run_size(act: str, m: int, f: int, configs) -> list:
@@ -92,6 +104,13 @@ def run_size(act: str, m: int, f: int, configs) -> list:
                 add(f"fp8 backward + dbias{t}", label, median_ms(lambda: activation.act_bwd_fp8(
                     da, h, act, out_b, out_bt if transpose else None, scale, scale_inv, amax, dbias_out=dbias)),
                     bwd_bytes[transpose])
+            if cfg is None and activation._FUSED_TRANSPOSE_ON_CUDA:  # the copy in a second launch, for comparison
+                with separate_copy(activation):
+                    add("fp8 forward + transpose (separate copy)", label, median_ms(lambda: activation.act_fwd_fp8(
+                        h, act, out_f, out_ft, scale, scale_inv, amax)), fwd_bytes[True])
+                    add("fp8 backward + dbias + transpose (separate copy)", label, median_ms(
+                        lambda: activation.act_bwd_fp8(da, h, act, out_b, out_bt, scale, scale_inv, amax,
+                                                       dbias_out=dbias)), bwd_bytes[True])
             # the dbias partial sums' own cost (the layers without fc1 bias skip them)
             add("fp8 backward, no dbias", label, median_ms(lambda: activation.act_bwd_fp8(
                 da, h, act, out_b, None, scale, scale_inv, amax)), bwd_bytes[False])

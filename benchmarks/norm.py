@@ -5,8 +5,8 @@
     TRITON_INTERPRET=1 python benchmarks/norm.py --device cpu --sizes 64x48 --variants   # smoke test only
 
 Per size (M rows of K features, bf16, LayerNorm with bias, delayed scaling, e4m3 out): the
-forward into FP8 (row kernel), the same with the transposed copy (on CUDA the row kernel,
-then kernels/transpose.py: see norm._FUSED_TRANSPOSE_ON_CUDA), and the backward (dx, dgamma,
+forward into FP8 (row kernel), the same with the transposed copy (the tile kernel; on CUDA
+also the row kernel then kernels/transpose.py, as before norm._FUSED_TRANSPOSE_ON_CUDA), and the backward (dx, dgamma,
 dbeta), beside torch's bf16 F.layer_norm forward and backward. GB/s counts the bytes an op
 must move (x read once, fp8 outputs written once; backward: dy and x read, dx written);
 "% copy" is that rate over a measured bf16 device copy's. On CUDA times are medians of
@@ -49,6 +49,21 @@ BWD_VARIANTS = [norm.RowConfig(block, max_n, long_m, warps, per_sm)
                                                             (4096, 4096, 4, 4, 4), (8192, 8192, 4, 16, 1),
                                                             (2048, 2048, 2, 4, 4), (8192, 4096, 4, 8, 2),
                                                             (2048, 4096, 1, 4, 4))]
+
+TILE_VARIANTS = [norm.TileConfig(bm, bn, warps, per_sm)
+                 for bm, bn, warps, per_sm in ((32, 128, 8, 2), (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 8, 2),
+                                               (16, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 8), (32, 256, 8, 2))]
+
+
+@contextlib.contextmanager
+def separate_copy():
+    """norm_fwd_fp8 writes out only; kernels/transpose.py makes out_t (the route before the fused one)."""
+    saved = norm._FUSED_TRANSPOSE_ON_CUDA
+    norm._FUSED_TRANSPOSE_ON_CUDA = False
+    try:
+        yield
+    finally:
+        norm._FUSED_TRANSPOSE_ON_CUDA = saved
 
 
 def timer(device: torch.device):
@@ -101,14 +116,20 @@ def run_size(m: int, k: int, device: torch.device, variants: bool) -> tuple:
     if variants:
         shapes += [(f"rows {c.block}/{c.max_block_n}/{c.long_block_m} w{c.num_warps} p{c.programs_per_sm}",
                     norm.NormConfigs(rows=c, tiles=base.tiles, bwd=base.bwd)) for c in ROW_VARIANTS]
+        shapes += [(f"tiles {c.block_m}x{c.block_n} w{c.num_warps} p{c.programs_per_sm}",
+                    norm.NormConfigs(rows=base.rows, tiles=c, bwd=base.bwd)) for c in TILE_VARIANTS]
         shapes += [(f"bwd {c.block}/{c.max_block_n}/{c.long_block_m} w{c.num_warps} p{c.programs_per_sm}",
                     norm.NormConfigs(rows=base.rows, tiles=base.tiles, bwd=c)) for c in BWD_VARIANTS]
     for label, cfgs in shapes:
         with norm.override_configs(cfgs) if label != "-" else contextlib.nullcontext():
-            if not label.startswith("bwd"):
+            if label == "-" or label.startswith("rows"):
                 add("fp8 forward", label, time_ms(fwd(False)), m * k * 2 + m * k)
+            if label == "-" or label.startswith("tiles"):
                 add("fp8 forward + transpose", label, time_ms(fwd(True)), m * k * 2 + 2 * m * k)
-            if not label.startswith("rows"):
+            if label == "-" and device.type == "cuda" and norm._FUSED_TRANSPOSE_ON_CUDA:
+                with separate_copy():
+                    add("fp8 forward + transpose (separate copy)", label, time_ms(fwd(True)), m * k * 2 + 2 * m * k)
+            if label == "-" or label.startswith("bwd"):
                 add("backward (dx, dgamma, dbeta)", label, time_ms(bwd), 3 * m * k * 2)
     return rows, copy_gbs
 
@@ -116,7 +137,7 @@ def run_size(m: int, k: int, device: torch.device, variants: bool) -> tuple:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="4096x1024,8192x4096,8192x8192", help="MxK pairs")
-    p.add_argument("--variants", action="store_true", help="also time the ROW_VARIANTS / BWD_VARIANTS launch shapes")
+    p.add_argument("--variants", action="store_true", help="also time the ROW_VARIANTS / TILE_VARIANTS / BWD_VARIANTS launch shapes")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--json", default="benchmarks/results/norm.json")
     args = p.parse_args()

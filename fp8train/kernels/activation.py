@@ -42,7 +42,7 @@ from .. import scaling
 from . import activation_reference as ref
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
 from .launcher import DirectKernel, device_guard
-from .transpose import transpose_into
+from .transpose import store_transposed_tile, transpose_into
 
 # Activation codes (constexpr ACT), in the order of ref.ACTIVATIONS.
 _GELU: tl.constexpr = tl.constexpr(0)
@@ -206,12 +206,9 @@ def _emit(v, rows, r, c, col_ok, row0, col0, M, N, Mp, out_ptr, out_t_ptr, scale
     q = y.to(out_ptr.dtype.element_ty)
     out_tile = out_ptr + tl.cast(row0, tl.int64) * N + col0
     tl.store(out_tile + r[:, None] * N + c[None, :], q, mask=(rows < M)[:, None] & col_ok[None, :])
-    if TRANSPOSE:
-        # Transpose the bytes (a plain integer layout change through shared memory).
-        q_t = tl.trans(q.to(tl.uint8, bitcast=True)).to(out_t_ptr.dtype.element_ty, bitcast=True)
-        in_t = col_ok[:, None] & (rows < Mp)[None, :]
-        out_t_tile = out_t_ptr + tl.cast(col0, tl.int64) * Mp + row0
-        tl.store(out_t_tile + c[:, None] * Mp + r[None, :], q_t, mask=in_t)  # (BLOCK_N, BLOCK_M)
+    if TRANSPOSE:  # the bytes just stored, back from L2 in transposed order (rows past M: 0)
+        store_transposed_tile(out_tile, out_t_ptr + tl.cast(col0, tl.int64) * Mp + row0, N, Mp, r, c, rows < M,
+                              col_ok, rows < Mp)
 
 
 @triton.jit
@@ -503,20 +500,16 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
                 dbias_out.copy_(scratch.sum(dim=0))
 
 
-# Whether the kernels write out_t themselves on CUDA (the byte transpose through shared
-# memory, TRANSPOSE); otherwise they write out only and transpose.py copies its transposed bytes.
-# Off: with triton 3.6 on sm_90 the in-kernel transpose wrote bytes that no tile held into
-# out_t (NaN bytes in the zero padding, runs of foreign bytes, different bytes from run to
-# run and under CUDA-graph replay), and in the backward into out as well, for bf16 inputs
-# too (GPU tests, 2026-11-29: 167 failures, every one in a launch with TRANSPOSE; launches
-# without it, the float32 path below with NaN / inf inputs included, were right). The
-# source is cast._tile_kernel's, which that run found exact, and the interpreter tests find
-# it right; the symptom is triton-lang/triton#11111 (an fp8 tile stored both row-major and
-# transposed through shared memory gets foreign bytes in the transposed copy; blamed on the
-# bundled ptxas 12.x). Until a GPU run shows a toolchain where it is exact, the copy costs
-# one more read of out and a write pass of its own: 17% (swiglu forward) to 33% (backward)
-# more bytes than the fused kernels.
-_FUSED_TRANSPOSE_ON_CUDA = False
+# Whether the kernels write out_t themselves on CUDA (transpose.store_transposed_tile: each
+# tile's bytes reloaded from out in transposed order); otherwise they write out only and
+# transpose.py copies its transposed bytes in a second launch. History: the first in-kernel
+# route, tl.trans of the register tile, wrote bytes that no tile held into out_t on sm_90 with
+# triton 3.6 (NaN bytes in the zero padding, runs of foreign bytes, different from run to run
+# and under CUDA-graph replay; GPU tests, 2026-11-29: 167 failures, every one in a launch with
+# TRANSPOSE), the symptom of triton-lang/triton#11111. The reload route avoids tl.trans; the
+# separate copy cost one more read of out and a write pass: 17% (swiglu forward) to 33%
+# (backward) more bytes than the fused kernels.
+_FUSED_TRANSPOSE_ON_CUDA = True
 
 
 def _transpose_plan(out_t, *inputs):

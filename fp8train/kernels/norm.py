@@ -47,7 +47,7 @@ from . import norm_reference
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
 from .launcher import DirectKernel, device_guard
 from .norm_reference import check_bwd_args, check_fwd_args, check_stats_args
-from .transpose import transpose_into
+from .transpose import store_transposed_tile, transpose_into
 
 # --------------------------------------------------------------------------- launch shapes
 
@@ -269,12 +269,11 @@ def _norm_fwd_kernel(
                         y8 = tl.where(row_ok[:, None], y8, 0.0)  # padding: +0.0 is byte 0x00
                     q = y8.to(out_ptr.dtype.element_ty)
                     tl.store(out_ptr + row_major, q, mask=mask)
-                    if TRANSPOSE:
-                        # Transpose the bytes (a plain integer layout change through shared memory).
-                        q_t = tl.trans(q.to(tl.uint8, bitcast=True)).to(out_t_ptr.dtype.element_ty, bitcast=True)
-                        in_t = col_ok[:, None] & (rows < Mp)[None, :]
-                        t_offs = cols.to(tl.int64)[:, None] * Mp + rows[None, :]  # (BLOCK_N, BLOCK_M)
-                        tl.store(out_t_ptr + t_offs, q_t, mask=in_t)
+                    if TRANSPOSE:  # the bytes just stored, back from L2 in transposed order (rows past M: 0)
+                        row0 = blk * BLOCK_M
+                        store_transposed_tile(out_ptr + tl.cast(row0, tl.int64) * K + k0,
+                                              out_t_ptr + tl.cast(k0, tl.int64) * Mp + row0, K, Mp, r, c, row_ok,
+                                              col_ok, rows < Mp)
     if AMAX:
         tl.atomic_max(amax_ptr, _amax_of_bits(acc))
 
@@ -368,17 +367,14 @@ def _xhat_g(x_rows, dy_rows, w_ptr, cols, mask, mean, rstd, K, LAYER: tl.constex
 # --------------------------------------------------------------------------- host wrappers
 
 
-# Whether norm_fwd_fp8 writes out_t from inside the kernel on CUDA (TileConfig, the byte
-# transpose through shared memory); otherwise the row kernel writes out and transpose.py copies
-# its transposed bytes. Off: with triton 3.6 on sm_90 the in-kernel transpose wrote foreign bytes
-# into out_t, different from run to run, for bf16 and fp16 inputs whenever the kernel also
-# computed the statistics (GPU tests, 2026-11-29: out_t vs out.T and two poisoned runs
-# disagreed in 19 tests; float32 inputs, already routed around it as in cast.py, and the
-# row-major outputs were right). The source is cast._tile_kernel's byte transpose, which the
-# interpreter tests find right; the symptom matches triton-lang/triton#11111 (an fp8 tile
-# stored row-major and transposed gets foreign bytes in the transposed copy; blamed on the
-# bundled ptxas 12.x). The copy costs one more read and write of out's bytes.
-_FUSED_TRANSPOSE_ON_CUDA = False
+# Whether norm_fwd_fp8 writes out_t from inside the kernel on CUDA (TileConfig, with
+# transpose.store_transposed_tile: each tile's bytes reloaded from out in transposed order);
+# otherwise the row kernel writes out and transpose.py copies its transposed bytes. History: the
+# first in-kernel route, tl.trans of the register tile, wrote foreign bytes into out_t on sm_90
+# with triton 3.6 for bf16 and fp16 inputs whenever the kernel also computed the statistics
+# (GPU tests, 2026-11-29: 19 tests), the symptom of triton-lang/triton#11111. Float32 inputs
+# keep the separate copy, as in cast.py.
+_FUSED_TRANSPOSE_ON_CUDA = True
 
 
 def norm_stats(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,

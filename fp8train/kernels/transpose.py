@@ -53,6 +53,28 @@ def _transpose_kernel(
                  mask=col_ok & (rows < Mp)[None, :])
 
 
+@triton.jit
+def store_transposed_tile(src_tile, dst_tile, ld_src, ld_dst, r, c, src_rows_ok, col_ok, dst_rows_ok):
+    """Inside a kernel that has just stored a (BLOCK_M, BLOCK_N) fp8 tile at src_tile (row
+    stride ld_src): write its bytes transposed, (BLOCK_N, BLOCK_M), at dst_tile (row stride
+    ld_dst). r (BLOCK_M,) and c (BLOCK_N,) are aranges; src_rows_ok / col_ok mark the tile's
+    rows and columns that were stored; dst_rows_ok (BLOCK_M,) the tile rows to write into dst
+    (padding rows, stored or not, are written as byte 0).
+
+    The bytes come back from src (an L2 hit) rather than from registers through tl.trans,
+    which wrote foreign bytes on the H200 with triton 3.6 (activation._FUSED_TRANSPOSE_ON_CUDA).
+    The barrier makes this program's stores visible to all its threads (bar.sync orders
+    global memory within a CTA); the load in transposed index order and the row-wise store are
+    _transpose_kernel's, whose compiler-made exchange the GPU tests find exact.
+    """
+    tl.debug_barrier()
+    src = src_tile.to(tl.pointer_type(tl.uint8), bitcast=True)
+    dst = dst_tile.to(tl.pointer_type(tl.uint8), bitcast=True)
+    v = tl.load(src + r[None, :] * ld_src + c[:, None], mask=col_ok[:, None] & src_rows_ok[None, :], other=0,
+                cache_modifier=".cg")  # (BLOCK_N, BLOCK_M); .cg: from L2, where the stores went
+    tl.store(dst + c[:, None] * ld_dst + r[None, :], v, mask=col_ok[:, None] & dst_rows_ok[None, :])
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(skip: bool) -> DirectKernel:
     return DirectKernel(_transpose_kernel, num_warps=_WARPS, SKIP=skip, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
