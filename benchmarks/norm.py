@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import sys
@@ -115,11 +116,11 @@ def run_size(m: int, k: int, device: torch.device, variants: bool) -> tuple:
     shapes = [("-", base)]
     if variants:
         shapes += [(f"rows {c.block}/{c.max_block_n}/{c.long_block_m} w{c.num_warps} p{c.programs_per_sm}",
-                    norm.NormConfigs(rows=c, tiles=base.tiles, bwd=base.bwd)) for c in ROW_VARIANTS]
+                    dataclasses.replace(base, rows=c)) for c in ROW_VARIANTS]
         shapes += [(f"tiles {c.block_m}x{c.block_n} w{c.num_warps} p{c.programs_per_sm}",
-                    norm.NormConfigs(rows=base.rows, tiles=c, bwd=base.bwd)) for c in TILE_VARIANTS]
+                    dataclasses.replace(base, tiles=c)) for c in TILE_VARIANTS]
         shapes += [(f"bwd {c.block}/{c.max_block_n}/{c.long_block_m} w{c.num_warps} p{c.programs_per_sm}",
-                    norm.NormConfigs(rows=base.rows, tiles=base.tiles, bwd=c)) for c in BWD_VARIANTS]
+                    dataclasses.replace(base, bwd=c, wide_bwd=c)) for c in BWD_VARIANTS]
     for label, cfgs in shapes:
         with norm.override_configs(cfgs) if label != "-" else contextlib.nullcontext():
             if label == "-" or label.startswith("rows"):

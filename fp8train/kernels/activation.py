@@ -4,8 +4,8 @@ Twins: activation_reference.act_amax, act_fwd_fp8, act_bwd_amax, act_bwd_fp8 (th
 specification, with the formulas, the activations and the argument contracts; the wrappers
 here have the same signatures and in-place behaviour). Scale conventions: fp8train/scaling.py.
 
-Two kernels serve the four wrappers, both loops over 2-D tiles (persistent, but for the dbias backward) like
-cast._tile_kernel (same scale resolution, saturation, amax bits and byte transpose):
+Two kernels serve the four wrappers, both loops over 2-D tiles like cast._tile_kernel
+(persistent but for the dbias backward; same scale resolution, saturation and amax bits):
   _act_fwd_kernel  h (M, F) [or (M, 2F) = gate | up] -> a = act(h) as fp8 (M, F) and its
                    transpose (F, Mp), amax of a.
   _act_bwd_kernel  da (M, F), h -> dh = da * act'(h) as fp8 (M, Fh) and its transpose
@@ -17,8 +17,9 @@ cast._tile_kernel (same scale resolution, saturation, amax bits and byte transpo
                    tile of da yields two output tiles, dgate at columns [c, c + BN) and
                    dup at [F + c, F + c + BN).
 Every program does a single `atomic_max` for the amax at its end. On CUDA the transposed
-copy is for now written from out's bytes after the kernel by kernels/transpose.py
-(_FUSED_TRANSPOSE_ON_CUDA says why); the interpreter runs the in-kernel transpose.
+copy is written from out's bytes after the kernel by kernels/transpose.py
+(_FUSED_TRANSPOSE_ON_CUDA says why); the interpreter runs the in-kernel one
+(transpose.store_transposed_tile, which the norm kernel uses on CUDA).
 
 Differences from the twin: none in the float32 expressions, which are the twin's op for op
 with every multiply-add an explicit tl.math.fma (the twin's `fma` rounds exactly like it),
@@ -501,15 +502,16 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
 
 
 # Whether the kernels write out_t themselves on CUDA (transpose.store_transposed_tile: each
-# tile's bytes reloaded from out in transposed order); otherwise they write out only and
-# transpose.py copies its transposed bytes in a second launch. History: the first in-kernel
-# route, tl.trans of the register tile, wrote bytes that no tile held into out_t on sm_90 with
-# triton 3.6 (NaN bytes in the zero padding, runs of foreign bytes, different from run to run
-# and under CUDA-graph replay; GPU tests, 2026-11-29: 167 failures, every one in a launch with
-# TRANSPOSE), the symptom of triton-lang/triton#11111. The reload route avoids tl.trans; the
-# separate copy cost one more read of out and a write pass: 17% (swiglu forward) to 33%
-# (backward) more bytes than the fused kernels.
-_FUSED_TRANSPOSE_ON_CUDA = True
+# tile's bytes reloaded from out, in L2, in transposed order); otherwise they write out only
+# and transpose.py copies its transposed bytes in a second launch. Off: measured slower. The
+# in-kernel route is exact on the H200 (GPU tests, 2026-11-29) but at 8192 x 16384 took
+# 0.361 ms against 0.297 (gelu_tanh forward) and 0.853 against 0.676 (swiglu backward with
+# dbias) for the kernel plus the copy (benchmarks/activation.py, docs/benchmarks.md): each
+# tile waits on a CTA barrier and a round trip to L2 before the next one's loads, and with
+# 64 x 64 tiles that latency is not hidden. (The norm kernel's 32 x 128 tiles gain 5% from
+# it; there it is on.) The first in-kernel route, tl.trans of the register tile, wrote
+# foreign bytes into out_t on sm_90 with triton 3.6 (triton-lang/triton#11111).
+_FUSED_TRANSPOSE_ON_CUDA = False
 
 
 def _transpose_plan(out_t, *inputs):

@@ -20,8 +20,10 @@ the chunks read last: the second read comes from L1 when a step holds a whole ro
 configs up to K = 4096) and mostly from L2 otherwise. The cast's amax costs one atomic max
 per program, as in cast.py.
 
-On CUDA the transposed copy is for now written from out's bytes after the row kernel by
-kernels/transpose.py (_FUSED_TRANSPOSE_ON_CUDA says why); the interpreter runs the in-kernel one (TileConfig).
+The transposed copy comes from the tile kernel (TileConfig), which writes each tile of out
+and then its bytes transposed into out_t, reloaded from L2 (transpose.store_transposed_tile;
+_FUSED_TRANSPOSE_ON_CUDA says why not tl.trans). Float32 inputs on CUDA take the row kernel
+and then kernels/transpose.py.
 
 Why two loops over one row block for the transposed copy (TileConfig): a tile of out_t needs
 the statistics of its BLOCK_M rows over the whole K before it can be written, and those rows
@@ -99,7 +101,12 @@ class TileConfig:
 class NormConfigs:
     rows: RowConfig       # norm_stats; norm_fwd_fp8 without out_t
     tiles: TileConfig     # norm_fwd_fp8 with out_t
-    bwd: RowConfig        # norm_bwd
+    bwd: RowConfig        # norm_bwd, rows up to bwd.max_block_n long
+    wide_bwd: RowConfig   # norm_bwd, longer rows
+
+    def bwd_for(self, k: int) -> RowConfig:
+        """The backward's launch shape for rows of k elements."""
+        return self.bwd if triton.next_power_of_2(k) <= self.bwd.max_block_n else self.wide_bwd
 
 
 _override: Optional[NormConfigs] = None
@@ -108,15 +115,15 @@ _override: Optional[NormConfigs] = None
 def launch_configs(device: torch.device) -> NormConfigs:
     """The launch shapes every wrapper uses on `device`.
 
-    Hopper (first choices, not yet measured on the GPU; register counts from compiling for
-    sm_90 with triton 3.9 and no GPU, K a multiple of 16): a row step of 4096 elements over
-    8 warps is 16 elements per thread, a whole row of a 4096-wide layer (re-read by loop 2
-    from L1); 72 (bf16) / 76 (fp32) registers, so 3 programs fit on an SM. Tiles of 32 x 128
-    write whole 32-byte sectors of out_t and 128-byte runs of out; ~104 registers: 2 per SM.
-    The backward at K <= 4096 keeps its column sums in registers (104 bf16 / 128 fp32
-    registers: 2 per SM); longer rows take steps of 4 rows x 1024, so that the
-    read-modify-write of the scratch row (in L2) is shared by 4 rows. K not a multiple of
-    16 loses vector loads and needs ~90 (forward) registers: a short second wave.
+    Hopper: measured by benchmarks/norm.py --variants (H200, triton 3.6, 2026-11-29; LayerNorm,
+    bf16 in, M x K = 4096x1024, 8192x4096, 8192x8192; docs/benchmarks.md). Forward rows:
+    steps of 4096 elements over 4 warps, 4 programs per SM, 14-17% faster than 8 warps x 3
+    at K >= 4096. Tiles of 32 x 128 over 8 warps, 2 per SM (whole 32-byte sectors of out_t,
+    128-byte runs of out) won over 7 other tile shapes at every size. The backward keeps a
+    whole row's column sums in registers: up to K = 4096 steps of 4096 elements over 8 warps
+    (2 per SM); up to 8192 one row per step over 16 warps (1 per SM), 2.8x faster at K = 8192
+    than steps of 4 rows x 1024 with a read-modify-write of the scratch row in L2, which
+    longer rows still take.
     """
     if _override is not None:
         return _override
@@ -127,13 +134,16 @@ def launch_configs(device: torch.device) -> NormConfigs:
 def _default_configs(device_type: str) -> NormConfigs:
     if device_type == "cuda":
         return NormConfigs(
-            rows=RowConfig(block=4096, max_block_n=4096, long_block_m=1, num_warps=8, programs_per_sm=3),
+            rows=RowConfig(block=4096, max_block_n=4096, long_block_m=1, num_warps=4, programs_per_sm=4),
             tiles=TileConfig(block_m=32, block_n=128, num_warps=8, programs_per_sm=2),
-            bwd=RowConfig(block=4096, max_block_n=4096, long_block_m=4, num_warps=8, programs_per_sm=2))
+            bwd=RowConfig(block=4096, max_block_n=4096, long_block_m=4, num_warps=8, programs_per_sm=2),
+            wide_bwd=RowConfig(block=8192, max_block_n=8192, long_block_m=4, num_warps=16, programs_per_sm=1))
     # Triton interpreter on CPU: small steps, so that small test shapes run several row
-    # blocks per program, several chunks per row, tail chunks and partial tiles.
+    # blocks per program, several chunks per row, tail chunks and partial tiles; the backward
+    # takes K = 48 whole with wide_bwd and K = 100 in chunks.
     small = RowConfig(block=64, max_block_n=32, long_block_m=4, num_warps=4, programs_per_sm=1)
-    return NormConfigs(rows=small, tiles=TileConfig(block_m=8, block_n=16, num_warps=4, programs_per_sm=1), bwd=small)
+    return NormConfigs(rows=small, tiles=TileConfig(block_m=8, block_n=16, num_warps=4, programs_per_sm=1), bwd=small,
+                       wide_bwd=RowConfig(block=128, max_block_n=64, long_block_m=4, num_warps=4, programs_per_sm=1))
 
 
 @contextlib.contextmanager
@@ -426,7 +436,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Opti
     if m == 0:
         norm_reference.norm_bwd(dy, x, weight, mean, rstd, dx_out, dweight_out, dbias_out)
         return
-    cfg = launch_configs(x.device).bwd
+    cfg = launch_configs(x.device).bwd_for(k)
     block_m, block_n = cfg.shape(k)
     programs = _programs(triton.cdiv(m, block_m), cfg.programs_per_sm, x.device)
     one_chunk = block_n >= k
