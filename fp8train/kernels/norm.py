@@ -20,10 +20,10 @@ the chunks read last: the second read comes from L1 when a step holds a whole ro
 configs up to K = 4096) and mostly from L2 otherwise. The cast's amax costs one atomic max
 per program, as in cast.py.
 
-The transposed copy comes from the tile kernel (TileConfig), which writes each tile of out
-and then its bytes transposed into out_t, reloaded from L2 (transpose.store_transposed_tile;
-_FUSED_TRANSPOSE_ON_CUDA says why not tl.trans). Float32 inputs on CUDA take the row kernel
-and then kernels/transpose.py.
+On CUDA the transposed copy is written from out's bytes after the row kernel by
+kernels/transpose.py (_FUSED_TRANSPOSE_ON_CUDA says why); the interpreter runs the tile
+kernel (TileConfig), which writes each tile of out and then its bytes transposed into out_t,
+reloaded from L2 (transpose.store_transposed_tile).
 
 Why two loops over one row block for the transposed copy (TileConfig): a tile of out_t needs
 the statistics of its BLOCK_M rows over the whole K before it can be written, and those rows
@@ -118,8 +118,9 @@ def launch_configs(device: torch.device) -> NormConfigs:
     Hopper: measured by benchmarks/norm.py --variants (H200, triton 3.6, 2026-11-29; LayerNorm,
     bf16 in, M x K = 4096x1024, 8192x4096, 8192x8192; docs/benchmarks.md). Forward rows:
     steps of 4096 elements over 4 warps, 4 programs per SM, 14-17% faster than 8 warps x 3
-    at K >= 4096. Tiles of 32 x 128 over 8 warps, 2 per SM (whole 32-byte sectors of out_t,
-    128-byte runs of out) won over 7 other tile shapes at every size. The backward keeps a
+    at K >= 4096. Tiles (the in-kernel transposed copy, _FUSED_TRANSPOSE_ON_CUDA) of 32 x 128
+    over 8 warps, 2 per SM (whole 32-byte sectors of out_t, 128-byte runs of out) won over 7
+    other tile shapes at every size. The backward keeps a
     whole row's column sums in registers: up to K = 4096 steps of 4096 elements over 8 warps
     (2 per SM); up to 8192 one row per step over 16 warps (1 per SM), 2.8x faster at K = 8192
     than steps of 4 rows x 1024 with a read-modify-write of the scratch row in L2, which
@@ -378,13 +379,15 @@ def _xhat_g(x_rows, dy_rows, w_ptr, cols, mask, mean, rstd, K, LAYER: tl.constex
 
 
 # Whether norm_fwd_fp8 writes out_t from inside the kernel on CUDA (TileConfig, with
-# transpose.store_transposed_tile: each tile's bytes reloaded from out in transposed order);
-# otherwise the row kernel writes out and transpose.py copies its transposed bytes. History: the
-# first in-kernel route, tl.trans of the register tile, wrote foreign bytes into out_t on sm_90
-# with triton 3.6 for bf16 and fp16 inputs whenever the kernel also computed the statistics
-# (GPU tests, 2026-11-29: 19 tests), the symptom of triton-lang/triton#11111. Float32 inputs
-# keep the separate copy, as in cast.py.
-_FUSED_TRANSPOSE_ON_CUDA = True
+# transpose.store_transposed_tile: each tile's bytes reloaded from out, in L2, in transposed
+# order); otherwise the row kernel writes out and transpose.py copies its transposed bytes.
+# Off: measured slower where the norm costs most. The in-kernel route is exact on the H200
+# (GPU tests, 2026-11-29) but took 0.090 against 0.086 ms at 8192 x 4096 and 0.170 against
+# 0.158 ms at 8192 x 8192 for the row kernel (4 warps x 4 per SM) plus the copy
+# (benchmarks/norm.py, docs/benchmarks.md). The first in-kernel route, tl.trans of the
+# register tile, wrote foreign bytes into out_t on sm_90 with triton 3.6 for bf16 and fp16
+# inputs whenever the kernel also computed the statistics (triton-lang/triton#11111).
+_FUSED_TRANSPOSE_ON_CUDA = False
 
 
 def norm_stats(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
