@@ -12,9 +12,12 @@ backward, bf16 activations and parameters, `tokens` rows in all (tokens / N per 
 Variants, side by side in one run: BF16 TP (the same module outside fp8train.autocast: torch
 ops, the same collectives on bf16), FP8 TP sequential (FP8 gathers and GEMMs, partial sums
 reduced in bf16, every collective waited for before the next GEMM: no overlap), FP8 TP (the
-default: the same, with fc1's dX reduce-scatter beside its wgrad GEMM), FP8 TP with tp_overlap (the SP gathers / reduce-scatters as ring
-collective matmuls), FP8 TP with float32 partial sums (tp_reduce_dtype=torch.float32); with
---graphed also BF16 TP and the three FP8 TP variants replayed from CUDA graphs (no host bound). N=1 runs the same code with no
+default: the same, with fc1's dX reduce-scatter beside its wgrad GEMM), FP8 TP with
+tp_overlap (the SP gathers / reduce-scatters as collective matmuls, their chunks moved on
+CUDA by the copy engines through symmetric memory), the same with the chunks moved by an
+NCCL ring ("overlap nccl"), FP8 TP with float32 partial sums (tp_reduce_dtype=torch.float32);
+with --graphed also BF16 TP and the four FP8 TP variants replayed from CUDA graphs (no host
+bound). N=1 runs the same code with no
 communication, so the script is exercised before multi-GPU machines exist; `--device cpu`
 (gloo) is a smoke test of the code path only (its times mean nothing). Rank 0 prints the
 table and writes JSON. Never asserts on time.
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import fp8train
-from fp8train.distributed import tp_comm
+from fp8train.distributed import symm_transport, tp_comm
 
 
 def tp_block(h: int, group, overlap: bool, device, dtype, reduce_dtype=None) -> fp8train.LayerNormMLP:
@@ -76,18 +79,23 @@ def trace_steps(step, path: str, iters: int = 3) -> list:
     return sorted(rows, key=lambda r: -r[1])
 
 
-# (name, tp_overlap, FP8, tp_reduce_dtype, graphed, sequential): "fp8 TP" reduces dX beside the
+# (name, tp_overlap, FP8, tp_reduce_dtype, graphed, context): "fp8 TP" reduces dX beside the
 # wgrad GEMM (the bulk overlap, tp_comm.column_dgrad); "sequential" waits for it first
-# (tp_comm.sequential_reductions), the FP8 TP without any overlap
-VARIANTS = (("bf16 TP", False, False, None, False, False),
-            ("fp8 TP sequential", False, True, None, False, True),
-            ("fp8 TP", False, True, None, False, False),
-            ("fp8 TP overlap", True, True, None, False, False),
-            ("fp8 TP fp32-reduce", False, True, torch.float32, False, False))
-GRAPHED = (("bf16 TP graphed", False, False, None, True, False),
-           ("fp8 TP sequential graphed", False, True, None, True, True),
-           ("fp8 TP graphed", False, True, None, True, False),
-           ("fp8 TP overlap graphed", True, True, None, True, False))
+# (tp_comm.sequential_reductions), the FP8 TP without any overlap; "overlap" runs the
+# collective matmuls, on CUDA with the copy engines (symm_transport), "overlap nccl" with the
+# NCCL ring (symm_transport.nccl_transport)
+_PLAIN, _SEQ, _NCCL = contextlib.nullcontext, tp_comm.sequential_reductions, symm_transport.nccl_transport
+VARIANTS = (("bf16 TP", False, False, None, False, _PLAIN),
+            ("fp8 TP sequential", False, True, None, False, _SEQ),
+            ("fp8 TP", False, True, None, False, _PLAIN),
+            ("fp8 TP overlap", True, True, None, False, _PLAIN),
+            ("fp8 TP overlap nccl", True, True, None, False, _NCCL),
+            ("fp8 TP fp32-reduce", False, True, torch.float32, False, _PLAIN))
+GRAPHED = (("bf16 TP graphed", False, False, None, True, _PLAIN),
+           ("fp8 TP sequential graphed", False, True, None, True, _SEQ),
+           ("fp8 TP graphed", False, True, None, True, _PLAIN),
+           ("fp8 TP overlap graphed", True, True, None, True, _PLAIN),
+           ("fp8 TP overlap nccl graphed", True, True, None, True, _NCCL))
 
 
 def build_step(h, group, device, dtype, x, dy, overlap, fp8, reduce_dtype, graphed):
@@ -128,19 +136,18 @@ def run_size(h, tokens, group, device, dtype, warmup, iters, trace_dir=None, gra
     x = torch.randn(tokens // world, h, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
     out = {}
-    for name, overlap, fp8, reduce_dtype, graph, sequential in VARIANTS + (GRAPHED if graphed else ()):
-        order = tp_comm.sequential_reductions if sequential else contextlib.nullcontext
-        with order():  # around the capture of graphed variants and every eager step
+    for name, overlap, fp8, reduce_dtype, graph, context in VARIANTS + (GRAPHED if graphed else ()):
+        with context():  # around the capture of graphed variants and every eager step
             step, block = build_step(h, group, device, dtype, x, dy, overlap, fp8, reduce_dtype, graph)
             out[name] = time_ms(step, device, warmup, iters)
-        if trace_dir and device.type == "cuda":
-            rank = dist.get_rank()
-            tag = name.replace(" ", "_")
-            rows = trace_steps(step, os.path.join(trace_dir, f"{tag}_h{h}_rank{rank}.json"))
-            if rank == 0:
-                print(f"\n{name}, h={h}, rank 0: device time per step by kernel (overlapped kernels both count)")
-                for key, ms, n in rows[:12]:
-                    print(f"  {ms:7.3f} ms  x{n:<3} {key[:90]}")
+            if trace_dir and device.type == "cuda":
+                rank = dist.get_rank()
+                tag = name.replace(" ", "_")
+                rows = trace_steps(step, os.path.join(trace_dir, f"{tag}_h{h}_rank{rank}.json"))
+                if rank == 0:
+                    print(f"\n{name}, h={h}, rank 0: device time per step by kernel (overlapped kernels both count)")
+                    for key, ms, n in rows[:12]:
+                        print(f"  {ms:7.3f} ms  x{n:<3} {key[:90]}")
         del step, block
         gc.collect()  # graphed blocks hold reference cycles; free them before the next variant
     return out
@@ -182,12 +189,15 @@ def main():
                      "fp8_vs_bf16": worst["fp8 TP"] / worst["bf16 TP"],
                      "bulk_vs_sequential": worst["fp8 TP"] / worst["fp8 TP sequential"],
                      "overlap_vs_sequential": worst["fp8 TP overlap"] / worst["fp8 TP sequential"],
+                     "overlap_nccl_vs_sequential": worst["fp8 TP overlap nccl"] / worst["fp8 TP sequential"],
                      "overlap_vs_fp8": worst["fp8 TP overlap"] / worst["fp8 TP"],
                      "overlap_vs_bf16": worst["fp8 TP overlap"] / worst["bf16 TP"]})
         if args.graphed:
             rows[-1].update({"graphed_bulk_vs_sequential": worst["fp8 TP graphed"] / worst["fp8 TP sequential graphed"],
                              "graphed_overlap_vs_sequential":
                                  worst["fp8 TP overlap graphed"] / worst["fp8 TP sequential graphed"],
+                             "graphed_overlap_nccl_vs_sequential":
+                                 worst["fp8 TP overlap nccl graphed"] / worst["fp8 TP sequential graphed"],
                              "graphed_overlap_vs_fp8": worst["fp8 TP overlap graphed"] / worst["fp8 TP graphed"],
                              "graphed_overlap_vs_bf16": worst["fp8 TP overlap graphed"] / worst["bf16 TP graphed"]})
     if rank == 0:
@@ -198,10 +208,10 @@ def main():
         print(f"\nTP MLP block fwd+bwd, N={world}, {args.tokens} tokens -- {meta['device']}, torch {meta['torch']}, "
               f"NCCL {meta['nccl']}, {meta['date']}")
         names = [v[0] for v in VARIANTS + (GRAPHED if args.graphed else ())]
-        print(f"{'h':>6} {'variant':<24} {'ms':>9} {'vs bf16 TP':>11}")
+        print(f"{'h':>6} {'variant':<28} {'ms':>9} {'vs bf16 TP':>11}")
         for r in rows:
             for name in names:
-                print(f"{r['h']:>6} {name:<24} {r[name]:>9.3f} {r[name] / r['bf16 TP']:>10.2f}x")
+                print(f"{r['h']:>6} {name:<28} {r[name]:>9.3f} {r[name] / r['bf16 TP']:>10.2f}x")
             ratios = {k: v for k, v in r.items() if "_vs_" in k}
             print("       " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

@@ -10,7 +10,9 @@ G is a row-wise GEMM given as `gemm_rows(a_rows, out=None) -> out_rows` (fprop o
 fp8train.gemm, scales and weight bound in; `out`, where given, is the row block it writes),
 so the rings know nothing of GEMM roles. Rows
 of chunk c are rows [c*m, (c+1)*m) of the full tensor, m = rows per rank; chunk c belongs
-to group rank c. The transfers are ring.RingComm steps (streams and events on CUDA).
+to group rank c. The transfers are ring.RingComm steps (streams and events on CUDA), or on
+CUDA where symmetric memory is available the copy engines' (symm_transport: no SMs taken
+from the GEMMs; symm_transport.nccl_transport() forces the ring).
 Results equal the non-overlapped path (one all-gather then one GEMM; one GEMM then one
 reduce-scatter) up to the float32 summation order of the reduce-scatter.
 """
@@ -23,6 +25,7 @@ import torch
 from .. import gemm
 from ..recipe import GemmConfig
 from ..tensor import FP8_DTYPES
+from . import symm_transport
 from .groups import group_rank, group_size
 from .ring import RingComm
 
@@ -53,6 +56,8 @@ def all_gather_matmul(a_local: torch.Tensor, gemm_rows: GemmRows, n: int, out_dt
     to back, and GEMM s waits only for transfer s - 1.
     """
     _check_rows("all_gather_matmul", a_local)
+    if symm_transport.usable(group, a_local.device):
+        return symm_transport.all_gather_matmul(a_local, gemm_rows, n, out_dtype, group)
     size, rank = group_size(group), group_rank(group)
     m, k = a_local.shape
     gathered = torch.empty((size * m, k), dtype=a_local.dtype, device=a_local.device)
@@ -103,6 +108,8 @@ def matmul_reduce_scatter(a: torch.Tensor, gemm_rows: GemmRows, group=None, *,
     if a.shape[0] % size:
         raise ValueError(f"matmul_reduce_scatter: {a.shape[0]} rows do not split evenly over {size} ranks; "
                          f"pad the rows (tokens) to a multiple of {size}")
+    if symm_transport.usable(group, a.device):
+        return symm_transport.matmul_reduce_scatter(a, gemm_rows, group, accum_dtype=accum_dtype)
     m = a.shape[0] // size
     comm = RingComm(group, a.device)
     acc = recv = handle = None

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from fp8train import GemmConfig, gemm
 from fp8train.distributed import (all_gather_dgrad, all_gather_fp8, all_gather_fprop, dgrad_reduce_scatter,
                                   fprop_reduce_scatter, gather_cast, reduce_delayed_amaxes)
+from fp8train.distributed import symm_transport
 from fp8train.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer
 from fp8train.roles import TensorRole
 
@@ -42,6 +43,8 @@ def _free_port() -> int:
 
 def _init_nccl(rank: int, world: int, port: int) -> torch.device:
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, before NCCL initialises
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # and in symmetric memory (symm_transport)
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -163,7 +166,13 @@ def _ring_worker(rank: int, world: int, port: int, errors) -> None:
     try:
         device = _init_nccl(rank, world, port)
         try:
+            # the copy-engine transport (symmetric memory) where the machine has it, which
+            # the H200 machines do, then the NCCL ring
+            assert symm_transport.usable(dist.group.WORLD, device), "no symmetric memory: the copy-engine path is untested"
             _ring_cases(device)
+            with symm_transport.nccl_transport():
+                assert not symm_transport.usable(dist.group.WORLD, device)
+                _ring_cases(device)
         finally:
             dist.destroy_process_group()
     except Exception:
