@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import fp8train
 from fp8train.distributed import delayed_quantizers, reduce_delayed_amaxes
+from fp8train.distributed import symm_transport
 from fp8train.modules.layernorm_mlp import activation_high_precision
 
 import gloo_harness
@@ -318,7 +319,10 @@ def case_init_is_slice_of_unsharded(ctx, kind, activation="gelu_tanh"):
 class _CountCollectives:
     """Counts the torch.distributed collectives the library issues while active (it looks
     them up per call): all-gathers (with their input payloads), reduce-scatters, all-reduces
-    and ring steps (batch_isend_irecv)."""
+    and ring steps (batch_isend_irecv; on CUDA with symmetric memory the collective matmuls
+    move their chunks by copy engine instead, counted as the same world - 1 steps per call)."""
+
+    CE = ("all_gather_matmul", "matmul_reduce_scatter")  # symm_transport's
 
     NAMES = {"all_gather_single": "gather", "all_gather_into_tensor": "gather", "all_gather": "gather",
              "reduce_scatter_single": "scatter", "reduce_scatter_tensor": "scatter", "all_reduce": "all_reduce",
@@ -344,11 +348,22 @@ class _CountCollectives:
             return counting
         for n, fn in self._orig.items():
             setattr(dist, n, wrap(n, fn))
+        self._orig_ce = {n: getattr(symm_transport, n) for n in self.CE}
+
+        def wrap_ce(fn):
+            def counting(*args, **kwargs):
+                self.counts["ring"] += dist.get_world_size() - 1
+                return fn(*args, **kwargs)
+            return counting
+        for n, fn in self._orig_ce.items():
+            setattr(symm_transport, n, wrap_ce(fn))
         return self
 
     def __exit__(self, *exc):
         for n, fn in self._orig.items():
             setattr(dist, n, fn)
+        for n, fn in self._orig_ce.items():
+            setattr(symm_transport, n, fn)
 
 
 def case_one_gather_per_forward(ctx, kind, recipe, sp, overlap=False):

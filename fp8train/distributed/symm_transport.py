@@ -60,7 +60,9 @@ def _enable(group_name: str) -> bool:
     """Symmetric memory for the group, once; False (with one warning) where it cannot be had."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
-        symm_mem.enable_symm_mem_for_group(group_name)
+        with warnings.catch_warnings():  # newer torch: deprecated, as every group has it
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
         return True
     except Exception as err:  # an old torch, no peer access, no CUDA IPC: the NCCL ring stays
         warnings.warn(f"fp8train: symmetric memory unavailable for group {group_name!r} ({err}); the collective "
