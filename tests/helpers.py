@@ -1,5 +1,6 @@
-"""Shared test helpers: SQNR, bf16 bit patterns, FP8 byte comparison, the TP backward's
-reduction / wgrad order."""
+"""Shared test helpers: SQNR, bf16 bit patterns, FP8 byte comparison, poisoned outputs, the
+TP backward's reduction / wgrad order."""
+import pytest
 import torch
 
 
@@ -18,6 +19,34 @@ def all_bf16_values(device="cpu") -> torch.Tensor:
 
 def fp8_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
+
+
+def int_bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as the signed integer dtype of its element size."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Same dtype, shape and bits (NaN payloads included); names the first differing elements."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    diff = int_bits(got) != int_bits(want)
+    if diff.any():
+        at = diff.nonzero()[:5].tolist()
+        g = [int_bits(got)[tuple(i)].item() for i in at]
+        w = [int_bits(want)[tuple(i)].item() for i in at]
+        pytest.fail(f"{what}: {int(diff.sum())} of {diff.numel()} differ; at {at}: got {g}, want {w}")
+
+
+def poisoned(shape, dtype, byte: int, device="cuda") -> torch.Tensor:
+    """A tensor of `dtype` whose every byte is `byte` (an output a kernel must overwrite)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.full((*shape[:-1], shape[-1] * size), byte, dtype=torch.uint8, device=device).view(dtype)
+
+
+def fp8_order(t: torch.Tensor) -> torch.Tensor:
+    """fp8 bytes on a line where neighbouring values differ by 1 (+0 and -0 both at 0)."""
+    b = t.view(torch.uint8).int()
+    return torch.where(b >= 0x80, -(b & 0x7F), b & 0x7F)
 
 
 class RecordDgradOverlap:

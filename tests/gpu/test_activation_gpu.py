@@ -33,6 +33,7 @@ pytest.importorskip("triton")
 from fp8train import scaling  # noqa: E402
 from fp8train.kernels import activation, reference  # noqa: E402
 from fp8train.kernels import activation_reference as act_ref  # noqa: E402
+from helpers import assert_bitwise, fp8_order, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -69,31 +70,13 @@ def make_input(shape, dtype, spread: float = 4.0, specials: bool = True) -> torc
     return x
 
 
-def int_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    diff = int_bits(got) != int_bits(want)
-    if diff.any():
-        at = diff.nonzero()[:5].tolist()
-        pytest.fail(f"{what}: {int(diff.sum())} of {diff.numel()} differ, first at {at}")
-
-
-def _order(t: torch.Tensor) -> torch.Tensor:
-    """fp8 bytes on a line where neighbouring values differ by 1 (+0 and -0 both at 0)."""
-    b = t.view(torch.uint8).int()
-    return torch.where(b >= 0x80, -(b & 0x7F), b & 0x7F)
-
-
 def assert_fp8_near(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """NaN at the same places; elsewhere at most 1 ulp apart, on fewer than 1e-3 of the elements."""
     assert got.dtype == want.dtype and got.shape == want.shape, what
     nan_g, nan_w = got.float().isnan(), want.float().isnan()
     if not torch.equal(nan_g, nan_w):
         pytest.fail(f"{what}: NaN positions differ at {(nan_g != nan_w).nonzero()[:5].tolist()}")
-    dist = (_order(got) - _order(want)).abs()
+    dist = (fp8_order(got) - fp8_order(want)).abs()
     dist[nan_w] = 0
     far = dist > 1
     if far.any():
@@ -110,10 +93,6 @@ def assert_rel(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = 1e
         assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g[w.isinf()], w[w.isinf()]), f"{what}: {g} vs {w}"
     fin = w.isfinite()
     assert ((g[fin] - w[fin]).abs() <= rel * w[fin].abs()).all(), f"{what}: {g} vs {w}"
-
-
-def poisoned(shape, dtype, byte: int) -> torch.Tensor:
-    return torch.full(shape, byte, dtype=torch.uint8, device=DEV).view(dtype)
 
 
 class Scalars:

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from fp8train import kernels, scaling  # noqa: E402
 from fp8train.kernels import cast, reference  # noqa: E402
 from fp8train.kernels.scale_update import ScaleUpdateLaunch  # noqa: E402
-from helpers import all_bf16_values  # noqa: E402
+from helpers import all_bf16_values, assert_bitwise, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -50,24 +50,6 @@ def make_input(shape, dtype) -> torch.Tensor:
         idx = torch.randint(0, flat.numel(), (specials.numel() * 4,), device=DEV)
         flat[idx] = specials.repeat(4)
     return x
-
-
-def int_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    diff = int_bits(got) != int_bits(want)
-    if diff.any():
-        at = diff.nonzero()[:5].tolist()
-        g = [int_bits(got)[tuple(i)].item() for i in at]
-        w = [int_bits(want)[tuple(i)].item() for i in at]
-        pytest.fail(f"{what}: {int(diff.sum())} of {diff.numel()} differ; at {at}: got {g}, want {w}")
-
-
-def poisoned(shape, dtype, byte: int) -> torch.Tensor:
-    return torch.full(shape, byte, dtype=torch.uint8, device=DEV).view(dtype)
 
 
 class Scalars:

@@ -30,6 +30,7 @@ pytest.importorskip("triton")
 from fp8train import scaling  # noqa: E402
 from fp8train.kernels import norm  # noqa: E402
 from fp8train.kernels import norm_reference as ref  # noqa: E402
+from helpers import assert_bitwise, fp8_order, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -73,35 +74,11 @@ def make_params(k, layer, dtype=torch.float32):
     return weight, (torch.randn(k, device=DEV).to(dtype) if layer else None)
 
 
-def poisoned(shape, dtype, byte: int) -> torch.Tensor:
-    """A tensor of `dtype` whose every byte is `byte`."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return torch.full((*shape[:-1], shape[-1] * size), byte, dtype=torch.uint8, device=DEV).view(dtype)
-
-
-def int_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    diff = int_bits(got) != int_bits(want)
-    if diff.any():
-        at = diff.nonzero()[:5].tolist()
-        pytest.fail(f"{what}: {int(diff.sum())} of {diff.numel()} differ, first at {at}")
-
-
-def _order(t: torch.Tensor) -> torch.Tensor:
-    """fp8 bytes on a line where neighbouring values differ by 1 (+0 and -0 both at 0)."""
-    b = t.view(torch.uint8).int()
-    return torch.where(b >= 0x80, -(b & 0x7F), b & 0x7F)
-
-
 def assert_fp8_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     nan_g, nan_w = got.float().isnan(), want.float().isnan()
     if not torch.equal(nan_g, nan_w):
         pytest.fail(f"{what}: NaN at {int((nan_g != nan_w).sum())} other places")
-    dist = (_order(got) - _order(want)).abs()[~nan_w]
+    dist = (fp8_order(got) - fp8_order(want)).abs()[~nan_w]
     if dist.numel() == 0:
         return
     assert int(dist.max()) <= 1, f"{what}: {int((dist > 1).sum())} bytes more than one fp8 ulp apart"
