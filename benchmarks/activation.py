@@ -5,9 +5,10 @@
 
 Per activation and size (M rows, F activation columns): the forward (act(h) -> fp8 + its
 transposed copy + amax, delayed scaling) and the backward (da * act'(h) -> fp8 + transposed
-copy + amax + dbias), each also without the transposed copy, the library's shapes also with
-the copy made by a second kernel (kernels/transpose.py, the route before
-activation._FUSED_TRANSPOSE_ON_CUDA), the backward also without dbias;
+copy + amax + dbias), each also without the transposed copy (on CUDA the copy is a second
+kernel, kernels/transpose.py, unless activation._FUSED_TRANSPOSE_ON_CUDA is set, e.g. by
+tools/run_with_flags.py: then the library's shapes are also timed with the second kernel,
+side by side), the backward also without dbias;
 beside them torch's bf16 activation forward / backward. relu shows the kernels' cost
 with next to no activation math. GB/s counts the bytes an op must move (bf16 inputs read
 once, each fp8 output written once); "% copy" is that rate over a measured bf16 device

@@ -5,8 +5,9 @@
     TRITON_INTERPRET=1 python benchmarks/norm.py --device cpu --sizes 64x48 --variants   # smoke test only
 
 Per size (M rows of K features, bf16, LayerNorm with bias, delayed scaling, e4m3 out): the
-forward into FP8 (row kernel), the same with the transposed copy (the tile kernel; on CUDA
-also the row kernel then kernels/transpose.py, as before norm._FUSED_TRANSPOSE_ON_CUDA), and the backward (dx, dgamma,
+forward into FP8 (row kernel), the same with the transposed copy (on CUDA the row kernel then
+kernels/transpose.py; with norm._FUSED_TRANSPOSE_ON_CUDA set, e.g. by tools/run_with_flags.py,
+the tile kernel, and the separate copy beside it), and the backward (dx, dgamma,
 dbeta), beside torch's bf16 F.layer_norm forward and backward. GB/s counts the bytes an op
 must move (x read once, fp8 outputs written once; backward: dy and x read, dx written);
 "% copy" is that rate over a measured bf16 device copy's. On CUDA times are medians of
@@ -117,8 +118,9 @@ def run_size(m: int, k: int, device: torch.device, variants: bool) -> tuple:
     if variants:
         shapes += [(f"rows {c.block}/{c.max_block_n}/{c.long_block_m} w{c.num_warps} p{c.programs_per_sm}",
                     dataclasses.replace(base, rows=c)) for c in ROW_VARIANTS]
-        shapes += [(f"tiles {c.block_m}x{c.block_n} w{c.num_warps} p{c.programs_per_sm}",
-                    dataclasses.replace(base, tiles=c)) for c in TILE_VARIANTS]
+        if device.type != "cuda" or norm._FUSED_TRANSPOSE_ON_CUDA:  # else the tile kernel does not run
+            shapes += [(f"tiles {c.block_m}x{c.block_n} w{c.num_warps} p{c.programs_per_sm}",
+                        dataclasses.replace(base, tiles=c)) for c in TILE_VARIANTS]
         shapes += [(f"bwd {c.block}/{c.max_block_n}/{c.long_block_m} w{c.num_warps} p{c.programs_per_sm}",
                     dataclasses.replace(base, bwd=c, wide_bwd=c)) for c in BWD_VARIANTS]
     for label, cfgs in shapes:
