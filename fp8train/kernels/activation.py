@@ -437,8 +437,9 @@ def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, act: str, out: torch.Tensor, 
 
     da         (M, F), h (M, Fh) with Fh = F (2F for swiglu), unit column strides, any row strides
     out        (M, Fh) fp8, contiguous;  out_t (Fh, Mp) fp8, contiguous, Mp >= M, or None
-    dbias_out  (Fh,) or None. Allocates a float32 scratch of (ceil(Mp / block_m), Fh) when given
-               (the per-row-tile column sums), reduced by torch.sum into dbias_out.
+    dbias_out  (Fh,) or None. Allocates a float32 scratch of (splits, Fh) when given (the column
+               sums of each split's run of row tiles, about one split per program per column
+               strip), reduced by torch.sum into dbias_out.
     """
     ref.check_bwd_args("act_bwd_fp8", da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
                        nonfinite_count, dbias_out)
