@@ -3,7 +3,9 @@
 The NCCL ring (ring.RingComm) moves each chunk with NCCL kernels, which need SMs; beside a
 GEMM that fills every SM they wait (docs/distributed.md: the overlap measured at N=2). Here
 the bytes move by DMA instead: every rank of the group maps one workspace buffer of every
-peer (torch.distributed._symmetric_memory, NVLink peer mappings; no multicast objects), and a
+peer (torch.distributed._symmetric_memory, NVLink peer mappings; the copies use no multicast
+object, and torch sets none up under TORCH_SYMM_MEM_DISABLE_MULTICAST=1, which this
+project's scripts and tests set, as the GPU machines require), and a
 peer's chunk is a plain device copy (`copy_`, cudaMemcpyAsync: the copy engines, no SMs)
 from or to that mapping. Order across ranks comes from the workspace's barrier (a one-block
 kernel on the compute stream that every rank must reach).
