@@ -12,7 +12,7 @@ Two kernels serve the four wrappers, both loops over 2-D tiles like cast._tile_k
                    (Fh, Mp), amax of dh, and with dbias the column sums of dh: each program
                    then takes one column strip over a run of row tiles, sums its dh tiles
                    elementwise in registers and reduces them across rows once, into its
-                   row of a float32 scratch that the host reduces with torch.sum
+                   row of a float32 scratch that colsum.colsum_into reduces into dbias
                    (deterministic for a launch shape: no float atomics). For swiglu one
                    tile of da yields two output tiles, dgate at columns [c, c + BN) and
                    dup at [F + c, F + c + BN).
@@ -42,6 +42,7 @@ import triton.language as tl
 from .. import scaling
 from . import activation_reference as ref
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
+from .colsum import colsum_into
 from .launcher import DirectKernel, device_guard
 from .transpose import store_transposed_tile, transpose_into
 
@@ -439,7 +440,7 @@ def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, act: str, out: torch.Tensor, 
     out        (M, Fh) fp8, contiguous;  out_t (Fh, Mp) fp8, contiguous, Mp >= M, or None
     dbias_out  (Fh,) or None. Allocates a float32 scratch of (splits, Fh) when given (the column
                sums of each split's run of row tiles, about one split per program per column
-               strip), reduced by torch.sum into dbias_out.
+               strip), reduced into dbias_out by colsum.colsum_into.
     """
     ref.check_bwd_args("act_bwd_fp8", da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
                        nonfinite_count, dbias_out)
@@ -496,10 +497,7 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
                *pointers, m, f, mp, stride_dam, stride_hm, split_rows)
         _finish_transpose(out, copy_t)
         if scratch is not None:
-            if dbias_out.dtype == torch.float32:
-                torch.sum(scratch, dim=0, out=dbias_out)
-            else:
-                dbias_out.copy_(scratch.sum(dim=0))
+            colsum_into(scratch.unsqueeze(0), (dbias_out,))  # one launch, in dbias_out's dtype
 
 
 # Whether the kernels write out_t themselves on CUDA (transpose.store_transposed_tile: each

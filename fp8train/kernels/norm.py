@@ -47,6 +47,7 @@ import triton.language as tl
 from .. import scaling
 from . import norm_reference
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
+from .colsum import colsum_into
 from .launcher import DirectKernel, device_guard
 from .norm_reference import check_bwd_args, check_fwd_args, check_stats_args
 from .transpose import store_transposed_tile, transpose_into
@@ -432,7 +433,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Opti
     """norm_reference.norm_bwd on the GPU (same contract; see there).
 
     Allocates a (1 or 2, P, K) float32 scratch for the per-program column sums (P = grid size,
-    a small multiple of the SM count), reduced with torch.sum: deterministic for a device.
+    a small multiple of the SM count), reduced by colsum.colsum_into: deterministic for a device.
     """
     check_bwd_args("norm_bwd", dy, x, weight, mean, rstd, dx_out, dweight_out, dbias_out)
     m, k = x.shape
@@ -451,10 +452,8 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Opti
     with device_guard(x.device):
         kernel(programs, dy, x, weight, rstd if mean is None else mean, rstd, dx_out, parts,
                m, k, _row_stride(dy), _row_stride(x))
-        sums = parts.sum(dim=1)  # (1 or 2, K), a fixed reduction order
-        dweight_out.copy_(sums[0])
-        if dbias_out is not None:
-            dbias_out.copy_(sums[1])
+        # dgamma (and dbeta) from the programs' partial sums, in their dtypes: one launch
+        colsum_into(parts, (dweight_out,) if dbias_out is None else (dweight_out, dbias_out))
 
 
 def _launch_fwd(x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, scale_inv_out, amax_out, from_amax,
