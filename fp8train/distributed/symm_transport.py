@@ -78,7 +78,8 @@ def usable(group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
             and dist.get_backend(group) == "nccl" and _enable(_group_name(group)))
 
 
-_sizes: dict = {}  # group name -> the largest workspace asked for so far, in bytes
+_sizes: dict = {}    # group name -> the largest workspace asked for so far, in bytes
+_handles: dict = {}  # group name -> the workspace handle of that size
 
 
 def _workspace(group, nbytes: int):
@@ -87,13 +88,15 @@ def _workspace(group, nbytes: int):
     meets the others (only while the sizes settle, in the first steps; never under capture)."""
     from torch.distributed import _symmetric_memory as symm_mem
     name = _group_name(group)
-    if nbytes > _sizes.get(name, 0):
-        if name in _sizes and not torch.cuda.is_current_stream_capturing():  # (torch refuses to grow there)
-            torch.cuda.synchronize()
-            dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-            torch.cuda.synchronize()
-        _sizes[name] = nbytes
-    return symm_mem.get_symm_mem_workspace(name, min_size=nbytes)
+    if nbytes <= _sizes.get(name, -1):
+        return _handles[name]  # no rendezvous lookup per call on the eager host path
+    if name in _sizes and not torch.cuda.is_current_stream_capturing():  # (torch refuses to grow there)
+        torch.cuda.synchronize()
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+        torch.cuda.synchronize()
+    _sizes[name] = nbytes
+    _handles[name] = symm_mem.get_symm_mem_workspace(name, min_size=nbytes)
+    return _handles[name]
 
 
 @functools.lru_cache(maxsize=None)
