@@ -5,7 +5,8 @@ activations; median time of forward + backward (triton.testing.do_bench), TFLOP/
 6 * M * K * N, and the ratio to BF16.
 Part 2, host overhead: a 1024 -> 1024 layer on 256 tokens, where the GPU work is tiny; the
 host time to issue one fwd+bwd (perf_counter over many iterations, no sync inside), and its
-ratio to nn.Linear (target <= 1.5x; torchao eager measured 12.8x).
+ratio to nn.Linear (target <= 1.5x; torchao eager measured 12.8x), through fp8train's C++
+Linear node (the default on CUDA) and through its Python autograd node.
 
 Prints tables, writes JSON (--json). Never asserts on time.
 """
@@ -22,6 +23,7 @@ import triton
 from torch import nn
 
 import fp8train
+from fp8train.kernels import native
 
 RECIPES = {"fp8 delayed": fp8train.DelayedScaling(), "fp8 current": fp8train.CurrentScaling()}
 
@@ -61,12 +63,26 @@ def gemm_sized(sizes, m, device):
     return rows
 
 
+def on_python_node(run):
+    """run with fp8train's C++ Linear node switched off (the Python autograd node instead)."""
+    def wrapped():
+        native.ENABLED = False
+        try:
+            run()
+        finally:
+            native.ENABLED = True
+    return wrapped
+
+
 def host_time(device, iters=300, tokens=256, dim=1024, rounds=7):
-    """Median over rounds; each round times every kind in turn, so all see the same host load."""
+    """Median over rounds; each round times every kind in turn, so all see the same host load.
+    The FP8 kinds run twice: through the C++ Linear node (the default) and the Python one."""
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
-    kinds = ("bf16", *RECIPES)
-    runs = {kind: fwd_bwd_fn(*make(kind, dim, dim, device), x, dy) for kind in kinds}
+    runs = {kind: fwd_bwd_fn(*make(kind, dim, dim, device), x, dy) for kind in ("bf16", *RECIPES)}
+    for kind in RECIPES:
+        runs[f"{kind} (python node)"] = on_python_node(fwd_bwd_fn(*make(kind, dim, dim, device), x, dy))
+    kinds = tuple(runs)
     samples = {kind: [] for kind in kinds}
     for run in runs.values():
         for _ in range(20):
@@ -92,7 +108,8 @@ def main():
     args = p.parse_args()
     device = torch.device("cuda")
     meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__}
+            "torch": torch.__version__, "triton": triton.__version__,
+            "cpp_node": "built" if native.extension() is not None else f"not built: {native.failure()}"}
     gemm_rows = gemm_sized(args.sizes, args.m, device)
     host_rows = host_time(device)
 
@@ -102,7 +119,7 @@ def main():
         print(f"{r['K=N']:>6} {r['kind']:<12} {r['ms']:>8.3f} {r['tflops']:>8.0f} {r['ratio_to_bf16']:>7.2f}x")
     print("\nHost time per fwd+bwd, 1024x1024 layer, 256 tokens (target: <= 1.5x nn.Linear)")
     for r in host_rows:
-        print(f"{r['kind']:<12} {r['host_us']:>8.1f} us {r['ratio_to_nn_linear']:>7.2f}x")
+        print(f"{r['kind']:<26} {r['host_us']:>8.1f} us {r['ratio_to_nn_linear']:>7.2f}x")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "gemm_sized": gemm_rows, "host_time": host_rows}, f, indent=1)

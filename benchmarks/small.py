@@ -161,7 +161,7 @@ def main():
     host = host_time(device)
     print("\nhost time per fwd+bwd, 1024 x 1024 layer, 256 tokens (target: <= 1.5x nn.Linear)")
     for r in host:
-        print(f"  {r['kind']:<12} {r['host_us']:>8.1f} us {r['ratio_to_nn_linear']:>7.2f}x")
+        print(f"  {r['kind']:<26} {r['host_us']:>8.1f} us {r['ratio_to_nn_linear']:>7.2f}x")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump({"meta": meta, "steps": results, "auto_precision": reports, "profiles": profiles,

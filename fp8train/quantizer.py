@@ -175,6 +175,32 @@ class Quantizer(nn.Module):
                 dbias=dbias_out is not None, skip=skip)
         launch(x, data, data_t, scale_inv, dbias_out)
 
+    def native_plan(self, shape, dtype: torch.dtype, transpose: bool, dbias: bool):
+        """The C++ cast plan (kernels/native.py) of this quantizer's steady-state cast of a
+        contiguous 2-D input of `shape` and `dtype` on the current CUDA device, made from the
+        launches the Python path prepared for it; None until that path has run once for this
+        case (and prepared them), or where the C++ launcher cannot run them. Dropped with
+        the preparations (`_forget_prepared`)."""
+        key = ("native", shape, dtype, transpose, dbias)
+        prepared = self._prepared
+        if key in prepared:
+            return prepared[key]
+        launches = self._steady_launches(shape, dtype, transpose, dbias)
+        if launches is None:
+            return None
+        from .kernels import native
+        prepared[key] = native.cast_plan(launches, torch._C._cuda_getDevice(), self.dtype, shape, transpose,
+                                         self._native_zeroed(), launches[-1].partial if dbias else None)
+        return prepared[key]
+
+    def _steady_launches(self, shape, dtype, transpose: bool, dbias: bool) -> Optional[tuple]:
+        """The prepared launches of one steady-state cast, in order (None: not all prepared)."""
+        raise NotImplementedError
+
+    def _native_zeroed(self) -> tuple:
+        """Buffers a steady-state cast zeroes before its launches."""
+        return ()
+
     def _forget_prepared(self) -> None:
         self._prepared = {}
 
@@ -219,6 +245,14 @@ class CurrentScalingQuantizer(Quantizer):
 
     def scaling_state(self) -> ops.ScalingState:
         return ops.ScalingState(self.scale, None, self.amax, self.nonfinite_count)
+
+    def _steady_launches(self, shape, dtype, transpose, dbias):
+        amax = self._prepared.get((shape, dtype, False, True, False, 0))
+        cast = self._prepared.get((shape, dtype, transpose, False, dbias, 0))
+        return None if amax is None or cast is None else (amax, cast)
+
+    def _native_zeroed(self) -> tuple:
+        return (self.amax,)
 
     def produce(self, first_pass, cast, amax_hook=None) -> None:
         self.amax.zero_()
@@ -271,6 +305,26 @@ class DelayedScalingQuantizer(Quantizer):
         kernels.cast_trusted(x, data, data_t, self.scale, scale_inv, pending, self._calibration_amax, None, dbias_out,
                              skip)
         self.calibrated = True
+
+    def _steady_launches(self, shape, dtype, transpose, dbias):
+        if not self.calibrated:
+            return None
+        cast = self._prepared.get((shape, dtype, transpose, False, dbias, 0))
+        return None if cast is None else (cast,)
+
+    def requantize(self, x, out, *, transpose=False, skip=None) -> None:
+        # The steady state of a weight workspace re-cast every step, inlined (host time): a
+        # contiguous weight of a shape already prepared, the transposed buffer in place.
+        if skip is None and self.calibrated and not isinstance(x, Float8Tensor) and x.is_contiguous():
+            data_t = out._transpose if transpose else None
+            launch = self._prepared.get((x.shape, x.dtype, transpose, False, False, 0))
+            if launch is not None and (data_t is not None or not transpose):
+                out._mark_rewritten()
+                launch(x, out._data, data_t, out._scale_inv)
+                if data_t is not None:
+                    out._set_transpose(data_t)
+                return
+        super().requantize(x, out, transpose=transpose, skip=skip)
 
     def scaling_state(self) -> ops.ScalingState:
         first_amax = None if self.calibrated else self._calibration_amax  # calibration: one amax pass first

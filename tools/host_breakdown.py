@@ -10,7 +10,7 @@ import torch
 import fp8train
 from fp8train import gemm, kernels, quantizer
 from fp8train.kernels import cast, launcher
-from fp8train.modules import linear, weight_workspace
+from fp8train.modules import base, linear, weight_workspace
 
 TOTALS = collections.Counter()
 autocast_mod = sys.modules["fp8train.autocast"]
@@ -49,7 +49,10 @@ for owner, name in [(torch, "_scaled_mm"), (torch, "empty"), (launcher.DirectKer
                     (cast, "_launch"), (kernels, "cast_trusted"), (quantizer.Quantizer, "cast"),
                     (quantizer.Quantizer, "quantize"), (autocast_mod, "update_delayed_scales"),
                     (linear._LinearFn, "forward"), (linear._LinearFn, "backward"), (linear.Linear, "forward"),
-                    (weight_workspace.WeightWorkspace, "get"), (gemm, "scaled_mm")]:
+                    (weight_workspace.WeightWorkspace, "get"), (gemm, "scaled_mm"), (linear, "_native_forward"),
+                    (quantizer.Quantizer, "requantize"), (quantizer.Quantizer, "native_plan"),
+                    (base.FP8Module, "fp8_plan"), (base.FP8Module, "quantizers"), (cast.PreparedCast, "__call__"),
+                    (autocast_mod.autocast, "__enter__"), (autocast_mod.autocast, "__exit__")]:
     wrap(owner, name)
 n = 500
 torch.cuda.synchronize() if dev.type == "cuda" else None

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import scaling
-from . import reference
+from . import native, reference
 from .checks import FP8_DTYPES, check_dbias, check_fp8_out, check_fp8_outputs, check_scalar, check_scales
 from .launcher import DirectKernel, hooks_installed
 from .launcher import device_guard as _device_guard
@@ -446,6 +446,27 @@ class PreparedCast:
         self._x_aligned = x.data_ptr() & 15 == 0
         self._binary = kernel.binary_for(*self._make_args(x, out, out_t, scale_inv_out, self._partial))
         self._tail = kernel.tail
+        self._writes = (out is not None, out_t is not None)  # (casts, writes the transposed copy)
+        self._native = native.launch_for(self)  # the same launch from C++ (None: through Triton's launcher)
+
+    @property
+    def partial(self) -> Optional[torch.Tensor]:
+        """The (row tiles, N) float32 partial column sums of a dbias cast (None without dbias)."""
+        return self._partial if self._binary is not None else None
+
+    def native_launch(self) -> Optional[tuple]:
+        """This launch as kernels.native.Launch arguments (function, grid, block, shared,
+        values, holes) and the fixed buffers they point into, for the C++ launcher; None
+        where it launches through Triton (see the class). The call's own tensors are holes,
+        filled per call in the order of _HOLES: x, data, data_t, scale_inv; the rest (this
+        preparation's scale, amax and partial-sum buffers, the sizes) is fixed."""
+        if self._binary is None:
+            return None
+        casts, transposes = self._writes
+        x, data, data_t, scale_inv = _HOLES
+        args = self._make_args(x, data if casts else None, data_t if transposes else None,
+                               scale_inv if casts else None, self._partial)
+        return native.launch_spec(self._binary, self._grid, args, _HOLES)
 
     def __call__(self, x, out, out_t, scale_inv_out, dbias_out=None) -> None:
         binary = self._binary
@@ -458,11 +479,27 @@ class PreparedCast:
                 launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count, dbias_out, skip)
             return
         partial = self._partial
-        binary.run(self._grid, 1, 1, torch._C._cuda_getCurrentRawStream(self._device), binary.function,
-                   binary.packed_metadata, None, None, None, *self._make_args(x, out, out_t, scale_inv_out, partial),
-                   *self._tail)
+        if self._native is not None and native.ENABLED:
+            native.extension().launch(self._native, self._device, x, out, out_t, scale_inv_out)
+        else:
+            binary.run(self._grid, 1, 1, torch._C._cuda_getCurrentRawStream(self._device), binary.function,
+                       binary.packed_metadata, None, None, None,
+                       *self._make_args(x, out, out_t, scale_inv_out, partial), *self._tail)
         if dbias_out is not None:
             torch.sum(partial, dim=0, out=dbias_out)
+
+
+class _Hole:
+    """Stands in for one of a call's own tensors while a launch's fixed arguments are read."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+_HOLES = (_Hole("x"), _Hole("data"), _Hole("data_t"), _Hole("scale_inv"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Dict, Tuple
+import struct
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -123,6 +124,48 @@ class DirectKernel:
         return binary
 
 
+def kernel_params(binary, args) -> Optional[List[Tuple[str, Any]]]:
+    """The parameters the compiled kernel itself takes for a launch with runtime `args` (as
+    `DirectKernel` passes them), in order, as (Triton type, value) pairs: what a launcher
+    outside Triton (kernels/native.py's C++ one) must pass to cuLaunchKernel. None when such
+    a launch would not be the same as Triton's.
+
+    The ABI (triton 3.6's generated launcher): arguments Triton specialised into constants
+    (ints equal to 1, None) are not parameters; pointers are 8 bytes, i32/fp32 4, i64 8;
+    every kernel then takes a global-scratch and a profile-scratch pointer, null when the
+    binary needs no such scratch. Clusters, PDL and cooperative launches need
+    cuLaunchKernelEx attributes, so those binaries are refused, as are ones with scratch.
+    """
+    src, meta = getattr(binary, "src", None), binary.metadata
+    signature = list(getattr(src, "signature", {}).values())
+    if len(signature) < len(args) or any(t != "constexpr" for t in signature[len(args):]):
+        return None  # not the layout described above (another Triton version)
+    if (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_pdl", False)
+            or getattr(meta, "launch_cooperative_grid", False)):
+        return None
+    params = [(t, a) for t, a in zip(signature, args) if t != "constexpr"]
+    if any(t not in _PARAM_BYTES and not t.startswith("*") for t, _ in params):
+        return None
+    for name in ("global_scratch_size", "profile_scratch_size"):
+        if hasattr(meta, name):
+            if getattr(meta, name):
+                return None
+            params.append(("*scratch", None))
+    return params
+
+
+# Scalar parameter types a C++ launch packs, by their struct format (little-endian).
+_PARAM_BYTES = {"i32": "<i", "i64": "<q", "u64": "<Q", "fp32": "<f", "i1": "<b", "u1": "<B"}
+
+
+def pack_param(ty: str, value: Any) -> int:
+    """A scalar parameter's bytes as the unsigned 64-bit slot a C++ launch passes (the
+    driver reads the parameter's own size from the slot's low bytes)."""
+    fmt = _PARAM_BYTES[ty]
+    raw = struct.pack(fmt, float(value) if ty == "fp32" else int(value))
+    return int.from_bytes(raw.ljust(8, b"\0"), "little")
+
+
 _NO_GUARD = contextlib.nullcontext()
 
 
@@ -139,4 +182,4 @@ def _is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-__all__ = ["DirectKernel", "device_guard", "hooks_installed"]
+__all__ = ["DirectKernel", "device_guard", "hooks_installed", "kernel_params", "pack_param"]

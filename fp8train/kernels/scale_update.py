@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import scaling
+from . import native
 from .launcher import DirectKernel, device_guard, hooks_installed
 
 _UNRECORDED: tl.constexpr = tl.constexpr(scaling.UNRECORDED)
@@ -131,15 +132,22 @@ class ScaleUpdateLaunch:
         self._margin_factor = 2.0 ** -int(margin)  # exact in float32 for |margin| <= 126
         block_h = max(32, triton.next_power_of_2(length))
         self._binary = None  # compiled kernel for these fixed arguments, from the first call
+        self._native = None  # its launch from C++ (kernels/native.py), where the extension is built
         self._kernel = DirectKernel(_scale_update_kernel, num_warps=1 if block_h <= 256 else 4,
                                     ALGO_MAX=algo == "max", BLOCK_H=block_h)
 
     def __call__(self) -> None:
+        launch = self._native
+        if launch is not None and native.ENABLED and not hooks_installed():  # the steady state, from C++
+            native.extension().launch(launch, self._device.index, None, None, None, None)
+            return
         args = (self._history_ptrs, self._scale_ptrs, self._count_ptrs, self._fp8_max, self._length,
                 self._margin_factor)
         with device_guard(self._device):
             if self._binary is None:
                 self._binary = self._kernel.binary_for(*args)
+                if self._binary is not None:
+                    self._native = native.fixed_launch(self._binary, self._num_quantizers, args)
             binary = self._binary
             if binary is None or hooks_installed():
                 self._kernel(self._num_quantizers, *args)

@@ -13,6 +13,7 @@ from ..distributed.parallel_linear import linear_layout, parallel_linear_forward
 from ..distributed.tp_config import TPConfig
 from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
+from ..kernels import native
 from ..recipe import GemmConfig
 from ..tensor import Float8Tensor
 from .base import FP8Module, in_dtype, mark_calibrated
@@ -113,7 +114,12 @@ class Linear(FP8Module, TPCheckpoints):
         grad = torch.is_grad_enabled()
         w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad,
                                     skip=self.weight_cast_skip)
-        y = _LinearFn.apply(x, weight, self.bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
+        bias = self.bias
+        if x.is_cuda and native.ENABLED:
+            y = _native_forward(x, weight, bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype, grad)
+            if y is not None:
+                return y
+        y = _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
                             grad and weight.requires_grad)
         mark_calibrated(q_input, q_weight, q_grad)
         return y
@@ -167,6 +173,37 @@ def _high_precision(x, weight, bias, dtype):
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t as (rows, last dim); 2-D tensors pass through without a view."""
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _native_forward(x, weight, bias, w_fp8, q_input: Quantizer, q_grad: Quantizer, config: GemmConfig,
+                    act_dtype: torch.dtype, grad: bool) -> Optional[torch.Tensor]:
+    """_LinearFn.apply through the C++ node (kernels/native.py), or None where the Python
+    node must run: a Float8Tensor input, traced code, launch hooks (a profiler), x off the
+    current device, an activation dtype or cast the C++ side does not take, and the first
+    call of each input shape (the Python path prepares the launches the C++ plans reuse)."""
+    if isinstance(x, Float8Tensor) or torch.compiler.is_compiling() or native.hooks_installed():
+        return None
+    code = native.DTYPE_CODES.get(act_dtype)
+    if code is None or x.dtype not in native.DTYPE_CODES or x.get_device() != torch._C._cuda_getDevice():
+        return None
+    k = x.shape[-1]
+    rows = (x.numel() // k, k)
+    need_dgrad = grad and x.requires_grad
+    need_wgrad = grad and weight.requires_grad
+    need_dbias = grad and bias is not None and bias.requires_grad
+    x_plan = q_input.native_plan(rows, x.dtype, need_wgrad, False)
+    if x_plan is None:
+        return None
+    grad_plan = None
+    if need_dgrad or need_wgrad or need_dbias:
+        grad_plan = q_grad.native_plan((rows[0], weight.shape[0]), act_dtype, need_wgrad, need_dbias)
+        if grad_plan is None:
+            return None
+    w_data, w_scale_inv = weight_operands(w_fp8)
+    w_t = weight_transposed(w_fp8)[0] if need_dgrad else None
+    return native.extension().linear_forward(
+        x, weight, bias, w_data, w_scale_inv, w_t, x_plan, grad_plan, config.fprop_fast_accum,
+        config.dgrad_fast_accum, config.wgrad_fast_accum, code, need_wgrad)
 
 
 class _LinearFn(torch.autograd.Function):

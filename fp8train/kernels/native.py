@@ -1,0 +1,146 @@
+"""The C++ side of the eager hot path: fp8train/csrc/linear_node.cpp, built on first use.
+
+It holds the Linear layer's autograd node in C++ (forward and backward with no Python
+between the launches) and a launcher for Triton binaries that Python compiled and loaded:
+a `CastPlan` is one quantizer's cast of one input shape, made from the quantizer's prepared
+launches (kernels.cast.PreparedCast.native_launch). The Python path stays the reference
+and the fallback: on the CPU, under the interpreter or torch.compile, with launch hooks,
+and wherever the extension could not be built (one warning says why).
+
+`ENABLED = False` turns the C++ node off for the process (an A/B switch for benchmarks and
+tests; tools/run_with_flags.py sets it from the command line).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+from ..tensor import padded_rows
+
+ENABLED = True
+
+_SOURCE = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "linear_node.cpp"
+_ext = None
+_failure: Optional[str] = None
+
+# Activation dtypes by the code linear_forward takes.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def extension():
+    """The compiled extension, or None where it cannot be built (the first call builds it,
+    tens of seconds once per machine and torch version; torch caches the build)."""
+    global _ext, _failure
+    if _ext is not None or _failure is not None:
+        return _ext
+    try:
+        from torch.utils.cpp_extension import load
+        _find_ninja()
+        _ext = load(name="fp8train_linear_node", sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                    extra_ldflags=["-ldl"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, headers that differ: the Python node runs
+        lines = str(e).strip().splitlines()
+        errors = [line.strip() for line in lines if "error" in line.lower()]
+        _failure = f"{type(e).__name__}: {(errors or lines or [''])[0][:300]}"
+        warnings.warn(f"fp8train: the C++ Linear node could not be built ({_failure}); FP8 Linear layers use "
+                      "the Python autograd node (more host time per call)", stacklevel=2)
+    return _ext
+
+
+def hooks_installed() -> bool:
+    """launcher.hooks_installed, imported on first use (triton is not needed to import fp8train)."""
+    global _hooks_installed
+    if _hooks_installed is None:
+        from .launcher import hooks_installed as _hooks_installed
+    return _hooks_installed()
+
+
+_hooks_installed = None
+
+
+def _find_ninja() -> None:
+    """torch's build runs `ninja` from PATH; the pip package's binary (the dev extra) is not on
+    PATH when the venv's python runs without the venv activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def failure() -> Optional[str]:
+    """Why the extension could not be built (None: built, or not tried yet)."""
+    return _failure
+
+
+def launch_spec(binary, grid: int, args: Sequence, holes: Sequence = ()) -> Optional[tuple]:
+    """((function, grid, block, shared, values, hole indices), fixed tensors) of a launch of
+    `binary` on `grid` programs with runtime `args` (DirectKernel's), for `Launch`; None where
+    the C++ launcher cannot make it (launcher.kernel_params). An argument that *is* one of
+    `holes` becomes a hole with that index (filled per call); other tensors are fixed
+    pointers, kept alive by whoever keeps the tensors returned with the spec."""
+    from .launcher import kernel_params, pack_param
+    params = kernel_params(binary, args)
+    if params is None:
+        return None
+    index = {id(h): i for i, h in enumerate(holes)}
+    values, hole_of, fixed = [], [], []
+    for ty, value in params:
+        hole = index.get(id(value), -1)
+        hole_of.append(hole)
+        if hole >= 0 or value is None:
+            values.append(0)
+        elif ty.startswith("*"):
+            values.append(value.data_ptr())
+            fixed.append(value)
+        else:
+            values.append(pack_param(ty, value))
+    meta = binary.metadata
+    return (binary.function, grid, 32 * meta.num_warps, meta.shared, values, hole_of), fixed
+
+
+def launch_for(prepared):
+    """A C++ Launch of a PreparedCast's launch (holes: the call's x, data, data_t, scale_inv),
+    or None where it has none or the extension is missing."""
+    spec = prepared.native_launch()
+    ext = extension() if spec is not None else None
+    return None if ext is None else ext.Launch(*spec[0])
+
+
+def fixed_launch(binary, grid: int, args: Sequence):
+    """A C++ Launch of `binary` with every argument fixed (the caller keeps the tensors in
+    `args` alive), or None (see launch_spec; or no extension)."""
+    ext = extension()
+    spec = launch_spec(binary, grid, args) if ext is not None else None
+    return None if spec is None else ext.Launch(*spec[0])
+
+
+def cast_plan(launches: Sequence, device: int, fp8_dtype: torch.dtype, shape, transpose: bool,
+              zero_first: Sequence[torch.Tensor] = (), partial: Optional[torch.Tensor] = None):
+    """A C++ CastPlan running `launches` (PreparedCasts, in order) on an input of 2-D `shape`,
+    after zeroing `zero_first`; None where a launch is not one the C++ launcher can make or
+    the extension is missing. partial: the (row tiles, N) float32 dbias buffer of the last
+    launch (the plan returns its column sums as dbias)."""
+    ext = extension()
+    if ext is None:
+        return None
+    made, keep = [], list(zero_first)
+    for prepared in launches:
+        spec = prepared.native_launch()
+        if spec is None:
+            return None
+        made.append(ext.Launch(*spec[0]))
+        keep.extend(spec[1])
+    m, n = shape
+    data_t_shape = [n, padded_rows(m)] if transpose else []
+    return ext.CastPlan(device, fp8_dtype == torch.float8_e5m2, [m, n], data_t_shape, list(zero_first), made,
+                        partial, keep)
+
+
+__all__ = ["DTYPE_CODES", "ENABLED", "cast_plan", "fixed_launch", "launch_for", "launch_spec", "extension", "failure", "hooks_installed"]

@@ -1,0 +1,269 @@
+"""The C++ Linear node (fp8train/csrc/linear_node.cpp, kernels/native.py) against the Python
+node it replaces: the same bytes for every cast, output, gradient and scaling state.
+
+The Python path is the reference: `native.ENABLED = False` runs it on a twin layer with the
+same parameters and inputs. The C++ node takes over from the call after the Python path has
+prepared a shape's launches, so each run checks which node made each output."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fp8train
+from fp8train import CurrentScaling, DelayedScaling
+from fp8train.kernels import native
+from fp8train.quantizer import make_quantizer
+from fp8train.roles import TensorRole
+from tests.helpers import assert_bitwise
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+NATIVE_NODE = "fp8train::LinearBackward"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if native.extension() is None:
+        pytest.fail(f"the C++ extension did not build: {native.failure()}")
+
+
+@pytest.fixture
+def python_node():
+    """Run the body with the C++ node off; restore it after."""
+    class Switch:
+        def __enter__(self):
+            native.ENABLED = False
+
+        def __exit__(self, *exc):
+            native.ENABLED = True
+    return Switch()
+
+
+def node_name(y: torch.Tensor) -> str:
+    return y.grad_fn.name() if y.grad_fn is not None else "none"
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("shape, dtype, transpose, dbias", [
+    ((256, 1024), torch.bfloat16, True, False),
+    ((333, 48), torch.bfloat16, True, True),      # odd rows: padded transposed copy, partial last tile
+    ((77, 4096), torch.float16, False, False),    # the flat kernel
+    ((1000, 272), torch.bfloat16, False, True),   # tile kernel for dbias alone
+    ((64, 160), torch.float32, False, False),
+], ids=str)
+def test_cast_plan_matches_the_python_launch(recipe, shape, dtype, transpose, dbias):
+    """A plan's cast against the prepared Python launch it was made from: data, transposed
+    copy, scale_inv, dbias and the amax it records, byte for byte."""
+    role = TensorRole.GRAD_OUTPUT if dbias else TensorRole.INPUT
+    q = make_quantizer(recipe, role, device=CUDA)
+    x = (torch.randn(shape, device=CUDA) * 3).to(dtype)
+    x[0, 0] = 40.0  # the amax
+    for _ in range(2):  # calibration (delayed), then the prepared steady-state launch
+        q.cast(x, transpose=transpose, dbias=dbias)
+    plan = q.native_plan(tuple(shape), dtype, transpose, dbias)
+    assert plan is not None
+    state = [b.clone() for b in q.buffers()]
+    want = q.cast(x, transpose=transpose, dbias=dbias)
+    state_after = [b.clone() for b in q.buffers()]
+    with torch.no_grad():
+        for b, s in zip(q.buffers(), state):
+            b.copy_(s)
+    got = native.extension().cast_with(plan, x)
+    for name, g, w in zip(("data", "data_t", "scale_inv", "dbias"), got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert_bitwise(g, w, name)
+    for b, s in zip(q.buffers(), state_after):
+        assert_bitwise(b, s, "quantizer state")
+
+
+def test_plans_wait_for_the_python_preparation_and_are_dropped_with_it():
+    q = make_quantizer(DelayedScaling(), TensorRole.INPUT, device=CUDA)
+    x = torch.randn(64, 256, device=CUDA, dtype=torch.bfloat16)
+    assert q.native_plan((64, 256), torch.bfloat16, True, False) is None  # nothing prepared
+    q.cast(x, transpose=True)  # calibrates: no steady-state launch yet
+    assert q.native_plan((64, 256), torch.bfloat16, True, False) is None
+    q.cast(x, transpose=True)
+    assert q.native_plan((64, 256), torch.bfloat16, True, False) is not None
+    q.to(CUDA, torch.float32)  # buffers may move: preparations and plans go
+    assert q.native_plan((64, 256), torch.bfloat16, True, False) is None
+
+
+CASES = [
+    # in, out, bias, params dtype, input shape, input dtype, recipe
+    (1024, 1024, True, torch.bfloat16, (256, 1024), torch.bfloat16, DelayedScaling()),
+    (1024, 1024, False, torch.float32, (4, 65, 1024), torch.bfloat16, DelayedScaling()),
+    (64, 48, True, torch.float32, (333, 64), torch.bfloat16, CurrentScaling()),
+    (256, 512, True, torch.bfloat16, (3, 7, 256), torch.float16, CurrentScaling()),
+    # float32 input with a transposed copy: its Python cast takes two launches (kernels/cast.py),
+    # which no plan holds, so the Python node runs on every step
+    (128, 64, True, torch.float32, (100, 128), torch.float32, DelayedScaling()),
+]
+
+
+def _steps(layer, xs, dys, recipe, first_microbatch=None):
+    outs = []
+    for i, (x, dy) in enumerate(zip(xs, dys)):
+        x = x.detach().clone().requires_grad_(x.requires_grad)
+        with fp8train.autocast(recipe=recipe):
+            mb = None if first_microbatch is None else (i == 0 if first_microbatch else False)
+            y = layer(x, is_first_microbatch=mb)
+        name = node_name(y)
+        y.backward(dy)
+        outs.append((name, y.detach(), None if x.grad is None else x.grad.clone(),
+                     {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}))
+        layer.zero_grad(set_to_none=True)
+    return outs
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-bias{int(c[2])}-{str(c[3])[6:]}-"
+                         f"{'x'.join(map(str, c[4]))}-{str(c[5])[6:]}-{type(c[6]).__name__}")
+def test_linear_node_matches_the_python_node(case, python_node):
+    """Six fwd+bwd steps of one layer with the C++ node and of its twin with the Python node
+    (and Triton's own launcher for every cast): outputs, every gradient and the scaling state
+    identical; the C++ node ran from the first step after the launches were prepared."""
+    k, n, bias, pdtype, shape, xdtype, recipe = case
+    layer = fp8train.Linear(k, n, bias=bias, params_dtype=pdtype, device=CUDA)
+    twin = copy.deepcopy(layer)
+    xs = [(torch.randn(shape, device=CUDA) * (1 + i)).to(xdtype).requires_grad_() for i in range(6)]
+    dys = [torch.randn(*shape[:-1], n, device=CUDA).to(xdtype) for _ in range(6)]
+    got = _steps(layer, xs, dys, recipe)
+    got_state = {name: t.clone() for name, t in layer.state_dict().items()}  # before the twin's steps roll it
+    with python_node:
+        want = _steps(twin, xs, dys, recipe)
+    # delayed scaling: step 1 calibrates, step 2 prepares; current scaling: step 1 prepares
+    python_steps = 2 if isinstance(recipe, DelayedScaling) else 1
+    native_steps = [g[0] == NATIVE_NODE for g in got]
+    assert native_steps == [False] * python_steps + [xdtype != torch.float32] * (6 - python_steps), native_steps
+    assert NATIVE_NODE not in [w[0] for w in want]
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_bitwise(g[1], w[1], f"step {step} output")
+        assert_bitwise(g[2], w[2], f"step {step} dx")
+        assert g[3].keys() == w[3].keys()
+        for name in w[3]:
+            assert g[3][name].dtype == w[3][name].dtype
+            assert_bitwise(g[3][name], w[3][name], f"step {step} d{name}")
+    want_state = twin.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for name, t in want_state.items():
+        assert_bitwise(got_state[name], t, name)
+
+
+@pytest.mark.parametrize("what", ["frozen_input", "frozen_weight", "no_grad", "cached_weight", "torch_autocast"])
+def test_linear_node_variants_match(what, python_node):
+    """The C++ node's other cases: no dgrad, no wgrad (and no transposed copy of X), no
+    graph at all, a cached FP8 weight over microbatches, torch.autocast's dtype."""
+    layer = fp8train.Linear(512, 256, params_dtype=torch.float32, device=CUDA)
+    if what in ("frozen_weight", "torch_autocast"):  # torch_autocast: a float32 input without transposed copy
+        layer.weight.requires_grad_(False)
+    twin = copy.deepcopy(layer)
+    xdtype = torch.float32 if what == "torch_autocast" else torch.bfloat16
+    xs = [torch.randn(96, 512, device=CUDA, dtype=xdtype).requires_grad_(what != "frozen_input") for _ in range(5)]
+    dys = [torch.randn(96, 256, device=CUDA, dtype=torch.bfloat16) for _ in range(5)]
+    recipe = DelayedScaling()
+
+    def run(m):
+        if what == "no_grad":
+            outs = []
+            for x in xs:
+                with torch.no_grad(), fp8train.autocast(recipe=recipe):
+                    outs.append(("none", m(x), None, {}))
+            return outs
+        if what == "torch_autocast":
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return _steps(m, xs, dys, recipe)
+        return _steps(m, xs, dys, recipe, first_microbatch=True if what == "cached_weight" else None)
+
+    got = run(layer)
+    with python_node:
+        want = run(twin)
+    if what != "no_grad":
+        assert [g[0] for g in got][2:] == [NATIVE_NODE] * 3, [g[0] for g in got]
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_bitwise(g[1], w[1], f"step {step} output")
+        assert (g[2] is None) == (w[2] is None)
+        if w[2] is not None:
+            assert_bitwise(g[2], w[2], f"step {step} dx")
+        assert g[3].keys() == w[3].keys()
+        for name in w[3]:
+            assert_bitwise(g[3][name], w[3][name], f"step {step} d{name}")
+
+
+def test_linear_node_backward_twice(python_node):
+    """retain_graph=True keeps the saved FP8 tensors for a second backward (same gradients);
+    without it, a second backward is a clear error."""
+    layer = fp8train.Linear(256, 128, device=CUDA, params_dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16)
+    for _ in range(3):
+        with fp8train.autocast():
+            y = layer(x)
+        y.backward(dy)
+    assert node_name(y) == NATIVE_NODE
+    x.grad, layer.weight.grad, layer.bias.grad = None, None, None
+    with fp8train.autocast():
+        y = layer(x)
+    y.backward(dy, retain_graph=True)
+    first = x.grad.clone(), layer.weight.grad.clone()
+    x.grad = None
+    layer.weight.grad = None
+    y.backward(dy)
+    assert_bitwise(x.grad, first[0], "dx")
+    assert_bitwise(layer.weight.grad, first[1], "dw")
+    with fp8train.autocast():
+        y = layer(x)
+    y.backward(dy)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward(dy)
+
+
+def test_linear_node_in_a_cuda_graph(python_node):
+    """The C++ node's launches are captured like Triton's: replays of a captured fwd+bwd
+    (with the delayed-scaling update) give what eager steps of the Python node give."""
+    layer = fp8train.Linear(256, 256, device=CUDA, params_dtype=torch.float32)
+    twin = copy.deepcopy(layer)
+    recipe = DelayedScaling()
+    xs = [torch.randn(128, 256, device=CUDA, dtype=torch.bfloat16) for _ in range(7)]
+    dy = torch.randn(128, 256, device=CUDA, dtype=torch.bfloat16)
+    static_x = xs[0].clone().requires_grad_()
+    got = []
+
+    def step():
+        with fp8train.autocast(recipe=recipe):
+            y = layer(static_x)
+        y.backward(dy)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager warm-up: calibrate, prepare, then the C++ node
+        for x in xs[:3]:
+            static_x.data.copy_(x)
+            y = step()
+            got.append((y.detach().clone(), static_x.grad.clone(), layer.weight.grad.clone()))
+            static_x.grad, layer.weight.grad, layer.bias.grad = None, None, None
+    torch.cuda.current_stream().wait_stream(side)
+    assert node_name(y) == NATIVE_NODE
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step()
+    for x in xs[3:]:
+        static_x.data.copy_(x)
+        graph.replay()
+        got.append((static_y.detach().clone(), static_x.grad.clone(), layer.weight.grad.clone()))
+    with python_node:
+        want = []
+        for x in xs:
+            xg = x.clone().requires_grad_()
+            with fp8train.autocast(recipe=recipe):
+                y = twin(xg)
+            y.backward(dy)
+            want.append((y.detach(), xg.grad.clone(), twin.weight.grad.clone()))
+            twin.zero_grad(set_to_none=True)
+    for step_i, (g, w) in enumerate(zip(got, want)):
+        for what, a, b in zip(("y", "dx", "dw"), g, w):
+            assert_bitwise(a, b, f"step {step_i} {what}")

@@ -1,0 +1,95 @@
+"""The C++ Linear node's CPU side: the launch ABI read from a compiled Triton kernel, the
+packing of scalar parameters, the extension's build against this torch and its argument
+checks, and the rule that CPU layers never take the node (its launches are CUDA only).
+Its numerics are GPU tests (tests/gpu/test_native_gpu.py)."""
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fp8train
+from fp8train.kernels import native
+
+triton = pytest.importorskip("triton")
+from fp8train.kernels.launcher import kernel_params, pack_param  # noqa: E402
+
+
+def fake_binary(signature: dict, **meta):
+    """What kernel_params reads of a triton 3.6 CompiledKernel: src.signature (every
+    parameter by name, 'constexpr' for those Triton folded) and the metadata fields."""
+    fields = dict(num_ctas=1, num_warps=4, shared=0, launch_pdl=False, launch_cooperative_grid=False,
+                  global_scratch_size=0, profile_scratch_size=0)
+    fields.update(meta)
+    return SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=SimpleNamespace(**fields))
+
+
+SIG = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "m": "i32", "one": "constexpr", "big": "i64", "f": "fp32",
+       "BLOCK": "constexpr"}
+
+
+def test_kernel_params_drop_constants_and_append_the_scratch_pointers():
+    x, out = object(), object()
+    args = (x, out, 77, 1, 2**40, 0.5)  # `one` was specialised to a constant; BLOCK is the declared constexpr
+    params = kernel_params(fake_binary(SIG), args)
+    assert params == [("*bf16", x), ("*fp8e4nv", out), ("i32", 77), ("i64", 2**40), ("fp32", 0.5),
+                      ("*scratch", None), ("*scratch", None)]
+
+
+def test_kernel_params_without_scratch_fields():
+    """Binaries whose metadata has no scratch fields (older Triton) take no scratch pointers."""
+    binary = fake_binary(SIG)
+    del binary.metadata.global_scratch_size, binary.metadata.profile_scratch_size
+    assert [t for t, _ in kernel_params(binary, (0, 0, 3, 1, 5, 1.0))] == ["*bf16", "*fp8e4nv", "i32", "i64", "fp32"]
+
+
+@pytest.mark.parametrize("meta, signature", [
+    (dict(num_ctas=2), SIG), (dict(launch_pdl=True), SIG), (dict(launch_cooperative_grid=True), SIG),
+    (dict(global_scratch_size=128), SIG), (dict(profile_scratch_size=64), SIG),
+    ({}, dict(SIG, f="fp16")),                                  # a scalar type the C++ side does not pack
+    ({}, {"x_ptr": "*bf16", "BLOCK": "constexpr"}),             # fewer parameters than arguments
+    ({}, dict(SIG, BLOCK="i32")),                               # a trailing parameter that is not a constexpr
+], ids=["cluster", "pdl", "cooperative", "global-scratch", "profile-scratch", "fp16-scalar", "short", "tail"])
+def test_kernel_params_refuse_what_cuLaunchKernel_cannot_do(meta, signature):
+    assert kernel_params(fake_binary(signature, **meta), (0, 0, 3, 1, 5, 1.0)) is None
+
+
+@pytest.mark.parametrize("ty, value, raw", [
+    ("i32", -3, struct.pack("<i", -3)), ("i32", 2**31 - 1, struct.pack("<i", 2**31 - 1)),
+    ("i64", -(2**40), struct.pack("<q", -(2**40))), ("u64", 2**64 - 1, struct.pack("<Q", 2**64 - 1)),
+    ("fp32", 0.1, struct.pack("<f", 0.1)), ("fp32", float("inf"), struct.pack("<f", float("inf"))),
+    ("u1", True, b"\x01"), ("i1", 0, b"\x00"),
+])
+def test_pack_param_puts_the_bytes_in_the_low_end_of_the_slot(ty, value, raw):
+    slot = pack_param(ty, value)
+    assert 0 <= slot < 2**64
+    assert slot.to_bytes(8, "little") == raw.ljust(8, b"\0")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    e = native.extension()
+    assert e is not None, f"the C++ extension did not build: {native.failure()}"
+    return e
+
+
+def test_extension_builds_and_checks_its_launches(ext):
+    ext.Launch(0, 1, 128, 0, [1, 2, 3], [0, -1, 3])
+    with pytest.raises(RuntimeError, match="hole"):
+        ext.Launch(0, 1, 128, 0, [1, 2], [0, 4])
+    with pytest.raises(RuntimeError, match="one hole entry each"):
+        ext.Launch(0, 1, 128, 0, [1, 2], [0])
+    with pytest.raises(RuntimeError, match="at most 32"):
+        ext.Launch(0, 1, 128, 0, [0] * 33, [-1] * 33)
+
+
+def test_cpu_layers_never_take_the_native_node():
+    layer = fp8train.Linear(32, 16)
+    x = torch.randn(8, 32, requires_grad=True)
+    for _ in range(3):
+        with fp8train.autocast():
+            y = layer(x)
+        assert y.grad_fn.name() == "_LinearFnBackward"
+        y.sum().backward()
