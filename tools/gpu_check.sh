@@ -8,7 +8,9 @@
 #   small  benchmarks/small.py (small MLP sizes: graphs, auto precision, torchao reduce-overhead)
 #   demo   the 2000-step GPU demo, hybrid and (second GPU) e4m3 formats side by side
 #   tests  the GPU suite (tools/gpu_tests_parallel.sh: shards over the GPUs, then multi-GPU files)
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests]
+#   native the C++ Linear node: its build, its GPU tests beside the Linear and graph tests, the
+#          host-time ratio (benchmarks/linear.py, 1024 only) and tools/probe_host_state.py
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -56,6 +58,12 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       for log in "$OUT"/demo_*.log; do echo "--- $log"; grep -v "it/s\|s/it" "$log" | tail -14; done ;;
     tests)
       bash tools/gpu_tests_parallel.sh "$OUT/tests" ;;
+    native)
+      python3 -c "from fp8train.kernels import native; print('C++ node:', 'built' if native.extension() else native.failure())"
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_native_gpu.py \
+        tests/gpu/test_linear_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tail -12
+      timeout 80 python3 benchmarks/linear.py --sizes 1024 --json "$OUT/linear_host.json" 2>&1 | tail -6
+      timeout 120 python3 tools/probe_host_state.py 2>&1 | grep -v "Warn\|warn\|run_backward" | tail -22 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
