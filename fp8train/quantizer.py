@@ -193,6 +193,13 @@ class Quantizer(nn.Module):
                                          self._native_zeroed(), launches[-1].partial if dbias else None)
         return prepared[key]
 
+    def native_recast(self, x: torch.Tensor, out: Float8Tensor, transpose: bool):
+        """requantize(x, out, transpose=transpose) left to the caller's C++ launch: the C++
+        Launch (kernels/native.py; holes x, out's payload, its transposed buffer, its
+        scale_inv) of this quantizer's steady-state cast of x, with `out`'s bookkeeping done,
+        or None (nothing done) where the Python cast must run. `out` must fit x."""
+        return None
+
     def _steady_launches(self, shape, dtype, transpose: bool, dbias: bool) -> Optional[tuple]:
         """The prepared launches of one steady-state cast, in order (None: not all prepared)."""
         raise NotImplementedError
@@ -311,6 +318,21 @@ class DelayedScalingQuantizer(Quantizer):
             return None
         cast = self._prepared.get((shape, dtype, transpose, False, dbias, 0))
         return None if cast is None else (cast,)
+
+    def native_recast(self, x, out, transpose):
+        if not self.calibrated or isinstance(x, Float8Tensor) or not x.is_contiguous():
+            return None
+        data_t = out._transpose if transpose else None
+        if transpose and data_t is None:
+            return None
+        launch = self._prepared.get((x.shape, x.dtype, transpose, False, False, 0))
+        native = None if launch is None else launch.native_for(x)
+        if native is None:
+            return None
+        out._mark_rewritten()  # the C++ launch rewrites payload (and transposed copy) through raw pointers
+        if data_t is not None:
+            out._set_transpose(data_t)
+        return native
 
     def requantize(self, x, out, *, transpose=False, skip=None) -> None:
         # The steady state of a weight workspace re-cast every step, inlined (host time): a

@@ -245,13 +245,19 @@ c10::ScalarType float_dtype(int64_t code) {
   }
 }
 
+void launch(const Launch& l, int device, const std::optional<at::Tensor>& x, const std::optional<at::Tensor>& data,
+            const std::optional<at::Tensor>& data_t, const std::optional<at::Tensor>& scale_inv);
+
 // The forward of fp8train.Linear's FP8 path (modules/linear.py `_LinearFn.forward`) for a
-// plain input tensor; the weight's FP8 workspace was cast by Python. w_t / w_t_scale_inv are
-// used only when x requires grad; the grad plan only when anything needs a gradient.
+// plain input tensor. The weight's FP8 workspace (w_data, w_scale_inv, w_t: its transposed
+// copy, needed when x requires grad) is re-cast first by `w_cast` (the weight quantizer's
+// prepared launch) when given, else it holds what Python cast or kept. The grad plan is used
+// only when anything needs a gradient.
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const at::Tensor& w_data, const at::Tensor& w_scale_inv, const std::optional<at::Tensor>& w_t,
                           const std::shared_ptr<CastPlan>& x_plan, const std::shared_ptr<CastPlan>& grad_plan,
-                          bool fast_fprop, bool fast_dgrad, bool fast_wgrad, int64_t act_code, bool need_wgrad) {
+                          bool fast_fprop, bool fast_dgrad, bool fast_wgrad, int64_t act_code, bool need_wgrad,
+                          const Launch* w_cast) {
   const c10::ScalarType act_dtype = float_dtype(act_code);
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   const bool grad = torch::autograd::GradMode::is_enabled();
@@ -262,6 +268,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   at::Tensor y, x_t, x_scale_inv;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
+    if (w_cast != nullptr) launch(*w_cast, x_plan->device, weight, w_data, w_t, w_scale_inv);
     at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
     if (!x2.is_contiguous()) x2 = x2.contiguous();
     if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();  // the plan's binary wants 16 B
@@ -315,7 +322,7 @@ void launch(const Launch& l, int device, const std::optional<at::Tensor>& x, con
     TORCH_CHECK(l.holes[i] < 0 || pointers[l.holes[i]] != 0, "fp8train native: launch without its tensor ",
                 l.holes[i]);
   c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
-  ensure_context(device);
+  ensure_context(device);  // (free after the first call on a thread)
   run(l, pointers, current_stream(device));
 }
 

@@ -468,6 +468,15 @@ class PreparedCast:
                                scale_inv if casts else None, self._partial)
         return native.launch_spec(self._binary, self._grid, args, _HOLES)
 
+    def native_for(self, x):
+        """The C++ Launch of this preparation for input x (holes: x, data, data_t, scale_inv),
+        or None where x takes Triton's path (see the class; launch hooks are the caller's
+        check)."""
+        if (self._native is None or (x.data_ptr() & 15 == 0) != self._x_aligned
+                or torch._C._cuda_getDevice() != self._device):
+            return None
+        return self._native
+
     def __call__(self, x, out, out_t, scale_inv_out, dbias_out=None) -> None:
         binary = self._binary
         if (binary is None or (x.data_ptr() & 15 == 0) != self._x_aligned or torch._C._cuda_getDevice() != self._device

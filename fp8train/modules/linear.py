@@ -109,16 +109,21 @@ class Linear(FP8Module, TPCheckpoints):
             return self.high_precision_forward(x, act_dtype)
         weight = self.weight  # read once: each read of a parameter is a Module.__getattr__ call
         q_input, q_weight, q_grad = self.quantizers(recipe, weight.device)
-        if isinstance(x, Float8Tensor):
-            self.check_fp8_input(x, q_input)
         grad = torch.is_grad_enabled()
-        w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad,
-                                    skip=self.weight_cast_skip)
         bias = self.bias
         if x.is_cuda and native.ENABLED:
-            y = _native_forward(x, weight, bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype, grad)
+            y = _native_forward(self, x, weight, bias, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
+                                is_first_microbatch)
             if y is not None:
                 return y
+        if isinstance(x, Float8Tensor):
+            self.check_fp8_input(x, q_input)
+        w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad,
+                                    skip=self.weight_cast_skip)
+        y = _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
+                            grad and weight.requires_grad)
+        mark_calibrated(q_input, q_weight, q_grad)
+        return y
         y = _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
                             grad and weight.requires_grad)
         mark_calibrated(q_input, q_weight, q_grad)
@@ -175,35 +180,42 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-def _native_forward(x, weight, bias, w_fp8, q_input: Quantizer, q_grad: Quantizer, config: GemmConfig,
-                    act_dtype: torch.dtype, grad: bool) -> Optional[torch.Tensor]:
-    """_LinearFn.apply through the C++ node (kernels/native.py), or None where the Python
-    node must run: a Float8Tensor input, traced code, launch hooks (a profiler), x off the
-    current device, an activation dtype or cast the C++ side does not take, and the first
-    call of each input shape (the Python path prepares the launches the C++ plans reuse)."""
+def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
+                    config: GemmConfig, act_dtype: torch.dtype, grad: bool,
+                    is_first_microbatch: Optional[bool]) -> Optional[torch.Tensor]:
+    """The layer's FP8 forward through the C++ node (kernels/native.py), or None (with nothing
+    done) where the Python node must run: a Float8Tensor input, traced code, launch hooks (a
+    profiler), x off the current device, an activation dtype or cast the C++ side does not
+    take, and the first calls of each input shape (the Python path prepares the launches the
+    C++ plans reuse). The weight's steady-state re-cast runs inside the C++ call too."""
     if isinstance(x, Float8Tensor) or torch.compiler.is_compiling() or native.hooks_installed():
         return None
     code = native.DTYPE_CODES.get(act_dtype)
     if code is None or x.dtype not in native.DTYPE_CODES or x.get_device() != torch._C._cuda_getDevice():
         return None
     k = x.shape[-1]
-    rows = (x.numel() // k, k)
+    m = x.numel() // k
     need_dgrad = grad and x.requires_grad
     need_wgrad = grad and weight.requires_grad
     need_dbias = grad and bias is not None and bias.requires_grad
-    x_plan = q_input.native_plan(rows, x.dtype, need_wgrad, False)
+    x_plan = q_input.native_plan((m, k), x.dtype, need_wgrad, False)
     if x_plan is None:
         return None
     grad_plan = None
     if need_dgrad or need_wgrad or need_dbias:
-        grad_plan = q_grad.native_plan((rows[0], weight.shape[0]), act_dtype, need_wgrad, need_dbias)
+        grad_plan = q_grad.native_plan((m, weight.shape[0]), act_dtype, need_wgrad, need_dbias)
         if grad_plan is None:
             return None
-    w_data, w_scale_inv = weight_operands(w_fp8)
-    w_t = weight_transposed(w_fp8)[0] if need_dgrad else None
+    workspace, skip = layer._workspace, layer.weight_cast_skip
+    w_fp8, w_cast = workspace.fp8, None
+    if is_first_microbatch is not False and skip is None and workspace.fits(weight, q_weight):
+        w_cast = q_weight.native_recast(weight, w_fp8, need_dgrad)  # bookkeeping done, the launch is C++'s
+    if w_cast is None:
+        w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad, skip=skip)
+    w_t = w_fp8.transpose_data() if need_dgrad else None
     return native.extension().linear_forward(
-        x, weight, bias, w_data, w_scale_inv, w_t, x_plan, grad_plan, config.fprop_fast_accum,
-        config.dgrad_fast_accum, config.wgrad_fast_accum, code, need_wgrad)
+        x, weight, bias, w_fp8._data, w_fp8._scale_inv, w_t, x_plan, grad_plan, config.fprop_fast_accum,
+        config.dgrad_fast_accum, config.wgrad_fast_accum, code, need_wgrad, w_cast)
 
 
 class _LinearFn(torch.autograd.Function):

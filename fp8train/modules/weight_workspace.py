@@ -35,8 +35,7 @@ class WeightWorkspace:
         if torch.compiler.is_compiling():
             return self._get_traced(weight, quantizer, is_first_microbatch, need_transpose)
         ws = self.fp8
-        fits = (ws is not None and ws.shape == weight.shape and ws.device == weight.device
-                and ws.dtype == weight.dtype and ws.fp8_dtype == quantizer.dtype)
+        fits = self.fits(weight, quantizer)
         if is_first_microbatch is False and fits:
             return ws  # the transposed copy, if missing, is built from the FP8 payload on demand
         if fits:
@@ -44,6 +43,12 @@ class WeightWorkspace:
         else:
             self.fp8 = quantizer.quantize(weight, transpose=need_transpose)
         return self.fp8
+
+    def fits(self, weight: torch.Tensor, quantizer: Quantizer) -> bool:
+        """Whether the workspace exists and can hold `weight` cast by `quantizer`."""
+        ws = self.fp8
+        return (ws is not None and ws.shape == weight.shape and ws.device == weight.device
+                and ws.dtype == weight.dtype and ws.fp8_dtype == quantizer.dtype)
 
     def _get_traced(self, weight, quantizer, is_first_microbatch, need_transpose) -> Cast:
         kept = self.compiled

@@ -133,6 +133,8 @@ def test_linear_node_matches_the_python_node(case, python_node):
     dys = [torch.randn(*shape[:-1], n, device=CUDA).to(xdtype) for _ in range(6)]
     got = _steps(layer, xs, dys, recipe)
     got_state = {name: t.clone() for name, t in layer.state_dict().items()}  # before the twin's steps roll it
+    ws = layer.weight_fp8  # re-cast in place by the C++ node's forward from step 3 (delayed scaling)
+    got_ws = (ws.fp8_data.clone(), ws.scale_inv.clone(), ws.transpose_data().clone())
     with python_node:
         want = _steps(twin, xs, dys, recipe)
     # delayed scaling: step 1 calibrates, step 2 prepares; current scaling: step 1 prepares
@@ -147,6 +149,10 @@ def test_linear_node_matches_the_python_node(case, python_node):
         for name in w[3]:
             assert g[3][name].dtype == w[3][name].dtype
             assert_bitwise(g[3][name], w[3][name], f"step {step} d{name}")
+    ws = twin.weight_fp8
+    for what, g, w in zip(("payload", "scale_inv", "transposed copy"), got_ws,
+                          (ws.fp8_data, ws.scale_inv, ws.transpose_data())):
+        assert_bitwise(g, w, f"weight workspace {what}")
     want_state = twin.state_dict()
     assert got_state.keys() == want_state.keys()
     for name, t in want_state.items():
