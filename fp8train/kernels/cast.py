@@ -434,6 +434,7 @@ class PreparedCast:
                  dbias=False, skip=None):
         self._fixed = (scale, amax_out, from_amax, nonfinite_count, skip)
         self._binary = None
+        self._native = None  # the C++ launch (below); none where the cast goes through launch_cast
         if x.numel() == 0 or (out_t is not None and x.dtype == torch.float32):
             return
         fp8_max = _FP8_MAX[out.dtype] if out is not None else 0.0
