@@ -189,7 +189,7 @@ class Quantizer(nn.Module):
         if launches is None:
             return None
         from .kernels import native
-        prepared[key] = native.cast_plan(launches, torch._C._cuda_getDevice(), self.dtype, shape, transpose,
+        prepared[key] = native.cast_plan(launches, torch._C._cuda_getDevice(), dtype, self.dtype, shape, transpose,
                                          self._native_zeroed(), launches[-1].partial if dbias else None)
         return prepared[key]
 

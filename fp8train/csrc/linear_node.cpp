@@ -124,6 +124,7 @@ enum Hole { kX = 0, kData = 1, kDataT = 2, kScaleInv = 3, kHoles = 4 };
 
 struct CastPlan {
   int device = 0;
+  c10::ScalarType x_dtype = c10::ScalarType::BFloat16;  // the binaries were compiled for it
   c10::ScalarType fp8_dtype = c10::ScalarType::Float8_e4m3fn;
   std::vector<int64_t> data_shape;    // x's 2-D shape (M, N)
   std::vector<int64_t> data_t_shape;  // (N, Mp) of the transposed copy; empty: none
@@ -140,10 +141,10 @@ struct CastOut {
 // x: contiguous, of the plan's shape and dtype, 16-byte aligned (the binaries were
 // specialised on that); the current device is the plan's.
 CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream) {
-  TORCH_CHECK(x.sizes() == c10::IntArrayRef(p.data_shape) && x.is_contiguous() &&
+  TORCH_CHECK(x.sizes() == c10::IntArrayRef(p.data_shape) && x.scalar_type() == p.x_dtype && x.is_contiguous() &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "fp8train native: cast plan for shape ", c10::IntArrayRef(p.data_shape), " got a tensor of shape ",
-              x.sizes(), " (contiguous ", x.is_contiguous(), ")");
+              x.sizes(), " ", x.scalar_type(), " (contiguous ", x.is_contiguous(), ", plan dtype ", p.x_dtype, ")");
   auto fp8 = x.options().dtype(p.fp8_dtype);
   CastOut out;
   out.data = at::empty(p.data_shape, fp8);
@@ -357,11 +358,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return l;
       }));
   py::class_<CastPlan, std::shared_ptr<CastPlan>>(m, "CastPlan")
-      .def(py::init([](int device, bool e5m2, std::vector<int64_t> data_shape, std::vector<int64_t> data_t_shape,
+      .def(py::init([](int device, int64_t x_code, bool e5m2, std::vector<int64_t> data_shape,
+                       std::vector<int64_t> data_t_shape,
                        std::vector<at::Tensor> zero_first, std::vector<Launch> launches,
                        std::optional<at::Tensor> partial, std::vector<at::Tensor> keep) {
         auto p = std::make_shared<CastPlan>();
         p->device = device;
+        p->x_dtype = float_dtype(x_code);
         p->fp8_dtype = e5m2 ? c10::ScalarType::Float8_e5m2 : c10::ScalarType::Float8_e4m3fn;
         p->data_shape = std::move(data_shape);
         p->data_t_shape = std::move(data_t_shape);

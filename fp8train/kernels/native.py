@@ -121,11 +121,11 @@ def fixed_launch(binary, grid: int, args: Sequence):
     return None if spec is None else ext.Launch(*spec[0])
 
 
-def cast_plan(launches: Sequence, device: int, fp8_dtype: torch.dtype, shape, transpose: bool,
+def cast_plan(launches: Sequence, device: int, x_dtype: torch.dtype, fp8_dtype: torch.dtype, shape, transpose: bool,
               zero_first: Sequence[torch.Tensor] = (), partial: Optional[torch.Tensor] = None):
-    """A C++ CastPlan running `launches` (PreparedCasts, in order) on an input of 2-D `shape`,
-    after zeroing `zero_first`; None where a launch is not one the C++ launcher can make or
-    the extension is missing. partial: the (row tiles, N) float32 dbias buffer of the last
+    """A C++ CastPlan running `launches` (PreparedCasts, in order) on an input of 2-D `shape`
+    and `x_dtype` (the plan refuses any other), after zeroing `zero_first`; None where a
+    launch is not one the C++ launcher can make or the extension is missing. partial: the (row tiles, N) float32 dbias buffer of the last
     launch (the plan returns its column sums as dbias)."""
     ext = extension()
     if ext is None:
@@ -139,7 +139,9 @@ def cast_plan(launches: Sequence, device: int, fp8_dtype: torch.dtype, shape, tr
         keep.extend(spec[1])
     m, n = shape
     data_t_shape = [n, padded_rows(m)] if transpose else []
-    return ext.CastPlan(device, fp8_dtype == torch.float8_e5m2, [m, n], data_t_shape, list(zero_first), made,
+    if x_dtype not in DTYPE_CODES:
+        return None
+    return ext.CastPlan(device, DTYPE_CODES[x_dtype], fp8_dtype == torch.float8_e5m2, [m, n], data_t_shape, list(zero_first), made,
                         partial, keep)
 
 
