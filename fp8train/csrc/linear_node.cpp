@@ -16,13 +16,18 @@
 #include <memory>
 #include <vector>
 
-#include <ATen/ATen.h>
+// Per-operator ATen headers and torch's pybind casters only, not <torch/extension.h>: the
+// build is in the first call's (and CI's) time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_scaled_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sum.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/python.h>
+#include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
 namespace fp8train_native {
