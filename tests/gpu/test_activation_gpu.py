@@ -2,8 +2,9 @@
 
 Both sides run on CUDA tensors: `fp8train.kernels.activation.*` (Triton) and
 `fp8train.kernels.activation_reference.*` (torch). The float32 expressions are the same op
-for op, every multiply-add an explicit fma on both sides; only exp2 differs (the GPU's
-ex2.approx against torch.exp2, each within about 2 ulps), and the twin's Note shows how each
+for op, every multiply-add an explicit fma on both sides; only exp2 and the two reciprocals
+differ (the GPU's ex2.approx against torch.exp2, its div.full.f32 against an IEEE quotient,
+each within about 2 ulps), and the twin's Note shows how each
 formula keeps that a difference of a few float32 ulps in the result (no erf, no 1 + erf
 cancellation, no 1 - sigmoid near 1, a common cut at |x| = 12 for gelu's tails). A byte then
 lands on the neighbouring fp8 value only when its value lies within those few ulps of a
