@@ -124,10 +124,6 @@ class Linear(FP8Module, TPCheckpoints):
                             grad and weight.requires_grad)
         mark_calibrated(q_input, q_weight, q_grad)
         return y
-        y = _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
-                            grad and weight.requires_grad)
-        mark_calibrated(q_input, q_weight, q_grad)
-        return y
 
 
 def _init_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int) -> None:
