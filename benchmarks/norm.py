@@ -124,7 +124,7 @@ def run_size(m: int, k: int, device: torch.device, variants: bool) -> tuple:
             shapes += [(f"tiles {c.block_m}x{c.block_n} w{c.num_warps} p{c.programs_per_sm}",
                         dataclasses.replace(base, tiles=c)) for c in TILE_VARIANTS]
         shapes += [(f"bwd {c.block}/{c.max_block_n}/{c.long_block_m} w{c.num_warps} p{c.programs_per_sm}",
-                    dataclasses.replace(base, bwd=c, wide_bwd=c)) for c in BWD_VARIANTS]
+                    dataclasses.replace(base, bwd=c, wide_bwd=c, narrow_bwd=None)) for c in BWD_VARIANTS]
     for label, cfgs in shapes:
         with norm.override_configs(cfgs) if label != "-" else contextlib.nullcontext():
             if label == "-" or label.startswith("rows"):

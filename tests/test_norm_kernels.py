@@ -447,3 +447,21 @@ BAD_BWD = [
 def test_bwd_rejects_bad_arguments(changes, match):
     with pytest.raises(ValueError, match=f"norm_bwd: .*{match}"):
         ref.norm_bwd(**bwd_args(**changes))
+
+
+def test_backward_launch_shape_by_row_length():
+    """NormConfigs.bwd_for: narrow rows (up to narrow_bwd's whole-row length) take narrow_bwd,
+    then bwd up to its whole-row length, longer rows wide_bwd; without narrow_bwd, bwd."""
+    pytest.importorskip("triton")
+    from fp8train.kernels import norm
+
+    def row(max_n, warps):
+        return norm.RowConfig(block=4096, max_block_n=max_n, long_block_m=4, num_warps=warps, programs_per_sm=2)
+    narrow, bwd, wide = row(1024, 4), row(4096, 8), row(8192, 16)
+    configs = norm.NormConfigs(rows=bwd, tiles=norm.TileConfig(32, 128, 8, 2), bwd=bwd, wide_bwd=wide,
+                               narrow_bwd=narrow)
+    assert [configs.bwd_for(k) for k in (1, 1000, 1024, 1025, 4096, 4097, 20000)] == \
+        [narrow, narrow, narrow, bwd, bwd, wide, wide]
+    plain = norm.NormConfigs(rows=bwd, tiles=norm.TileConfig(32, 128, 8, 2), bwd=bwd, wide_bwd=wide)
+    assert [plain.bwd_for(k) for k in (1000, 4096, 4097)] == [bwd, bwd, wide]
+    assert norm.launch_configs(torch.device("cuda")).bwd_for(1024).num_warps == 4  # the measured narrow shape
