@@ -130,8 +130,11 @@ def launch_configs(device: torch.device) -> NormConfigs:
     (2 per SM); up to 8192 one row per step over 16 warps (1 per SM), 2.8x faster at K = 8192
     than steps of 4 rows x 1024 with a read-modify-write of the scratch row in L2, which
     longer rows still take. Rows up to K = 1024 (2026-11-30): the same 4096-element steps
-    over 4 warps, 4 per SM, 0.0436 -> 0.0332 ms at 4096 x 1024 (the small MLP's norm); at
-    K = 4096 that shape lost (0.092 -> 0.115 ms), at 2048 the shapes were within the noise.
+    over 4 warps, 4 per SM. In the graphed small-MLP step (4096 x 1024, benchmarks/small.py's
+    profile) the backward went from 28 to 10 us and the two colsum launches, now reducing
+    twice as many scratch rows, from 11 to 19 us: 10 us saved. At 4096 x 512 0.038 -> 0.033
+    ms; at K = 4096 the shape lost (0.092 -> 0.115 ms), at 2048 the shapes were within the
+    noise (standalone timings of these small launches moved by up to 2x between runs).
     """
     if _override is not None:
         return _override
