@@ -12,6 +12,7 @@
 // device-guard interface, so the file compiles on a CPU-only machine too.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <memory>
 #include <vector>
@@ -110,6 +111,7 @@ struct Launch {
   unsigned grid = 0, block = 0, shared = 0;
   std::vector<uint64_t> values;
   std::vector<int> holes;  // per slot: -1 fixed, else an index into the call's pointers
+  int max_hole = -1;       // the largest index in holes: each user checks it against its table
 };
 
 void run(const Launch& l, const uint64_t* pointers, CUstream stream) {
@@ -324,12 +326,62 @@ void launch(const Launch& l, int device, const std::optional<at::Tensor>& x, con
     return t.has_value() ? reinterpret_cast<uint64_t>(t->data_ptr()) : uint64_t{0};
   };
   uint64_t pointers[kHoles] = {ptr(x), ptr(data), ptr(data_t), ptr(scale_inv)};
+  TORCH_CHECK(l.max_hole < kHoles, "fp8train native: a cast launch with hole ", l.max_hole);
   for (size_t i = 0; i < l.holes.size(); ++i)
     TORCH_CHECK(l.holes[i] < 0 || pointers[l.holes[i]] != 0, "fp8train native: launch without its tensor ",
                 l.holes[i]);
   c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
   ensure_context(device);  // (free after the first call on a thread)
   run(l, pointers, current_stream(device));
+}
+
+// ------------------------------------------------------------------------ launch groups
+// A recorded sequence of launches (kernels/replay.py: e.g. the norm kernel and the byte
+// transpose after it) replayed with a new call's tensors. Pointer table: the call's tensors
+// in the caller's order (None: a null pointer), then one float32 scratch buffer per
+// scratch_shapes entry, allocated here per call (zeroed where the recorded one was). The
+// caching allocator may hand a freed scratch to a later allocation as soon as this returns:
+// safe, since every use of it is already queued on the current stream.
+struct Group {
+  int device = 0;
+  int64_t holes = 0;
+  std::vector<Launch> launches;
+  std::vector<std::vector<int64_t>> scratch_shapes;
+  std::vector<bool> scratch_zeroed;
+  std::vector<bool> aligned;  // per call tensor: the binaries were specialised on a 16-byte aligned address
+  std::vector<at::Tensor> keep;  // the fixed buffers the launches point into
+};
+
+void run_group(const Group& g, const std::vector<std::optional<at::Tensor>>& tensors) {
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == g.holes, "fp8train native: a launch group of ", g.holes,
+              " tensors got ", tensors.size());
+  std::vector<uint64_t> pointers(g.holes + g.scratch_shapes.size(), 0);
+  for (int64_t i = 0; i < g.holes; ++i) {
+    if (!tensors[i].has_value()) continue;
+    const at::Tensor& t = *tensors[i];
+    TORCH_CHECK(t.is_cuda() && t.get_device() == g.device, "fp8train native: launch group tensor ", i,
+                " is not on cuda:", g.device);
+    pointers[i] = reinterpret_cast<uint64_t>(t.data_ptr());
+    TORCH_CHECK(!g.aligned[i] || pointers[i] % 16 == 0, "fp8train native: launch group tensor ", i,
+                " is not 16-byte aligned, as the recorded one was");
+  }
+  c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(g.device)));
+  std::vector<at::Tensor> scratch;
+  scratch.reserve(g.scratch_shapes.size());
+  auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, g.device);
+  for (size_t k = 0; k < g.scratch_shapes.size(); ++k) {
+    scratch.push_back(at::empty(g.scratch_shapes[k], f32));
+    if (g.scratch_zeroed[k]) scratch.back().zero_();
+    pointers[g.holes + k] = reinterpret_cast<uint64_t>(scratch.back().data_ptr());
+  }
+  ensure_context(g.device);
+  CUstream stream = current_stream(g.device);
+  for (const Launch& l : g.launches) {
+    for (size_t i = 0; i < l.holes.size(); ++i)
+      TORCH_CHECK(l.holes[i] < 0 || pointers[l.holes[i]] != 0, "fp8train native: a launch group launch without "
+                  "its tensor ", l.holes[i]);
+    run(l, pointers.data(), stream);
+  }
 }
 
 // Standalone cast through a plan (tests compare it byte for byte with the Python launch):
@@ -352,8 +404,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<uint64_t> values, std::vector<int> holes) {
         TORCH_CHECK(values.size() == holes.size() && values.size() <= kMaxParams,
                     "fp8train native: a launch takes at most ", kMaxParams, " parameters, one hole entry each");
-        for (int h : holes) TORCH_CHECK(h >= -1 && h < kHoles, "fp8train native: bad hole ", h);
         Launch l;
+        for (int h : holes) {
+          TORCH_CHECK(h >= -1, "fp8train native: bad hole ", h);
+          l.max_hole = std::max(l.max_hole, h);
+        }
         l.function = reinterpret_cast<CUfunction>(function);
         l.grid = grid;
         l.block = block;
@@ -374,11 +429,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p->data_shape = std::move(data_shape);
         p->data_t_shape = std::move(data_t_shape);
         p->zero_first = std::move(zero_first);
+        for (const Launch& l : launches)
+          TORCH_CHECK(l.max_hole < kHoles, "fp8train native: a cast plan launch with hole ", l.max_hole);
         p->launches = std::move(launches);
         if (partial.has_value()) p->partial = *partial;
         p->keep = std::move(keep);
         return p;
       }));
+  py::class_<Group, std::shared_ptr<Group>>(m, "Group")
+      .def(py::init([](int device, int64_t holes, std::vector<Launch> launches,
+                       std::vector<std::vector<int64_t>> scratch_shapes, std::vector<bool> scratch_zeroed,
+                       std::vector<bool> aligned, std::vector<at::Tensor> keep) {
+        TORCH_CHECK(holes >= 0 && static_cast<int64_t>(aligned.size()) == holes &&
+                        scratch_zeroed.size() == scratch_shapes.size(),
+                    "fp8train native: a launch group needs one alignment flag per tensor and one zeroing flag per "
+                    "scratch buffer");
+        const int64_t table = holes + static_cast<int64_t>(scratch_shapes.size());
+        for (const Launch& l : launches)
+          TORCH_CHECK(l.max_hole < table, "fp8train native: a launch group launch with hole ", l.max_hole,
+                      " of a table of ", table);
+        auto g = std::make_shared<Group>();
+        g->device = device;
+        g->holes = holes;
+        g->launches = std::move(launches);
+        g->scratch_shapes = std::move(scratch_shapes);
+        g->scratch_zeroed = std::move(scratch_zeroed);
+        g->aligned = std::move(aligned);
+        g->keep = std::move(keep);
+        return g;
+      }));
+  m.def("run_group", &run_group);
   m.def("linear_forward", &linear_forward);
   m.def("cast_with", &cast_with);
   m.def("launch", &launch);

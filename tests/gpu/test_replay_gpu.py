@@ -1,0 +1,127 @@
+"""Launch groups (kernels/replay.py) against the Python launches they replay: the fused
+modules' norm and activation steps, forward and backward, give the same bytes either way.
+
+The Python path is the reference: `native.ENABLED = False` runs it on a twin module with the
+same parameters and inputs. A step's first call of each shape records its launches, later
+calls replay them, so each test also checks that replays happened."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fp8train
+from fp8train.kernels import native, replay
+from tests.helpers import assert_bitwise
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if native.extension() is None:
+        pytest.fail(f"the C++ extension did not build: {native.failure()}")
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Counts launch-group replays."""
+    count = [0]
+    original = replay.Group.__call__
+
+    def counted(self, *tensors):
+        count[0] += 1
+        return original(self, *tensors)
+    monkeypatch.setattr(replay.Group, "__call__", counted)
+    return count
+
+
+def step(module, x, dy, recipe, enabled):
+    native.ENABLED = enabled
+    try:
+        with fp8train.autocast(recipe=recipe):
+            y = module(x)
+        y.backward(dy)
+    finally:
+        native.ENABLED = True
+    return y
+
+
+def compare(a, b, ya, yb, xa, xb, what):
+    assert_bitwise(ya, yb, f"{what}: y")
+    assert_bitwise(xa.grad, xb.grad, f"{what}: x.grad")
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert_bitwise(pa.grad, pb.grad, f"{what}: {name}.grad")
+    for (name, ba), (_, bb) in zip(a.named_buffers(), b.named_buffers()):
+        assert_bitwise(ba, bb, f"{what}: {name}")
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu", "relu"])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float32], ids=["bf16-params", "fp32-params"])
+def test_layernorm_mlp_replays_match_python(activation, normalization, bias, params_dtype, replays):
+    torch.manual_seed(0)
+    ref = fp8train.LayerNormMLP(128, 256, bias=bias, normalization=normalization, activation=activation,
+                                params_dtype=params_dtype, device=CUDA)
+    mod = copy.deepcopy(ref)
+    recipe = fp8train.DelayedScaling()
+    for i in range(4):
+        x = torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16) * (1 + i)  # odd rows, 3-D
+        dy = torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya = step(mod, xa, dy, recipe, True)
+        yb = step(ref, xb, dy, recipe, False)
+        compare(mod, ref, ya, yb, xa, xb, f"step {i}")
+    # step 0 calibrates, step 1 records; steps 2 and 3 replay the norm and activation,
+    # forward and backward
+    assert replays[0] >= 8, f"{replays[0]} replays"
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_linear_replays_match_python(normalization, replays):
+    torch.manual_seed(1)
+    ref = fp8train.LayerNormLinear(256, 96, normalization=normalization, params_dtype=torch.bfloat16, device=CUDA)
+    mod = copy.deepcopy(ref)
+    recipe = fp8train.DelayedScaling()
+    for i in range(4):
+        x = torch.randn(50, 256, device=CUDA, dtype=torch.bfloat16)
+        dy = torch.randn(50, 96, device=CUDA, dtype=torch.bfloat16)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya = step(mod, xa, dy, recipe, True)
+        yb = step(ref, xb, dy, recipe, False)
+        compare(mod, ref, ya, yb, xa, xb, f"step {i}")
+    assert replays[0] >= 4, f"{replays[0]} replays"
+
+
+def test_current_scaling_never_records(replays):
+    """Current scaling zeroes its amax between two launches: the modules keep the Python path."""
+    mod = fp8train.LayerNormMLP(128, 256, activation="gelu_tanh", params_dtype=torch.bfloat16, device=CUDA)
+    x = torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(3):
+        step(mod, x, torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16), fp8train.CurrentScaling(), True)
+    # only the norm backward (no quantizer) may replay
+    assert replays[0] <= 1
+
+
+def test_moved_quantizer_buffers_drop_the_groups(replays):
+    """A group points at its quantizer's scale and amax history: after `.to()` moves them the
+    quantizer's preparations (groups included) are dropped and re-recorded, so replays still
+    read the live buffers (the bytes match the Python path after the move)."""
+    torch.manual_seed(2)
+    ref = fp8train.LayerNormMLP(128, 256, activation="gelu_tanh", params_dtype=torch.bfloat16, device=CUDA)
+    mod = copy.deepcopy(ref)
+    recipe = fp8train.DelayedScaling()
+    for i in range(6):
+        if i == 3:  # new buffers for every quantizer (a round trip through the CPU reallocates them)
+            mod.to("cpu").to(CUDA)
+            ref.to("cpu").to(CUDA)
+        x = torch.randn(40, 128, device=CUDA, dtype=torch.bfloat16)
+        dy = torch.randn(40, 128, device=CUDA, dtype=torch.bfloat16)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        compare(mod, ref, step(mod, xa, dy, recipe, True), step(ref, xb, dy, recipe, False), xa, xb, f"step {i}")
+    assert replays[0] > 0
