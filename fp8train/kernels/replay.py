@@ -41,14 +41,10 @@ def run(cache: dict, key: Hashable, holes: Sequence[Optional[torch.Tensor]], fix
     Python also runs on the CPU, with launch hooks installed (a profiler), with the C++ node
     switched off (native.ENABLED), and inside another recording."""
     first = holes[0]
-    if fixed is None or not first.is_cuda or not native.ENABLED:
+    if fixed is None or _python_only(first):
         python()
         return
-    from . import launcher  # triton: CUDA paths only
-    if (launcher._recording is not None or first.device.index != torch._C._cuda_getDevice()
-            or launcher.hooks_installed()):
-        python()
-        return
+    from . import launcher
     # The binaries were specialised on which pointers are 16-byte aligned: a call that differs
     # (a misaligned view as input) gets its own recording.
     aligned = tuple(t is not None and t.data_ptr() & 15 == 0 for t in holes)
@@ -63,6 +59,15 @@ def run(cache: dict, key: Hashable, holes: Sequence[Optional[torch.Tensor]], fix
     with launcher.recording() as rec:
         python()
     cache[key] = build(rec, holes, fixed) or False
+
+
+def _python_only(first: torch.Tensor) -> bool:
+    """Whether a call on `first`'s device must take Python (run's docstring says when)."""
+    if not first.is_cuda or not native.ENABLED:
+        return True
+    from . import launcher  # triton: CUDA paths only
+    return (launcher._recording is not None or first.device.index != torch._C._cuda_getDevice()
+            or launcher.hooks_installed())
 
 
 class Group:
@@ -97,6 +102,54 @@ class GroupSpec(NamedTuple):
     keep: List[torch.Tensor]
 
 
+class Slots:
+    """Where each pointer of a recording goes (the module docstring's three kinds): `place`
+    gives a call tensor's slot (its index in `holes`), a scratch buffer's slot (after the
+    call tensors, in order of first use), -1 for an address inside one of `fixed` (kept in
+    `keep`), or None where it is none of these. `ok` is False when two call tensors share an
+    address (a recorded pointer would be ambiguous)."""
+
+    def __init__(self, rec, holes: Sequence[Optional[torch.Tensor]], fixed: Sequence[torch.Tensor]):
+        self.holes = len(holes)
+        self.ok = True
+        self._slot_of = {}  # address -> slot of a call tensor
+        for i, t in enumerate(holes):
+            if t is None or t.numel() == 0:
+                continue
+            if t.data_ptr() in self._slot_of:
+                self.ok = False
+            self._slot_of[t.data_ptr()] = i
+        self._ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t) for t in fixed]
+        self._scratch = rec.scratch
+        self._scratch_slot: dict = {}
+        self.scratch_shapes: List[List[int]] = []
+        self.scratch_zeroed: List[bool] = []
+        self._keep: dict = {}
+        self.devices: set = set()
+
+    @property
+    def keep(self) -> List[torch.Tensor]:
+        return list(self._keep.values())
+
+    def place(self, value: torch.Tensor) -> Optional[int]:
+        self.devices.add(value.device.index)
+        ptr = value.data_ptr()
+        if ptr in self._slot_of:
+            return self._slot_of[ptr]
+        if ptr in self._scratch:
+            if ptr not in self._scratch_slot:
+                buf, zeroed = self._scratch[ptr]
+                self._scratch_slot[ptr] = self.holes + len(self.scratch_shapes)
+                self.scratch_shapes.append(list(buf.shape))
+                self.scratch_zeroed.append(zeroed)
+            return self._scratch_slot[ptr]
+        owner = next((t for lo, hi, t in self._ranges if lo <= ptr < hi), None)
+        if owner is None:
+            return None  # neither the call's nor a known fixed buffer: never bake it in
+        self._keep[id(owner)] = owner
+        return -1
+
+
 def plan(rec, holes: Sequence[Optional[torch.Tensor]], fixed: Sequence[torch.Tensor]) -> Optional[GroupSpec]:
     """The launch group of everything `rec` (a launcher.Recording) holds, as data, or None
     where none can be made: see the module docstring; also nothing recorded, launches on
@@ -104,17 +157,10 @@ def plan(rec, holes: Sequence[Optional[torch.Tensor]], fixed: Sequence[torch.Ten
     from .launcher import kernel_params, pack_param
     if not rec.complete or not rec.launches:
         return None
-    slot_of = {}  # address -> slot of a call tensor
-    for i, t in enumerate(holes):
-        if t is None or t.numel() == 0:
-            continue
-        if t.data_ptr() in slot_of:
-            return None  # two call tensors at one address: a recorded pointer would be ambiguous
-        slot_of[t.data_ptr()] = i
-    ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t) for t in fixed]
-    scratch_slot, scratch_shapes, scratch_zeroed = {}, [], []
-    keep: dict = {}
-    launches, devices = [], set()
+    slots = Slots(rec, holes, fixed)
+    if not slots.ok:
+        return None
+    launches = []
     for binary, grid, args in rec.launches:
         params = kernel_params(binary, args)
         if params is None:
@@ -125,32 +171,19 @@ def plan(rec, holes: Sequence[Optional[torch.Tensor]], fixed: Sequence[torch.Ten
             if value is None:  # a scratch pointer the binary does not use
                 values.append(0)
             elif ty.startswith("*"):
-                devices.add(value.device.index)
-                ptr = value.data_ptr()
-                if ptr in slot_of:
-                    slot = slot_of[ptr]
-                elif ptr in rec.scratch:
-                    if ptr not in scratch_slot:
-                        buf, zeroed = rec.scratch[ptr]
-                        scratch_slot[ptr] = len(holes) + len(scratch_shapes)
-                        scratch_shapes.append(list(buf.shape))
-                        scratch_zeroed.append(zeroed)
-                    slot = scratch_slot[ptr]
-                else:
-                    owner = next((t for lo, hi, t in ranges if lo <= ptr < hi), None)
-                    if owner is None:
-                        return None  # neither the call's nor a known fixed buffer: never bake it in
-                    keep[id(owner)] = owner
-                values.append(0 if slot >= 0 else ptr)
+                slot = slots.place(value)
+                if slot is None:
+                    return None
+                values.append(0 if slot >= 0 else value.data_ptr())
             else:
                 values.append(pack_param(ty, value))
             hole_of.append(slot)
         launches.append((binary, grid, values, hole_of))
-    if len(devices) != 1:
+    if len(slots.devices) != 1:
         return None
     aligned = [t is not None and t.numel() > 0 and t.data_ptr() % 16 == 0 for t in holes]
-    return GroupSpec(devices.pop(), len(holes), launches, scratch_shapes, scratch_zeroed, aligned,
-                     list(keep.values()))
+    return GroupSpec(slots.devices.pop(), len(holes), launches, slots.scratch_shapes, slots.scratch_zeroed, aligned,
+                     slots.keep)
 
 
 def build(rec, holes: Sequence[Optional[torch.Tensor]], fixed: Sequence[torch.Tensor]) -> Optional[Group]:
@@ -167,4 +200,4 @@ def build(rec, holes: Sequence[Optional[torch.Tensor]], fixed: Sequence[torch.Te
     return Group(group, spec.holes, spec.device)
 
 
-__all__ = ["Group", "GroupSpec", "build", "plan", "run"]
+__all__ = ["Group", "GroupSpec", "Slots", "build", "plan", "run"]
