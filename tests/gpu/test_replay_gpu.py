@@ -42,24 +42,46 @@ def replays(monkeypatch):
     return count
 
 
-def step(module, x, dy, recipe, enabled):
+def run_steps(module, xs, dys, recipe, enabled):
+    """Per step (y, x.grad, parameter grads), and the state after the last step. All of one
+    module's steps run before its twin's: every autocast entry rolls every live delayed
+    quantizer, so interleaved steps would roll each module's histories at the other's entries."""
     native.ENABLED = enabled
     try:
-        with fp8train.autocast(recipe=recipe):
-            y = module(x)
-        y.backward(dy)
+        out = []
+        for x, dy in zip(xs, dys):
+            x = x.detach().clone().requires_grad_(True)
+            with fp8train.autocast(recipe=recipe):
+                y = module(x)
+            y.backward(dy)
+            out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}))
+            module.zero_grad(set_to_none=True)
+        return out, {n: t.clone() for n, t in module.state_dict().items()}
     finally:
         native.ENABLED = True
-    return y
 
 
-def compare(a, b, ya, yb, xa, xb, what):
-    assert_bitwise(ya, yb, f"{what}: y")
-    assert_bitwise(xa.grad, xb.grad, f"{what}: x.grad")
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert_bitwise(pa.grad, pb.grad, f"{what}: {name}.grad")
-    for (name, ba), (_, bb) in zip(a.named_buffers(), b.named_buffers()):
-        assert_bitwise(ba, bb, f"{what}: {name}")
+def compare(mod, ref, xs, dys, recipe, between=None):
+    """mod's steps with launch groups against ref's through Python; `between(module, i)`, if
+    given, runs before step i of each."""
+    def steps(module, enabled):
+        if between is None:
+            return run_steps(module, xs, dys, recipe, enabled)
+        out = []
+        for i in range(len(xs)):
+            between(module, i)
+            out += run_steps(module, xs[i:i + 1], dys[i:i + 1], recipe, enabled)[0]
+        return out, {n: t.clone() for n, t in module.state_dict().items()}
+    got, got_state = steps(mod, True)
+    want, want_state = steps(ref, False)
+    for i, ((y, dx, grads), (y_ref, dx_ref, grads_ref)) in enumerate(zip(got, want)):
+        assert_bitwise(y, y_ref, f"step {i}: y")
+        assert_bitwise(dx, dx_ref, f"step {i}: x.grad")
+        for name in grads_ref:
+            assert_bitwise(grads[name], grads_ref[name], f"step {i}: {name}.grad")
+    assert got_state.keys() == want_state.keys()
+    for name, t in want_state.items():
+        assert_bitwise(got_state[name], t, name)
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu", "relu"])
@@ -71,16 +93,11 @@ def test_layernorm_mlp_replays_match_python(activation, normalization, bias, par
     ref = fp8train.LayerNormMLP(128, 256, bias=bias, normalization=normalization, activation=activation,
                                 params_dtype=params_dtype, device=CUDA)
     mod = copy.deepcopy(ref)
-    recipe = fp8train.DelayedScaling()
-    for i in range(4):
-        x = torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16) * (1 + i)  # odd rows, 3-D
-        dy = torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16)
-        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        ya = step(mod, xa, dy, recipe, True)
-        yb = step(ref, xb, dy, recipe, False)
-        compare(mod, ref, ya, yb, xa, xb, f"step {i}")
+    xs = [torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16) * (1 + i) for i in range(4)]  # odd rows, 3-D
+    dys = [torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(4)]
+    compare(mod, ref, xs, dys, fp8train.DelayedScaling())
     # step 0 calibrates, step 1 records; steps 2 and 3 replay the norm and activation,
-    # forward and backward
+    # forward and backward (the norm backward, which reads no quantizer, from step 1)
     assert replays[0] >= 8, f"{replays[0]} replays"
 
 
@@ -89,14 +106,9 @@ def test_layernorm_linear_replays_match_python(normalization, replays):
     torch.manual_seed(1)
     ref = fp8train.LayerNormLinear(256, 96, normalization=normalization, params_dtype=torch.bfloat16, device=CUDA)
     mod = copy.deepcopy(ref)
-    recipe = fp8train.DelayedScaling()
-    for i in range(4):
-        x = torch.randn(50, 256, device=CUDA, dtype=torch.bfloat16)
-        dy = torch.randn(50, 96, device=CUDA, dtype=torch.bfloat16)
-        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        ya = step(mod, xa, dy, recipe, True)
-        yb = step(ref, xb, dy, recipe, False)
-        compare(mod, ref, ya, yb, xa, xb, f"step {i}")
+    xs = [torch.randn(50, 256, device=CUDA, dtype=torch.bfloat16) for _ in range(4)]
+    dys = [torch.randn(50, 96, device=CUDA, dtype=torch.bfloat16) for _ in range(4)]
+    compare(mod, ref, xs, dys, fp8train.DelayedScaling())
     assert replays[0] >= 4, f"{replays[0]} replays"
 
 
@@ -104,9 +116,9 @@ def test_current_scaling_never_records(replays):
     """Current scaling zeroes its amax between two launches: the modules keep the Python path."""
     norm_module._BWD_GROUPS.clear()  # so that this test's first norm backward records
     mod = fp8train.LayerNormMLP(128, 256, activation="gelu_tanh", params_dtype=torch.bfloat16, device=CUDA)
-    x = torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
-    for _ in range(3):
-        step(mod, x, torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16), fp8train.CurrentScaling(), True)
+    xs = [torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(3)]
+    dys = [torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(3)]
+    run_steps(mod, xs, dys, fp8train.CurrentScaling(), True)
     # no quantizer holds a group; only the norm backward (it reads no quantizer) recorded on
     # the first step and replayed on the next two
     quantizers = [m for m in mod.modules() if isinstance(m, Quantizer)]
@@ -121,13 +133,11 @@ def test_moved_quantizer_buffers_drop_the_groups(replays):
     torch.manual_seed(2)
     ref = fp8train.LayerNormMLP(128, 256, activation="gelu_tanh", params_dtype=torch.bfloat16, device=CUDA)
     mod = copy.deepcopy(ref)
-    recipe = fp8train.DelayedScaling()
-    for i in range(6):
+    xs = [torch.randn(40, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(6)]
+    dys = [torch.randn(40, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(6)]
+
+    def move_at_step_3(module, i):
         if i == 3:  # new buffers for every quantizer (a round trip through the CPU reallocates them)
-            mod.to("cpu").to(CUDA)
-            ref.to("cpu").to(CUDA)
-        x = torch.randn(40, 128, device=CUDA, dtype=torch.bfloat16)
-        dy = torch.randn(40, 128, device=CUDA, dtype=torch.bfloat16)
-        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        compare(mod, ref, step(mod, xa, dy, recipe, True), step(ref, xb, dy, recipe, False), xa, xb, f"step {i}")
+            module.to("cpu").to(CUDA)
+    compare(mod, ref, xs, dys, fp8train.DelayedScaling(), between=move_at_step_3)
     assert replays[0] > 0
