@@ -22,12 +22,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_mm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
@@ -384,6 +386,157 @@ void run_group(const Group& g, const std::vector<std::optional<at::Tensor>>& ten
   }
 }
 
+// ------------------------------------------------------------------------ the LayerNormMLP node
+// modules/layernorm_mlp.py `_LayerNormMLPFn` for one input shape with delayed scaling: the
+// norm and activation steps are the launch groups the Python path recorded and used
+// (kernels/replay.py), the dY cast is the grad quantizer's cast plan, the GEMMs are
+// gemm.scaled_mm's. The groups' tensor orders are the Python calls' (modules/norm.py,
+// modules/activation.py):
+//   norm forward        x2, weight, bias, mean, rstd, out, out_t, scale_inv, y
+//   activation forward  h, out, out_t, scale_inv
+//   activation backward da, h, out, out_t, scale_inv, dbias
+//   norm backward       dy, x2, weight, mean, rstd, dx, dweight, dbias
+// The node must give the Python node's bytes (tests/gpu/test_mlp_node_gpu.py).
+struct MlpPlan {
+  int device = 0;
+  int64_t rows = 0, hidden = 0, act_cols = 0, fc1_cols = 0, padded = 0;  // M, K, F (act out), F1 (fc1 out), Mp
+  bool layer = true, grad = true;
+  std::array<bool, 7> needs{};  // x, ln weight, ln bias, fc1 weight, fc1 bias, fc2 weight, fc2 bias
+  c10::ScalarType act_dtype = at::kBFloat16, x_fp8 = at::kFloat8_e4m3fn, a_fp8 = at::kFloat8_e4m3fn,
+                  dh_fp8 = at::kFloat8_e5m2, db1_dtype = at::kFloat;
+  bool fast_fprop = true, fast_dgrad = false, fast_wgrad = false;
+  std::shared_ptr<Group> norm_fwd, act_fwd, act_bwd, norm_bwd;  // the backward ones: only with grad
+  std::shared_ptr<CastPlan> dy_plan;                              // dY (M, K): transposed copy, dbias if fc2's
+};
+
+std::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; }
+
+at::Tensor rows_of(const at::Tensor& t, int64_t cols) {
+  at::Tensor r = t.dim() == 2 ? t : t.reshape({-1, cols});
+  if (!r.is_contiguous()) r = r.contiguous();
+  if (reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 != 0) r = r.clone();  // the binaries want 16 B
+  return r;
+}
+
+struct LayerNormMLPBackward : public Node {
+  std::shared_ptr<MlpPlan> plan;
+  // x2 may be the caller's x and the norm parameters are the module's: saved as the Python
+  // Function saves them, so that an in-place change before the backward is an error
+  torch::autograd::SavedVariable x2_saved, ln_w_saved, ln_b_saved;
+  at::Tensor mean, rstd, x_t, x_si, h, a_t, a_si, w1_t, w1_si, w2_t, w2_si;
+  std::vector<int64_t> in_shape;
+  c10::ScalarType w1_dtype = at::kFloat, w2_dtype = at::kFloat;
+
+  std::string name() const override { return "fp8train::LayerNormMLPBackward"; }
+
+  void release_variables() override {
+    x2_saved.reset_data();
+    ln_w_saved.reset_data();
+    ln_b_saved.reset_data();
+    for (at::Tensor* t : {&mean, &rstd, &x_t, &x_si, &h, &a_t, &a_si, &w1_t, &w1_si, &w2_t, &w2_si}) t->reset();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(7);
+    at::Tensor dy = grads[0];
+    if (!dy.defined()) return out;
+    TORCH_CHECK(h.defined() && a_t.defined() && x_t.defined(), "fp8train.LayerNormMLP: backward through the graph a "
+                "second time; the saved FP8 tensors were freed (use retain_graph=True)");
+    const MlpPlan& p = *plan;
+    const at::Tensor x2 = x2_saved.unpack(), ln_w = ln_w_saved.unpack(), ln_b = ln_b_saved.unpack();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    if (dy.scalar_type() != p.act_dtype) dy = dy.to(p.act_dtype);
+    dy = rows_of(dy, p.hidden);
+    CUstream stream = current_stream(p.device);
+    CastOut g = cast(*p.dy_plan, dy, stream);  // (M, K), (K, Mp); db2 float32 (the engine casts it)
+    at::Tensor da = scaled_mm(g.data, g.scale_inv, w2_t.t(), w2_si, p.fast_dgrad, p.act_dtype);  // (M, F)
+    if (p.needs[5]) out[5] = scaled_mm(g.data_t, g.scale_inv, a_t.t(), a_si, p.fast_wgrad, w2_dtype);
+    if (p.needs[6]) out[6] = g.dbias;
+    auto f32 = da.options().dtype(at::kFloat);
+    at::Tensor dh = at::empty({p.rows, p.fc1_cols}, da.options().dtype(p.dh_fp8));
+    at::Tensor dh_t = at::empty({p.fc1_cols, p.padded}, da.options().dtype(p.dh_fp8));
+    at::Tensor dh_si = at::empty({1}, f32);
+    at::Tensor db1 = p.needs[4] ? at::empty({p.fc1_cols}, da.options().dtype(p.db1_dtype)) : at::Tensor();
+    run_group(*p.act_bwd, {da, h, dh, dh_t, dh_si, opt(db1)});
+    if (p.needs[3]) out[3] = scaled_mm(dh_t, dh_si, x_t.t(), x_si, p.fast_wgrad, w1_dtype);
+    if (p.needs[4]) out[4] = db1;
+    if (p.needs[0] || p.needs[1] || p.needs[2]) {
+      at::Tensor d_ln = scaled_mm(dh, dh_si, w1_t.t(), w1_si, p.fast_dgrad, p.act_dtype);  // (M, K)
+      at::Tensor dx = at::empty_like(x2);
+      at::Tensor dlnw = at::empty_like(ln_w);
+      at::Tensor dlnb = ln_b.defined() ? at::empty_like(ln_b) : at::Tensor();
+      run_group(*p.norm_bwd, {d_ln, x2, ln_w, opt(mean), rstd, dx, dlnw, opt(dlnb)});
+      if (p.needs[0]) out[0] = in_shape.size() == 2 ? dx : dx.view(in_shape);
+      out[1] = dlnw;
+      out[2] = dlnb;
+    }
+    return out;
+  }
+};
+
+// The forward; w*_data / w*_si: the FP8 weight workspaces (cast by Python), w*_t their
+// transposed copies (None where no dgrad needs them).
+at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x, const at::Tensor& ln_w,
+                       const std::optional<at::Tensor>& ln_b, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+                       const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& w1_data,
+                       const at::Tensor& w1_si, const std::optional<at::Tensor>& w1_t, const at::Tensor& w2_data,
+                       const at::Tensor& w2_si, const std::optional<at::Tensor>& w2_t) {
+  const MlpPlan& p = *plan;
+  TORCH_CHECK(x.is_cuda() && x.get_device() == p.device && x.size(-1) == p.hidden && x.numel() == p.rows * p.hidden,
+              "fp8train native: LayerNormMLP plan for ", p.rows, " x ", p.hidden, " rows on cuda:", p.device,
+              " got ", x.sizes());
+  const at::Tensor lnb = ln_b.has_value() ? *ln_b : at::Tensor();
+  const at::Tensor bias1 = b1.has_value() ? *b1 : at::Tensor();
+  const at::Tensor bias2 = b2.has_value() ? *b2 : at::Tensor();
+  at::Tensor x2, mean, rstd, xq, x_t, x_si, h, aq, a_t, a_si, y;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    x2 = rows_of(x, p.hidden);
+    auto f32 = x.options().dtype(at::kFloat);
+    if (p.layer) mean = at::empty({p.rows}, f32);
+    rstd = at::empty({p.rows}, f32);
+    xq = at::empty({p.rows, p.hidden}, x.options().dtype(p.x_fp8));
+    if (p.grad) x_t = at::empty({p.hidden, p.padded}, x.options().dtype(p.x_fp8));
+    x_si = at::empty({1}, f32);
+    run_group(*p.norm_fwd, {x2, ln_w, opt(lnb), opt(mean), rstd, xq, opt(x_t), x_si, std::nullopt});
+    h = scaled_mm(xq, x_si, w1_data.t(), w1_si, p.fast_fprop, p.act_dtype, bias1);  // (M, F1)
+    aq = at::empty({p.rows, p.act_cols}, x.options().dtype(p.a_fp8));
+    if (p.grad) a_t = at::empty({p.act_cols, p.padded}, x.options().dtype(p.a_fp8));
+    a_si = at::empty({1}, f32);
+    run_group(*p.act_fwd, {h, aq, opt(a_t), a_si});
+    y = scaled_mm(aq, a_si, w2_data.t(), w2_si, p.fast_fprop, p.act_dtype, bias2);  // (M, K)
+    if (x.dim() != 2) y = y.view(x.sizes());
+  }
+  const bool any_need = std::any_of(p.needs.begin(), p.needs.end(), [](bool b) { return b; });
+  if (!p.grad || !any_need || !torch::autograd::GradMode::is_enabled()) return y;
+  TORCH_CHECK(p.act_bwd && p.dy_plan && (p.norm_bwd || !(p.needs[0] || p.needs[1] || p.needs[2])),
+              "fp8train native: a LayerNormMLP plan without its backward");
+  TORCH_CHECK(w2_t.has_value() && (w1_t.has_value() || !(p.needs[0] || p.needs[1] || p.needs[2])),
+              "fp8train native: no transposed FP8 weight for dgrad");
+  auto node = make_node<LayerNormMLPBackward>(static_cast<NodePtr*>(nullptr));
+  node->set_next_edges(torch::autograd::collect_next_edges(x, ln_w, lnb, w1, bias1, w2, bias2));
+  node->plan = plan;
+  node->x2_saved = torch::autograd::SavedVariable(x2, false);
+  node->ln_w_saved = torch::autograd::SavedVariable(ln_w, false);
+  if (lnb.defined()) node->ln_b_saved = torch::autograd::SavedVariable(lnb, false);
+  node->mean = mean;
+  node->rstd = rstd;
+  node->x_t = x_t;
+  node->x_si = x_si;
+  node->h = h;
+  node->a_t = a_t;
+  node->a_si = a_si;
+  if (w1_t.has_value()) node->w1_t = *w1_t;
+  node->w1_si = w1_si;
+  node->w2_t = *w2_t;
+  node->w2_si = w2_si;
+  node->in_shape.assign(x.sizes().begin(), x.sizes().end());
+  node->w1_dtype = w1.scalar_type();
+  node->w2_dtype = w2.scalar_type();
+  torch::autograd::set_history(y, NodePtr(node));
+  return y;
+}
+
 // Standalone cast through a plan (tests compare it byte for byte with the Python launch):
 // (data, data_t or None, scale_inv, dbias or None).
 std::vector<std::optional<at::Tensor>> cast_with(const std::shared_ptr<CastPlan>& plan, const at::Tensor& x) {
@@ -459,6 +612,45 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return g;
       }));
   m.def("run_group", &run_group);
+  py::class_<MlpPlan, std::shared_ptr<MlpPlan>>(m, "MlpPlan")
+      .def(py::init([](int device, std::vector<int64_t> dims, bool layer, bool grad, std::vector<bool> needs,
+                       std::vector<int64_t> dtype_codes, std::vector<bool> fast, std::shared_ptr<Group> norm_fwd,
+                       std::shared_ptr<Group> act_fwd, std::shared_ptr<Group> act_bwd,
+                       std::shared_ptr<Group> norm_bwd, std::shared_ptr<CastPlan> dy_plan) {
+        TORCH_CHECK(dims.size() == 5 && needs.size() == 7 && dtype_codes.size() == 5 && fast.size() == 3,
+                    "fp8train native: MlpPlan(device, [M, K, F, F1, Mp], layer, grad, needs[7], "
+                    "[act, x fp8, a fp8, dh fp8, db1] dtype codes, [fprop, dgrad, wgrad] fast accumulation, groups...)");
+        TORCH_CHECK(norm_fwd && act_fwd, "fp8train native: MlpPlan needs the forward groups");
+        TORCH_CHECK(norm_fwd->holes == 9 && act_fwd->holes == 4 && (!act_bwd || act_bwd->holes == 6) &&
+                        (!norm_bwd || norm_bwd->holes == 8),
+                    "fp8train native: MlpPlan groups of the wrong kind (tensor counts)");
+        auto p = std::make_shared<MlpPlan>();
+        p->device = device;
+        p->rows = dims[0];
+        p->hidden = dims[1];
+        p->act_cols = dims[2];
+        p->fc1_cols = dims[3];
+        p->padded = dims[4];
+        p->layer = layer;
+        p->grad = grad;
+        for (size_t i = 0; i < 7; ++i) p->needs[i] = needs[i];
+        auto fp8 = [](int64_t code) { return code == 5 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn; };
+        p->act_dtype = float_dtype(dtype_codes[0]);
+        p->x_fp8 = fp8(dtype_codes[1]);
+        p->a_fp8 = fp8(dtype_codes[2]);
+        p->dh_fp8 = fp8(dtype_codes[3]);
+        p->db1_dtype = float_dtype(dtype_codes[4]);
+        p->fast_fprop = fast[0];
+        p->fast_dgrad = fast[1];
+        p->fast_wgrad = fast[2];
+        p->norm_fwd = std::move(norm_fwd);
+        p->act_fwd = std::move(act_fwd);
+        p->act_bwd = std::move(act_bwd);
+        p->norm_bwd = std::move(norm_bwd);
+        p->dy_plan = std::move(dy_plan);
+        return p;
+      }));
+  m.def("mlp_forward", &mlp_forward);
   m.def("linear_forward", &linear_forward);
   m.def("cast_with", &cast_with);
   m.def("launch", &launch);

@@ -31,7 +31,7 @@ from . import native
 
 
 def run(cache: dict, key: Hashable, holes: Sequence[Optional[torch.Tensor]], fixed: Optional[Sequence[torch.Tensor]],
-        python: Callable[[], None]) -> None:
+        python: Callable[[], None]) -> Optional["Group"]:
     """Run a wrapper sequence: from its launch group in `cache[key]` when there is one, else
     through `python()` (which launches it with the tensors in `holes`), recording the first
     eligible call and building the group from it (False in the cache: it cannot be built).
@@ -39,11 +39,14 @@ def run(cache: dict, key: Hashable, holes: Sequence[Optional[torch.Tensor]], fix
     `key` must determine every launch: shapes, dtypes, flags, the device. `fixed` None means
     this call must take Python (e.g. a quantizer whose next cast is not a single launch).
     Python also runs on the CPU, with launch hooks installed (a profiler), with the C++ node
-    switched off (native.ENABLED), and inside another recording."""
+    switched off (native.ENABLED), and inside another recording.
+
+    Returns the group that ran or was built from this call (the C++ LayerNormMLP node
+    collects them), or None."""
     first = holes[0]
     if fixed is None or _python_only(first):
         python()
-        return
+        return None
     from . import launcher
     # The binaries were specialised on which pointers are 16-byte aligned: a call that differs
     # (a misaligned view as input) gets its own recording.
@@ -52,13 +55,14 @@ def run(cache: dict, key: Hashable, holes: Sequence[Optional[torch.Tensor]], fix
     group = cache.get(key)
     if group:
         group(*holes)
-        return
+        return group
     if group is False:
         python()
-        return
+        return None
     with launcher.recording() as rec:
         python()
-    cache[key] = build(rec, holes, fixed) or False
+    group = cache[key] = build(rec, holes, fixed) or False
+    return group or None
 
 
 def _python_only(first: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 import fp8train
 from fp8train.kernels import native, replay
+from fp8train.modules import layernorm_mlp_native as mlp_native
 from fp8train.modules import norm as norm_module
 from fp8train.quantizer import Quantizer
 from tests.helpers import assert_bitwise
@@ -46,7 +47,9 @@ def run_steps(module, xs, dys, recipe, enabled):
     """Per step (y, x.grad, parameter grads), and the state after the last step. All of one
     module's steps run before its twin's: every autocast entry rolls every live delayed
     quantizer, so interleaved steps would roll each module's histories at the other's entries."""
-    native.ENABLED = enabled
+    # the LayerNormMLP node off: these tests look at the groups the Python Function replays
+    # (tests/gpu/test_mlp_node_gpu.py: the node, which runs them from C++)
+    native.ENABLED, mlp_native.ENABLED = enabled, False
     try:
         out = []
         for x, dy in zip(xs, dys):
@@ -58,7 +61,7 @@ def run_steps(module, xs, dys, recipe, enabled):
             module.zero_grad(set_to_none=True)
         return out, {n: t.clone() for n, t in module.state_dict().items()}
     finally:
-        native.ENABLED = True
+        native.ENABLED = mlp_native.ENABLED = True
 
 
 def compare(mod, ref, xs, dys, recipe, between=None):
