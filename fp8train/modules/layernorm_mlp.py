@@ -133,7 +133,9 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
             mark_calibrated(*q1, *q2)
             return y
         entry = None
-        if x.is_cuda:  # the C++ node where its plan is ready, else the Python Function, which records for it
+        # the C++ node where its plan is ready, else the Python Function, which records for it
+        # (traced code never gets here with a plan: compile takes the Function, untouched)
+        if x.is_cuda and not torch.compiler.is_compiling():
             needs = mlp_native.needs_of(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
             activations = (q2[0], q1[0], q1[2], q2[2])  # a, x, dh, dy: the quantizers the groups point into
             if mlp_native.eligible(x, activations):
