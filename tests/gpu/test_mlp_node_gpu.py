@@ -29,28 +29,45 @@ def built():
         pytest.fail(f"the C++ extension did not build: {native.failure()}")
 
 
-def run(module, x, dy, recipe, enabled):
+def run_steps(module, xs, dys, recipe, enabled, grad_x=True):
+    """Per step (node name, y, x.grad, parameter grads), and the state after the last step.
+    All of one module's steps run before its twin's: every autocast entry rolls every live
+    delayed quantizer, so interleaved steps would roll each module's histories at the other's."""
     native.ENABLED = enabled
     try:
-        with fp8train.autocast(recipe=recipe):
-            y = module(x)
-        if dy is not None:
-            y.backward(dy)
+        out = []
+        for x, dy in zip(xs, dys):
+            x = x.detach().clone().requires_grad_(grad_x)
+            with fp8train.autocast(recipe=recipe):
+                y = module(x)
+            name = node_name(y)
+            if y.requires_grad:
+                y.backward(dy)
+            out.append((name, y.detach(), x.grad,
+                        {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}))
+            module.zero_grad(set_to_none=True)
+        return out, {n: t.clone() for n, t in module.state_dict().items()}
     finally:
         native.ENABLED = True
-    return y
 
 
-def compare(a, b, ya, yb, xa, xb, what):
-    assert_bitwise(ya, yb, f"{what}: y")
-    if xa.requires_grad:
-        assert_bitwise(xa.grad, xb.grad, f"{what}: x.grad")
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert (pa.grad is None) == (pb.grad is None), f"{what}: {name}.grad presence"
-        if pa.grad is not None:
-            assert_bitwise(pa.grad, pb.grad, f"{what}: {name}.grad")
-    for (name, ba), (_, bb) in zip(a.named_buffers(), b.named_buffers()):
-        assert_bitwise(ba, bb, f"{what}: {name}")
+def compare(mod, ref, xs, dys, recipe, grad_x=True):
+    """mod through the node (where it takes it) against ref through the Python Function: the
+    node names per step of mod."""
+    got, got_state = run_steps(mod, xs, dys, recipe, True, grad_x)
+    want, want_state = run_steps(ref, xs, dys, recipe, False, grad_x)
+    for i, ((_, y, dx, grads), (name_ref, y_ref, dx_ref, grads_ref)) in enumerate(zip(got, want)):
+        assert name_ref in ("_LayerNormMLPFnBackward", "none"), name_ref
+        assert_bitwise(y, y_ref, f"step {i}: y")
+        assert (dx is None) == (dx_ref is None), f"step {i}: x.grad presence"
+        if dx is not None:
+            assert_bitwise(dx, dx_ref, f"step {i}: x.grad")
+        assert grads.keys() == grads_ref.keys(), f"step {i}: which parameters got gradients"
+        for name in grads_ref:
+            assert_bitwise(grads[name], grads_ref[name], f"step {i}: {name}.grad")
+    for name, t in want_state.items():
+        assert_bitwise(got_state[name], t, name)
+    return [g[0] for g in got]
 
 
 def node_name(y):
@@ -66,16 +83,9 @@ def test_node_matches_the_python_function(activation, normalization, bias, param
     ref = fp8train.LayerNormMLP(128, 256, bias=bias, normalization=normalization, activation=activation,
                                 params_dtype=params_dtype, device=CUDA)
     mod = copy.deepcopy(ref)
-    recipe = fp8train.DelayedScaling()
-    names = []
-    for i in range(5):
-        x = torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16) * (1 + i)  # 3-D, odd rows
-        dy = torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16)
-        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        ya, yb = run(mod, xa, dy, recipe, True), run(ref, xb, dy, recipe, False)
-        names.append(node_name(ya))
-        assert node_name(yb) == "_LayerNormMLPFnBackward"
-        compare(mod, ref, ya, yb, xa, xb, f"step {i}")
+    xs = [torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16) * (1 + i) for i in range(5)]  # 3-D, odd rows
+    dys = [torch.randn(3, 37, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(5)]
+    names = compare(mod, ref, xs, dys, fp8train.DelayedScaling())
     assert names[2:] == [NODE] * 3, names
 
 
@@ -95,18 +105,9 @@ def test_node_with_frozen_parts(frozen):
         for p in ref.parameters():
             p.requires_grad_(False)
     mod = copy.deepcopy(ref)
-    recipe = fp8train.DelayedScaling()
-    names = []
-    for i in range(4):
-        x = torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16)
-        dy = torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16)
-        xa, xb = x.clone(), x.clone()
-        if frozen != "input":
-            xa.requires_grad_(True)
-            xb.requires_grad_(True)
-        ya, yb = run(mod, xa, dy, recipe, True), run(ref, xb, dy, recipe, False)
-        names.append(node_name(ya))
-        compare(mod, ref, ya, yb, xa, xb, f"{frozen} step {i}")
+    xs = [torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(4)]
+    dys = [torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(4)]
+    names = compare(mod, ref, xs, dys, fp8train.DelayedScaling(), grad_x=frozen != "input")
     assert names[-1] == NODE, names
 
 
@@ -115,18 +116,27 @@ def test_no_grad_forward_and_backward_twice():
     mod = fp8train.LayerNormMLP(128, 256, activation="gelu_tanh", params_dtype=torch.bfloat16, device=CUDA)
     ref = copy.deepcopy(mod)
     recipe = fp8train.DelayedScaling()
-    x = torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
-    for _ in range(3):
-        dy = torch.ones(64, 128, device=CUDA, dtype=torch.bfloat16)
-        run(mod, x, dy, recipe, True)
-        run(ref, x, dy, recipe, False)
-    with torch.no_grad():
-        for _ in range(3):  # records, then the node's forward alone
-            ya, yb = run(mod, x, None, recipe, True), run(ref, x, None, recipe, False)
-    assert ya.grad_fn is None
-    assert_bitwise(ya, yb, "no_grad y")
+    x = torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16)
+    dy = torch.ones(64, 128, device=CUDA, dtype=torch.bfloat16)
+
+    def steps(module, enabled):
+        run_steps(module, [x] * 3, [dy] * 3, recipe, enabled)
+        native.ENABLED = enabled
+        try:
+            with torch.no_grad():
+                ys = []
+                for _ in range(3):  # records, then the node's forward alone
+                    with fp8train.autocast(recipe=recipe):
+                        ys.append(module(x))
+            return ys
+        finally:
+            native.ENABLED = True
+    got, want = steps(mod, True), steps(ref, False)
+    assert got[-1].grad_fn is None
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_bitwise(a, b, f"no_grad call {i}")
     with fp8train.autocast(recipe=recipe):
-        y = mod(x)
+        y = mod(x.clone().requires_grad_(True))
     assert node_name(y) == NODE
     y.sum().backward()
     with pytest.raises(RuntimeError, match="second time"):
@@ -142,15 +152,22 @@ def test_graphed_node_matches_eager():
     recipe = fp8train.DelayedScaling()
     xs = [torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(8)]
     dys = [torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(8)]
-    for i in range(3):  # eager steps on both, so that the node's plan exists before capture
-        xa, xb = xs[i].clone().requires_grad_(True), xs[i].clone().requires_grad_(True)
-        compare(mod, ref, run(mod, xa, dys[i], recipe, True), run(ref, xb, dys[i], recipe, False), xa, xb,
-                f"eager {i}")
-    sample = xs[0].clone().requires_grad_(True)
-    fp8train.make_graphed_callables(mod, (sample,), recipe=recipe)
+    got, _ = run_steps(mod, xs[:3], dys[:3], recipe, True)  # eager steps: the node's plan exists before capture
+    assert got[-1][0] == NODE
+    fp8train.make_graphed_callables(mod, (xs[0].clone().requires_grad_(True),), recipe=recipe)
+    replays = []
     for i in range(3, 8):
-        xa, xb = xs[i].clone().requires_grad_(True), xs[i].clone().requires_grad_(True)
-        ya = mod(xa)
-        ya.backward(dys[i])
-        yb = run(ref, xb, dys[i], recipe, False)
-        compare(mod, ref, ya, yb, xa, xb, f"replay {i}")
+        x = xs[i].clone().requires_grad_(True)
+        y = mod(x)
+        y.backward(dys[i])
+        replays.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in mod.named_parameters()}))
+        mod.zero_grad(set_to_none=True)
+    state = {n: t.clone() for n, t in mod.state_dict().items()}
+    want, want_state = run_steps(ref, xs, dys, recipe, False)
+    for i, ((y, dx, grads), (_, y_ref, dx_ref, grads_ref)) in enumerate(zip(replays, want[3:])):
+        assert_bitwise(y, y_ref, f"replay {i}: y")
+        assert_bitwise(dx, dx_ref, f"replay {i}: x.grad")
+        for name in grads_ref:
+            assert_bitwise(grads[name], grads_ref[name], f"replay {i}: {name}.grad")
+    for name, t in want_state.items():
+        assert_bitwise(state[name], t, name)
