@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <tuple>
 #include <memory>
 #include <vector>
 
@@ -37,6 +39,36 @@ namespace fp8train_native {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
+
+// ------------------------------------------------------------------------ stage clocks
+// A build with -DFP8TRAIN_STAGE_CLOCKS (tools/probe_node_stages.py makes one, under another
+// module name) adds each marked stage's host nanoseconds to a per-stage total, read back by
+// stage_clocks(); the library's build compiles the marks to nothing.
+enum Stage {
+  kFwd, kFwdWeightCast, kFwdInput, kFwdInputCast, kFwdGemm, kFwdNode,
+  kBwd, kBwdPrep, kBwdCast, kBwdDgrad, kBwdWgrad,
+  kCastAlloc, kCastLaunch, kCastDbias, kStages
+};
+#ifdef FP8TRAIN_STAGE_CLOCKS
+const char* const kStageNames[kStages] = {
+    "forward (all)", "forward: weight re-cast launch", "forward: input as rows", "forward: input cast",
+    "forward: fprop GEMM", "forward: node and edges",
+    "backward (apply, all)", "backward: dY as rows", "backward: dY cast", "backward: dgrad GEMM",
+    "backward: wgrad GEMM",
+    "cast: allocations", "cast: launches", "cast: dbias column sums"};
+std::array<int64_t, kStages> g_stage_ns{}, g_stage_calls{};
+using StageTime = std::chrono::steady_clock::time_point;
+inline StageTime stage_now() { return std::chrono::steady_clock::now(); }
+inline void stage_add(Stage s, StageTime t0) {
+  g_stage_ns[s] += std::chrono::duration_cast<std::chrono::nanoseconds>(stage_now() - t0).count();
+  g_stage_calls[s] += 1;
+}
+#define FP8_STAGE_START(var) const auto var = stage_now()
+#define FP8_STAGE_STOP(stage, var) stage_add(stage, var)
+#else
+#define FP8_STAGE_START(var) (void)0
+#define FP8_STAGE_STOP(stage, var) (void)0
+#endif
 
 // ------------------------------------------------------------------------ CUDA driver
 using CUresult = int;
@@ -154,11 +186,14 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream) {
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "fp8train native: cast plan for shape ", c10::IntArrayRef(p.data_shape), " got a tensor of shape ",
               x.sizes(), " ", x.scalar_type(), " (contiguous ", x.is_contiguous(), ", plan dtype ", p.x_dtype, ")");
+  FP8_STAGE_START(t_alloc);
   auto fp8 = x.options().dtype(p.fp8_dtype);
   CastOut out;
   out.data = at::empty(p.data_shape, fp8);
   if (!p.data_t_shape.empty()) out.data_t = at::empty(p.data_t_shape, fp8);
   out.scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
+  FP8_STAGE_STOP(kCastAlloc, t_alloc);
+  FP8_STAGE_START(t_launch);
   uint64_t pointers[kHoles] = {
       reinterpret_cast<uint64_t>(x.data_ptr()), reinterpret_cast<uint64_t>(out.data.data_ptr()),
       out.data_t.defined() ? reinterpret_cast<uint64_t>(out.data_t.data_ptr()) : 0,
@@ -166,7 +201,10 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream) {
   for (const auto& t : p.zero_first) t.zero_();
   ensure_context(p.device);
   for (const auto& l : p.launches) run(l, pointers, stream);
+  FP8_STAGE_STOP(kCastLaunch, t_launch);
+  FP8_STAGE_START(t_dbias);
   if (p.partial.defined()) out.dbias = at::sum(p.partial, 0);  // as kernels.PreparedCast: float32 column sums
+  FP8_STAGE_STOP(kCastDbias, t_dbias);
   return out;
 }
 
@@ -224,24 +262,34 @@ struct LinearBackward : public Node {
     TORCH_CHECK(grad_plan != nullptr && (!need_wgrad || x_t.defined()) && (!need_dgrad || w_t.defined()),
                 "fp8train.Linear: backward through the graph a second time; the saved FP8 tensors were freed "
                 "(use retain_graph=True)");
+    FP8_STAGE_START(t_all);
     at::AutoDispatchBelowADInplaceOrView guard;
+    FP8_STAGE_START(t_prep);
     const int64_t n = dy.size(-1);
     if (dy.dim() != 2) dy = dy.reshape({-1, n});
     if (dy.scalar_type() != act_dtype) dy = dy.to(act_dtype);
     if (!dy.is_contiguous()) dy = dy.contiguous();
     if (reinterpret_cast<uintptr_t>(dy.data_ptr()) % 16 != 0) dy = dy.clone();  // the plan's binary wants 16 B
+    FP8_STAGE_STOP(kBwdPrep, t_prep);
+    FP8_STAGE_START(t_cast);
     CUstream stream = current_stream(grad_plan->device);
     CastOut g = cast(*grad_plan, dy, stream);
+    FP8_STAGE_STOP(kBwdCast, t_cast);
     if (need_dgrad) {
+      FP8_STAGE_START(t_dgrad);
       // dX (M, K) = dY (M, N) @ W: W's transposed copy (K, N) row-major, seen column-major
       at::Tensor dx = scaled_mm(g.data, g.scale_inv, w_t.t(), w_scale_inv, fast_dgrad, act_dtype);
       out[0] = in_shape.size() == 2 ? dx : dx.view(in_shape);
+      FP8_STAGE_STOP(kBwdDgrad, t_dgrad);
     }
     if (need_wgrad) {
+      FP8_STAGE_START(t_wgrad);
       // dW (N, K) = dY^T @ X from the padded transposed copies dY^T (N, Mp) and X^T (K, Mp)
       out[1] = scaled_mm(g.data_t, g.scale_inv, x_t.t(), x_scale_inv, fast_wgrad, weight_dtype);
+      FP8_STAGE_STOP(kBwdWgrad, t_wgrad);
     }
     if (need_dbias) out[2] = g.dbias;  // float32; the engine casts it to the bias dtype
+    FP8_STAGE_STOP(kBwd, t_all);
     return out;
   }
 };
@@ -268,6 +316,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
                           const std::shared_ptr<CastPlan>& x_plan, const std::shared_ptr<CastPlan>& grad_plan,
                           bool fast_fprop, bool fast_dgrad, bool fast_wgrad, int64_t act_code, bool need_wgrad,
                           const Launch* w_cast) {
+  FP8_STAGE_START(t_all);
   const c10::ScalarType act_dtype = float_dtype(act_code);
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   const bool grad = torch::autograd::GradMode::is_enabled();
@@ -278,12 +327,20 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   at::Tensor y, x_t, x_scale_inv;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
+    FP8_STAGE_START(t_wcast);
     if (w_cast != nullptr) launch(*w_cast, x_plan->device, weight, w_data, w_t, w_scale_inv);
+    FP8_STAGE_STOP(kFwdWeightCast, t_wcast);
+    FP8_STAGE_START(t_rows);
     at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
     if (!x2.is_contiguous()) x2 = x2.contiguous();
     if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();  // the plan's binary wants 16 B
+    FP8_STAGE_STOP(kFwdInput, t_rows);
+    FP8_STAGE_START(t_cast);
     CastOut xc = cast(*x_plan, x2, current_stream(x_plan->device));
+    FP8_STAGE_STOP(kFwdInputCast, t_cast);
+    FP8_STAGE_START(t_gemm);
     y = scaled_mm(xc.data, xc.scale_inv, w_data.t(), w_scale_inv, fast_fprop, act_dtype, b);  // (M, N)
+    FP8_STAGE_STOP(kFwdGemm, t_gemm);
     if (x.dim() != 2) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
       shape.push_back(y.size(1));
@@ -293,6 +350,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
     x_scale_inv = xc.scale_inv;
   }
   if (!(need_dgrad || need_wgrad || need_dbias)) return y;
+  FP8_STAGE_START(t_node);
   TORCH_CHECK(grad_plan != nullptr, "fp8train native: no grad-output cast plan");
   TORCH_CHECK(!need_wgrad || x_t.defined(), "fp8train native: the input plan wrote no transposed copy");
   TORCH_CHECK(!need_dgrad || w_t.has_value(), "fp8train native: no transposed weight for dgrad");
@@ -316,6 +374,8 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   node->fast_dgrad = fast_dgrad;
   node->fast_wgrad = fast_wgrad;
   torch::autograd::set_history(y, NodePtr(node));
+  FP8_STAGE_STOP(kFwdNode, t_node);
+  FP8_STAGE_STOP(kFwd, t_all);
   return y;
 }
 
@@ -652,6 +712,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }));
   m.def("mlp_forward", &mlp_forward);
   m.def("linear_forward", &linear_forward);
+#ifdef FP8TRAIN_STAGE_CLOCKS
+  m.def("stage_clocks", [] {
+    std::vector<std::tuple<std::string, int64_t, int64_t>> out;
+    for (int s = 0; s < kStages; ++s) out.emplace_back(kStageNames[s], g_stage_ns[s], g_stage_calls[s]);
+    return out;
+  });
+  m.def("reset_stage_clocks", [] {
+    g_stage_ns.fill(0);
+    g_stage_calls.fill(0);
+  });
+#endif
   m.def("cast_with", &cast_with);
   m.def("launch", &launch);
 }
