@@ -160,7 +160,9 @@ def test_graphed_node_matches_eager():
         x = xs[i].clone().requires_grad_(True)
         y = mod(x)
         y.backward(dys[i])
-        replays.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in mod.named_parameters()}))
+        # clones: a replay's output and input gradient are the graph's static buffers, which
+        # the next replay overwrites
+        replays.append((y.detach().clone(), x.grad.clone(), {n: p.grad.clone() for n, p in mod.named_parameters()}))
         mod.zero_grad(set_to_none=True)
     state = {n: t.clone() for n, t in mod.state_dict().items()}
     want, want_state = run_steps(ref, xs, dys, recipe, False)
