@@ -200,6 +200,13 @@ class Quantizer(nn.Module):
         or None (nothing done) where the Python cast must run. `out` must fit x."""
         return None
 
+    def replay_fixed(self) -> Optional[tuple]:
+        """The buffers the next `produce` reads and writes when that is one cast launch from this
+        quantizer's state alone, so that kernels/replay.py may record and replay it; None
+        otherwise. Only delayed scaling, once calibrated (current scaling zeroes its amax with
+        a torch op between its two launches, which a launch group would not repeat)."""
+        return None
+
     def _steady_launches(self, shape, dtype, transpose: bool, dbias: bool) -> Optional[tuple]:
         """The prepared launches of one steady-state cast, in order (None: not all prepared)."""
         raise NotImplementedError
@@ -351,6 +358,9 @@ class DelayedScalingQuantizer(Quantizer):
     def scaling_state(self) -> ops.ScalingState:
         first_amax = None if self.calibrated else self._calibration_amax  # calibration: one amax pass first
         return ops.ScalingState(self.scale, self.amax_history, first_amax, None)
+
+    def replay_fixed(self) -> Optional[tuple]:
+        return tuple(b for b in self._buffers.values() if b is not None) if self.calibrated else None
 
     def produce(self, first_pass, cast, amax_hook=None) -> None:
         if self.calibrated:  # the scale comes from the history (agreeing across ranks once histories are reduced)

@@ -10,7 +10,9 @@
 #   tests  the GPU suite (tools/gpu_tests_parallel.sh: shards over the GPUs, then multi-GPU files)
 #   native the C++ Linear node: its build, its GPU tests beside the Linear and graph tests, the
 #          host-time ratio (benchmarks/linear.py, 1024 only) and tools/probe_host_state.py
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native]
+#   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
+#          beside the fused-module and graph tests, then LayerNormMLP's host time each way
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [replay]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -64,6 +66,11 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         tests/gpu/test_linear_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tail -12
       timeout 80 python3 benchmarks/linear.py --sizes 1024 --json "$OUT/linear_host.json" 2>&1 | tail -6
       timeout 120 python3 tools/probe_host_state.py 2>&1 | grep -v "Warn\|warn\|run_backward" | tail -22 ;;
+    replay)
+      python3 -c "from fp8train.kernels import native; print('C++ extension:', 'built' if native.extension() else native.failure())"
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_replay_gpu.py \
+        tests/gpu/test_mlp_node_gpu.py tests/gpu/test_fused_modules_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tail -12
+      timeout 150 python3 tools/host_profile_mlp.py 2>&1 | grep "^== " ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

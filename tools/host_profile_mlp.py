@@ -1,7 +1,10 @@
 """Where the host time of one LayerNormMLP fwd+bwd goes (GPU machine): host us/iter of the
 torch modules (LayerNorm, Linear, GELU(tanh), Linear; bf16) and of fp8train.LayerNormMLP
-under delayed scaling (autocast entry included), the device kernels each launches per
-iteration, and a cProfile of the FP8 one (by own time, then by cumulative time).
+under delayed scaling (autocast entry included): through its C++ node (the default), through
+the Python Function with the norm and activation launches replayed from C++
+(kernels/replay.py; layernorm_mlp_native.ENABLED off) and all through Python
+(native.ENABLED off); the device kernels each launches per iteration, and a cProfile of the
+default one (by own time, then by cumulative time).
 
     PYTHONPATH=. python3 tools/host_profile_mlp.py [--h 1024] [--tokens 256]
 """
@@ -14,6 +17,8 @@ import time
 import torch
 
 import fp8train
+from fp8train.kernels import native
+from fp8train.modules import layernorm_mlp_native
 
 p = argparse.ArgumentParser()
 p.add_argument("--h", type=int, default=1024)
@@ -32,15 +37,20 @@ def make(kind):
         return lambda: model(x).backward(dy)
     model = fp8train.LayerNormMLP(h, f, activation="gelu_tanh", params_dtype=torch.bfloat16, device=dev)
     recipe = fp8train.DelayedScaling()
+    launches, node = kind != "fp8 delayed, python launches", kind == "fp8 delayed"
 
     def run():
-        with fp8train.autocast(recipe=recipe):
-            y = model(x)
-        y.backward(dy)
+        native.ENABLED, layernorm_mlp_native.ENABLED = launches, node
+        try:
+            with fp8train.autocast(recipe=recipe):
+                y = model(x)
+            y.backward(dy)
+        finally:
+            native.ENABLED = layernorm_mlp_native.ENABLED = True
     return run
 
 
-for kind in ("bf16", "fp8 delayed"):
+for kind in ("bf16", "fp8 delayed", "fp8 delayed, launch groups", "fp8 delayed, python launches"):
     run = make(kind)
     for _ in range(30):
         run()
@@ -64,7 +74,7 @@ for kind in ("bf16", "fp8 delayed"):
         names[e.name[:90]] = names.get(e.name[:90], 0) + 1
     for n, c in sorted(names.items(), key=lambda kv: -kv[1]):
         print(f"   {c / 10:4.1f}x {n}")
-    if kind != "bf16":
+    if kind == "fp8 delayed":
         prof_c = cProfile.Profile()
         prof_c.enable()
         for _ in range(100):

@@ -12,7 +12,10 @@
 // device-guard interface, so the file compiles on a CPU-only machine too.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
+#include <tuple>
 #include <memory>
 #include <vector>
 
@@ -21,12 +24,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_mm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 
@@ -34,6 +39,36 @@ namespace fp8train_native {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
+
+// ------------------------------------------------------------------------ stage clocks
+// A build with -DFP8TRAIN_STAGE_CLOCKS (tools/probe_node_stages.py makes one, under another
+// module name) adds each marked stage's host nanoseconds to a per-stage total, read back by
+// stage_clocks(); the library's build compiles the marks to nothing.
+enum Stage {
+  kFwd, kFwdWeightCast, kFwdInput, kFwdInputCast, kFwdGemm, kFwdNode,
+  kBwd, kBwdPrep, kBwdCast, kBwdDgrad, kBwdWgrad,
+  kCastAlloc, kCastLaunch, kCastDbias, kStages
+};
+#ifdef FP8TRAIN_STAGE_CLOCKS
+const char* const kStageNames[kStages] = {
+    "forward (all)", "forward: weight re-cast launch", "forward: input as rows", "forward: input cast",
+    "forward: fprop GEMM", "forward: node and edges",
+    "backward (apply, all)", "backward: dY as rows", "backward: dY cast", "backward: dgrad GEMM",
+    "backward: wgrad GEMM",
+    "cast: allocations", "cast: launches", "cast: dbias column sums"};
+std::array<int64_t, kStages> g_stage_ns{}, g_stage_calls{};
+using StageTime = std::chrono::steady_clock::time_point;
+inline StageTime stage_now() { return std::chrono::steady_clock::now(); }
+inline void stage_add(Stage s, StageTime t0) {
+  g_stage_ns[s] += std::chrono::duration_cast<std::chrono::nanoseconds>(stage_now() - t0).count();
+  g_stage_calls[s] += 1;
+}
+#define FP8_STAGE_START(var) const auto var = stage_now()
+#define FP8_STAGE_STOP(stage, var) stage_add(stage, var)
+#else
+#define FP8_STAGE_START(var) (void)0
+#define FP8_STAGE_STOP(stage, var) (void)0
+#endif
 
 // ------------------------------------------------------------------------ CUDA driver
 using CUresult = int;
@@ -110,6 +145,7 @@ struct Launch {
   unsigned grid = 0, block = 0, shared = 0;
   std::vector<uint64_t> values;
   std::vector<int> holes;  // per slot: -1 fixed, else an index into the call's pointers
+  int max_hole = -1;       // the largest index in holes: each user checks it against its table
 };
 
 void run(const Launch& l, const uint64_t* pointers, CUstream stream) {
@@ -150,11 +186,14 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream) {
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "fp8train native: cast plan for shape ", c10::IntArrayRef(p.data_shape), " got a tensor of shape ",
               x.sizes(), " ", x.scalar_type(), " (contiguous ", x.is_contiguous(), ", plan dtype ", p.x_dtype, ")");
+  FP8_STAGE_START(t_alloc);
   auto fp8 = x.options().dtype(p.fp8_dtype);
   CastOut out;
   out.data = at::empty(p.data_shape, fp8);
   if (!p.data_t_shape.empty()) out.data_t = at::empty(p.data_t_shape, fp8);
   out.scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
+  FP8_STAGE_STOP(kCastAlloc, t_alloc);
+  FP8_STAGE_START(t_launch);
   uint64_t pointers[kHoles] = {
       reinterpret_cast<uint64_t>(x.data_ptr()), reinterpret_cast<uint64_t>(out.data.data_ptr()),
       out.data_t.defined() ? reinterpret_cast<uint64_t>(out.data_t.data_ptr()) : 0,
@@ -162,7 +201,10 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream) {
   for (const auto& t : p.zero_first) t.zero_();
   ensure_context(p.device);
   for (const auto& l : p.launches) run(l, pointers, stream);
+  FP8_STAGE_STOP(kCastLaunch, t_launch);
+  FP8_STAGE_START(t_dbias);
   if (p.partial.defined()) out.dbias = at::sum(p.partial, 0);  // as kernels.PreparedCast: float32 column sums
+  FP8_STAGE_STOP(kCastDbias, t_dbias);
   return out;
 }
 
@@ -220,24 +262,34 @@ struct LinearBackward : public Node {
     TORCH_CHECK(grad_plan != nullptr && (!need_wgrad || x_t.defined()) && (!need_dgrad || w_t.defined()),
                 "fp8train.Linear: backward through the graph a second time; the saved FP8 tensors were freed "
                 "(use retain_graph=True)");
+    FP8_STAGE_START(t_all);
     at::AutoDispatchBelowADInplaceOrView guard;
+    FP8_STAGE_START(t_prep);
     const int64_t n = dy.size(-1);
     if (dy.dim() != 2) dy = dy.reshape({-1, n});
     if (dy.scalar_type() != act_dtype) dy = dy.to(act_dtype);
     if (!dy.is_contiguous()) dy = dy.contiguous();
     if (reinterpret_cast<uintptr_t>(dy.data_ptr()) % 16 != 0) dy = dy.clone();  // the plan's binary wants 16 B
+    FP8_STAGE_STOP(kBwdPrep, t_prep);
+    FP8_STAGE_START(t_cast);
     CUstream stream = current_stream(grad_plan->device);
     CastOut g = cast(*grad_plan, dy, stream);
+    FP8_STAGE_STOP(kBwdCast, t_cast);
     if (need_dgrad) {
+      FP8_STAGE_START(t_dgrad);
       // dX (M, K) = dY (M, N) @ W: W's transposed copy (K, N) row-major, seen column-major
       at::Tensor dx = scaled_mm(g.data, g.scale_inv, w_t.t(), w_scale_inv, fast_dgrad, act_dtype);
       out[0] = in_shape.size() == 2 ? dx : dx.view(in_shape);
+      FP8_STAGE_STOP(kBwdDgrad, t_dgrad);
     }
     if (need_wgrad) {
+      FP8_STAGE_START(t_wgrad);
       // dW (N, K) = dY^T @ X from the padded transposed copies dY^T (N, Mp) and X^T (K, Mp)
       out[1] = scaled_mm(g.data_t, g.scale_inv, x_t.t(), x_scale_inv, fast_wgrad, weight_dtype);
+      FP8_STAGE_STOP(kBwdWgrad, t_wgrad);
     }
     if (need_dbias) out[2] = g.dbias;  // float32; the engine casts it to the bias dtype
+    FP8_STAGE_STOP(kBwd, t_all);
     return out;
   }
 };
@@ -264,6 +316,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
                           const std::shared_ptr<CastPlan>& x_plan, const std::shared_ptr<CastPlan>& grad_plan,
                           bool fast_fprop, bool fast_dgrad, bool fast_wgrad, int64_t act_code, bool need_wgrad,
                           const Launch* w_cast) {
+  FP8_STAGE_START(t_all);
   const c10::ScalarType act_dtype = float_dtype(act_code);
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   const bool grad = torch::autograd::GradMode::is_enabled();
@@ -274,12 +327,20 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   at::Tensor y, x_t, x_scale_inv;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
+    FP8_STAGE_START(t_wcast);
     if (w_cast != nullptr) launch(*w_cast, x_plan->device, weight, w_data, w_t, w_scale_inv);
+    FP8_STAGE_STOP(kFwdWeightCast, t_wcast);
+    FP8_STAGE_START(t_rows);
     at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
     if (!x2.is_contiguous()) x2 = x2.contiguous();
     if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();  // the plan's binary wants 16 B
+    FP8_STAGE_STOP(kFwdInput, t_rows);
+    FP8_STAGE_START(t_cast);
     CastOut xc = cast(*x_plan, x2, current_stream(x_plan->device));
+    FP8_STAGE_STOP(kFwdInputCast, t_cast);
+    FP8_STAGE_START(t_gemm);
     y = scaled_mm(xc.data, xc.scale_inv, w_data.t(), w_scale_inv, fast_fprop, act_dtype, b);  // (M, N)
+    FP8_STAGE_STOP(kFwdGemm, t_gemm);
     if (x.dim() != 2) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
       shape.push_back(y.size(1));
@@ -289,6 +350,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
     x_scale_inv = xc.scale_inv;
   }
   if (!(need_dgrad || need_wgrad || need_dbias)) return y;
+  FP8_STAGE_START(t_node);
   TORCH_CHECK(grad_plan != nullptr, "fp8train native: no grad-output cast plan");
   TORCH_CHECK(!need_wgrad || x_t.defined(), "fp8train native: the input plan wrote no transposed copy");
   TORCH_CHECK(!need_dgrad || w_t.has_value(), "fp8train native: no transposed weight for dgrad");
@@ -312,6 +374,8 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   node->fast_dgrad = fast_dgrad;
   node->fast_wgrad = fast_wgrad;
   torch::autograd::set_history(y, NodePtr(node));
+  FP8_STAGE_STOP(kFwdNode, t_node);
+  FP8_STAGE_STOP(kFwd, t_all);
   return y;
 }
 
@@ -324,12 +388,213 @@ void launch(const Launch& l, int device, const std::optional<at::Tensor>& x, con
     return t.has_value() ? reinterpret_cast<uint64_t>(t->data_ptr()) : uint64_t{0};
   };
   uint64_t pointers[kHoles] = {ptr(x), ptr(data), ptr(data_t), ptr(scale_inv)};
+  TORCH_CHECK(l.max_hole < kHoles, "fp8train native: a cast launch with hole ", l.max_hole);
   for (size_t i = 0; i < l.holes.size(); ++i)
     TORCH_CHECK(l.holes[i] < 0 || pointers[l.holes[i]] != 0, "fp8train native: launch without its tensor ",
                 l.holes[i]);
   c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
   ensure_context(device);  // (free after the first call on a thread)
   run(l, pointers, current_stream(device));
+}
+
+// ------------------------------------------------------------------------ launch groups
+// A recorded sequence of launches (kernels/replay.py: e.g. the norm kernel and the byte
+// transpose after it) replayed with a new call's tensors. Pointer table: the call's tensors
+// in the caller's order (None: a null pointer), then one float32 scratch buffer per
+// scratch_shapes entry, allocated here per call (zeroed where the recorded one was). The
+// caching allocator may hand a freed scratch to a later allocation as soon as this returns:
+// safe, since every use of it is already queued on the current stream.
+struct Group {
+  int device = 0;
+  int64_t holes = 0;
+  std::vector<Launch> launches;
+  std::vector<std::vector<int64_t>> scratch_shapes;
+  std::vector<bool> scratch_zeroed;
+  std::vector<bool> aligned;  // per call tensor: the binaries were specialised on a 16-byte aligned address
+  std::vector<at::Tensor> keep;  // the fixed buffers the launches point into
+};
+
+void run_group(const Group& g, const std::vector<std::optional<at::Tensor>>& tensors) {
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == g.holes, "fp8train native: a launch group of ", g.holes,
+              " tensors got ", tensors.size());
+  std::vector<uint64_t> pointers(g.holes + g.scratch_shapes.size(), 0);
+  for (int64_t i = 0; i < g.holes; ++i) {
+    if (!tensors[i].has_value()) continue;
+    const at::Tensor& t = *tensors[i];
+    TORCH_CHECK(t.is_cuda() && t.get_device() == g.device, "fp8train native: launch group tensor ", i,
+                " is not on cuda:", g.device);
+    pointers[i] = reinterpret_cast<uint64_t>(t.data_ptr());
+    TORCH_CHECK(!g.aligned[i] || pointers[i] % 16 == 0, "fp8train native: launch group tensor ", i,
+                " is not 16-byte aligned, as the recorded one was");
+  }
+  c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(g.device)));
+  std::vector<at::Tensor> scratch;
+  scratch.reserve(g.scratch_shapes.size());
+  auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, g.device);
+  for (size_t k = 0; k < g.scratch_shapes.size(); ++k) {
+    scratch.push_back(at::empty(g.scratch_shapes[k], f32));
+    if (g.scratch_zeroed[k]) scratch.back().zero_();
+    pointers[g.holes + k] = reinterpret_cast<uint64_t>(scratch.back().data_ptr());
+  }
+  ensure_context(g.device);
+  CUstream stream = current_stream(g.device);
+  for (const Launch& l : g.launches) {
+    for (size_t i = 0; i < l.holes.size(); ++i)
+      TORCH_CHECK(l.holes[i] < 0 || pointers[l.holes[i]] != 0, "fp8train native: a launch group launch without "
+                  "its tensor ", l.holes[i]);
+    run(l, pointers.data(), stream);
+  }
+}
+
+// ------------------------------------------------------------------------ the LayerNormMLP node
+// modules/layernorm_mlp.py `_LayerNormMLPFn` for one input shape with delayed scaling: the
+// norm and activation steps are the launch groups the Python path recorded and used
+// (kernels/replay.py), the dY cast is the grad quantizer's cast plan, the GEMMs are
+// gemm.scaled_mm's. The groups' tensor orders are the Python calls' (modules/norm.py,
+// modules/activation.py):
+//   norm forward        x2, weight, bias, mean, rstd, out, out_t, scale_inv, y
+//   activation forward  h, out, out_t, scale_inv
+//   activation backward da, h, out, out_t, scale_inv, dbias
+//   norm backward       dy, x2, weight, mean, rstd, dx, dweight, dbias
+// The node must give the Python node's bytes (tests/gpu/test_mlp_node_gpu.py).
+struct MlpPlan {
+  int device = 0;
+  int64_t rows = 0, hidden = 0, act_cols = 0, fc1_cols = 0, padded = 0;  // M, K, F (act out), F1 (fc1 out), Mp
+  bool layer = true, grad = true;
+  std::array<bool, 7> needs{};  // x, ln weight, ln bias, fc1 weight, fc1 bias, fc2 weight, fc2 bias
+  c10::ScalarType act_dtype = at::kBFloat16, x_fp8 = at::kFloat8_e4m3fn, a_fp8 = at::kFloat8_e4m3fn,
+                  dh_fp8 = at::kFloat8_e5m2, db1_dtype = at::kFloat;
+  bool fast_fprop = true, fast_dgrad = false, fast_wgrad = false;
+  std::shared_ptr<Group> norm_fwd, act_fwd, act_bwd, norm_bwd;  // the backward ones: only with grad
+  std::shared_ptr<CastPlan> dy_plan;                              // dY (M, K): transposed copy, dbias if fc2's
+};
+
+std::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; }
+
+at::Tensor rows_of(const at::Tensor& t, int64_t cols) {
+  at::Tensor r = t.dim() == 2 ? t : t.reshape({-1, cols});
+  if (!r.is_contiguous()) r = r.contiguous();
+  if (reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 != 0) r = r.clone();  // the binaries want 16 B
+  return r;
+}
+
+struct LayerNormMLPBackward : public Node {
+  std::shared_ptr<MlpPlan> plan;
+  // x2 may be the caller's x and the norm parameters are the module's: saved as the Python
+  // Function saves them, so that an in-place change before the backward is an error
+  torch::autograd::SavedVariable x2_saved, ln_w_saved, ln_b_saved;
+  at::Tensor mean, rstd, x_t, x_si, h, a_t, a_si, w1_t, w1_si, w2_t, w2_si;
+  std::vector<int64_t> in_shape;
+  c10::ScalarType w1_dtype = at::kFloat, w2_dtype = at::kFloat;
+
+  std::string name() const override { return "fp8train::LayerNormMLPBackward"; }
+
+  void release_variables() override {
+    x2_saved.reset_data();
+    ln_w_saved.reset_data();
+    ln_b_saved.reset_data();
+    for (at::Tensor* t : {&mean, &rstd, &x_t, &x_si, &h, &a_t, &a_si, &w1_t, &w1_si, &w2_t, &w2_si}) t->reset();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(7);
+    at::Tensor dy = grads[0];
+    if (!dy.defined()) return out;
+    TORCH_CHECK(h.defined() && a_t.defined() && x_t.defined(), "fp8train.LayerNormMLP: backward through the graph a "
+                "second time; the saved FP8 tensors were freed (use retain_graph=True)");
+    const MlpPlan& p = *plan;
+    const at::Tensor x2 = x2_saved.unpack(), ln_w = ln_w_saved.unpack(), ln_b = ln_b_saved.unpack();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    if (dy.scalar_type() != p.act_dtype) dy = dy.to(p.act_dtype);
+    dy = rows_of(dy, p.hidden);
+    CUstream stream = current_stream(p.device);
+    CastOut g = cast(*p.dy_plan, dy, stream);  // (M, K), (K, Mp); db2 float32 (the engine casts it)
+    at::Tensor da = scaled_mm(g.data, g.scale_inv, w2_t.t(), w2_si, p.fast_dgrad, p.act_dtype);  // (M, F)
+    if (p.needs[5]) out[5] = scaled_mm(g.data_t, g.scale_inv, a_t.t(), a_si, p.fast_wgrad, w2_dtype);
+    if (p.needs[6]) out[6] = g.dbias;
+    auto f32 = da.options().dtype(at::kFloat);
+    at::Tensor dh = at::empty({p.rows, p.fc1_cols}, da.options().dtype(p.dh_fp8));
+    at::Tensor dh_t = at::empty({p.fc1_cols, p.padded}, da.options().dtype(p.dh_fp8));
+    at::Tensor dh_si = at::empty({1}, f32);
+    at::Tensor db1 = p.needs[4] ? at::empty({p.fc1_cols}, da.options().dtype(p.db1_dtype)) : at::Tensor();
+    run_group(*p.act_bwd, {da, h, dh, dh_t, dh_si, opt(db1)});
+    if (p.needs[3]) out[3] = scaled_mm(dh_t, dh_si, x_t.t(), x_si, p.fast_wgrad, w1_dtype);
+    if (p.needs[4]) out[4] = db1;
+    if (p.needs[0] || p.needs[1] || p.needs[2]) {
+      at::Tensor d_ln = scaled_mm(dh, dh_si, w1_t.t(), w1_si, p.fast_dgrad, p.act_dtype);  // (M, K)
+      at::Tensor dx = at::empty_like(x2);
+      at::Tensor dlnw = at::empty_like(ln_w);
+      at::Tensor dlnb = ln_b.defined() ? at::empty_like(ln_b) : at::Tensor();
+      run_group(*p.norm_bwd, {d_ln, x2, ln_w, opt(mean), rstd, dx, dlnw, opt(dlnb)});
+      if (p.needs[0]) out[0] = in_shape.size() == 2 ? dx : dx.view(in_shape);
+      out[1] = dlnw;
+      out[2] = dlnb;
+    }
+    return out;
+  }
+};
+
+// The forward; w*_data / w*_si: the FP8 weight workspaces (cast by Python), w*_t their
+// transposed copies (None where no dgrad needs them).
+at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x, const at::Tensor& ln_w,
+                       const std::optional<at::Tensor>& ln_b, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+                       const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& w1_data,
+                       const at::Tensor& w1_si, const std::optional<at::Tensor>& w1_t, const at::Tensor& w2_data,
+                       const at::Tensor& w2_si, const std::optional<at::Tensor>& w2_t) {
+  const MlpPlan& p = *plan;
+  TORCH_CHECK(x.is_cuda() && x.get_device() == p.device && x.size(-1) == p.hidden && x.numel() == p.rows * p.hidden,
+              "fp8train native: LayerNormMLP plan for ", p.rows, " x ", p.hidden, " rows on cuda:", p.device,
+              " got ", x.sizes());
+  const at::Tensor lnb = ln_b.has_value() ? *ln_b : at::Tensor();
+  const at::Tensor bias1 = b1.has_value() ? *b1 : at::Tensor();
+  const at::Tensor bias2 = b2.has_value() ? *b2 : at::Tensor();
+  at::Tensor x2, mean, rstd, xq, x_t, x_si, h, aq, a_t, a_si, y;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    x2 = rows_of(x, p.hidden);
+    auto f32 = x.options().dtype(at::kFloat);
+    if (p.layer) mean = at::empty({p.rows}, f32);
+    rstd = at::empty({p.rows}, f32);
+    xq = at::empty({p.rows, p.hidden}, x.options().dtype(p.x_fp8));
+    if (p.grad) x_t = at::empty({p.hidden, p.padded}, x.options().dtype(p.x_fp8));
+    x_si = at::empty({1}, f32);
+    run_group(*p.norm_fwd, {x2, ln_w, opt(lnb), opt(mean), rstd, xq, opt(x_t), x_si, std::nullopt});
+    h = scaled_mm(xq, x_si, w1_data.t(), w1_si, p.fast_fprop, p.act_dtype, bias1);  // (M, F1)
+    aq = at::empty({p.rows, p.act_cols}, x.options().dtype(p.a_fp8));
+    if (p.grad) a_t = at::empty({p.act_cols, p.padded}, x.options().dtype(p.a_fp8));
+    a_si = at::empty({1}, f32);
+    run_group(*p.act_fwd, {h, aq, opt(a_t), a_si});
+    y = scaled_mm(aq, a_si, w2_data.t(), w2_si, p.fast_fprop, p.act_dtype, bias2);  // (M, K)
+    if (x.dim() != 2) y = y.view(x.sizes());
+  }
+  const bool any_need = std::any_of(p.needs.begin(), p.needs.end(), [](bool b) { return b; });
+  if (!p.grad || !any_need || !torch::autograd::GradMode::is_enabled()) return y;
+  TORCH_CHECK(p.act_bwd && p.dy_plan && (p.norm_bwd || !(p.needs[0] || p.needs[1] || p.needs[2])),
+              "fp8train native: a LayerNormMLP plan without its backward");
+  TORCH_CHECK(w2_t.has_value() && (w1_t.has_value() || !(p.needs[0] || p.needs[1] || p.needs[2])),
+              "fp8train native: no transposed FP8 weight for dgrad");
+  auto node = make_node<LayerNormMLPBackward>(static_cast<NodePtr*>(nullptr));
+  node->set_next_edges(torch::autograd::collect_next_edges(x, ln_w, lnb, w1, bias1, w2, bias2));
+  node->plan = plan;
+  node->x2_saved = torch::autograd::SavedVariable(x2, false);
+  node->ln_w_saved = torch::autograd::SavedVariable(ln_w, false);
+  if (lnb.defined()) node->ln_b_saved = torch::autograd::SavedVariable(lnb, false);
+  node->mean = mean;
+  node->rstd = rstd;
+  node->x_t = x_t;
+  node->x_si = x_si;
+  node->h = h;
+  node->a_t = a_t;
+  node->a_si = a_si;
+  if (w1_t.has_value()) node->w1_t = *w1_t;
+  node->w1_si = w1_si;
+  node->w2_t = *w2_t;
+  node->w2_si = w2_si;
+  node->in_shape.assign(x.sizes().begin(), x.sizes().end());
+  node->w1_dtype = w1.scalar_type();
+  node->w2_dtype = w2.scalar_type();
+  torch::autograd::set_history(y, NodePtr(node));
+  return y;
 }
 
 // Standalone cast through a plan (tests compare it byte for byte with the Python launch):
@@ -352,8 +617,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<uint64_t> values, std::vector<int> holes) {
         TORCH_CHECK(values.size() == holes.size() && values.size() <= kMaxParams,
                     "fp8train native: a launch takes at most ", kMaxParams, " parameters, one hole entry each");
-        for (int h : holes) TORCH_CHECK(h >= -1 && h < kHoles, "fp8train native: bad hole ", h);
         Launch l;
+        for (int h : holes) {
+          TORCH_CHECK(h >= -1, "fp8train native: bad hole ", h);
+          l.max_hole = std::max(l.max_hole, h);
+        }
         l.function = reinterpret_cast<CUfunction>(function);
         l.grid = grid;
         l.block = block;
@@ -374,12 +642,87 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p->data_shape = std::move(data_shape);
         p->data_t_shape = std::move(data_t_shape);
         p->zero_first = std::move(zero_first);
+        for (const Launch& l : launches)
+          TORCH_CHECK(l.max_hole < kHoles, "fp8train native: a cast plan launch with hole ", l.max_hole);
         p->launches = std::move(launches);
         if (partial.has_value()) p->partial = *partial;
         p->keep = std::move(keep);
         return p;
       }));
+  py::class_<Group, std::shared_ptr<Group>>(m, "Group")
+      .def(py::init([](int device, int64_t holes, std::vector<Launch> launches,
+                       std::vector<std::vector<int64_t>> scratch_shapes, std::vector<bool> scratch_zeroed,
+                       std::vector<bool> aligned, std::vector<at::Tensor> keep) {
+        TORCH_CHECK(holes >= 0 && static_cast<int64_t>(aligned.size()) == holes &&
+                        scratch_zeroed.size() == scratch_shapes.size(),
+                    "fp8train native: a launch group needs one alignment flag per tensor and one zeroing flag per "
+                    "scratch buffer");
+        const int64_t table = holes + static_cast<int64_t>(scratch_shapes.size());
+        for (const Launch& l : launches)
+          TORCH_CHECK(l.max_hole < table, "fp8train native: a launch group launch with hole ", l.max_hole,
+                      " of a table of ", table);
+        auto g = std::make_shared<Group>();
+        g->device = device;
+        g->holes = holes;
+        g->launches = std::move(launches);
+        g->scratch_shapes = std::move(scratch_shapes);
+        g->scratch_zeroed = std::move(scratch_zeroed);
+        g->aligned = std::move(aligned);
+        g->keep = std::move(keep);
+        return g;
+      }));
+  m.def("run_group", &run_group);
+  py::class_<MlpPlan, std::shared_ptr<MlpPlan>>(m, "MlpPlan")
+      .def(py::init([](int device, std::vector<int64_t> dims, bool layer, bool grad, std::vector<bool> needs,
+                       std::vector<int64_t> dtype_codes, std::vector<bool> fast, std::shared_ptr<Group> norm_fwd,
+                       std::shared_ptr<Group> act_fwd, std::shared_ptr<Group> act_bwd,
+                       std::shared_ptr<Group> norm_bwd, std::shared_ptr<CastPlan> dy_plan) {
+        TORCH_CHECK(dims.size() == 5 && needs.size() == 7 && dtype_codes.size() == 5 && fast.size() == 3,
+                    "fp8train native: MlpPlan(device, [M, K, F, F1, Mp], layer, grad, needs[7], "
+                    "[act, x fp8, a fp8, dh fp8, db1] dtype codes, [fprop, dgrad, wgrad] fast accumulation, groups...)");
+        TORCH_CHECK(norm_fwd && act_fwd, "fp8train native: MlpPlan needs the forward groups");
+        TORCH_CHECK(norm_fwd->holes == 9 && act_fwd->holes == 4 && (!act_bwd || act_bwd->holes == 6) &&
+                        (!norm_bwd || norm_bwd->holes == 8),
+                    "fp8train native: MlpPlan groups of the wrong kind (tensor counts)");
+        auto p = std::make_shared<MlpPlan>();
+        p->device = device;
+        p->rows = dims[0];
+        p->hidden = dims[1];
+        p->act_cols = dims[2];
+        p->fc1_cols = dims[3];
+        p->padded = dims[4];
+        p->layer = layer;
+        p->grad = grad;
+        for (size_t i = 0; i < 7; ++i) p->needs[i] = needs[i];
+        auto fp8 = [](int64_t code) { return code == 5 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn; };
+        p->act_dtype = float_dtype(dtype_codes[0]);
+        p->x_fp8 = fp8(dtype_codes[1]);
+        p->a_fp8 = fp8(dtype_codes[2]);
+        p->dh_fp8 = fp8(dtype_codes[3]);
+        p->db1_dtype = float_dtype(dtype_codes[4]);
+        p->fast_fprop = fast[0];
+        p->fast_dgrad = fast[1];
+        p->fast_wgrad = fast[2];
+        p->norm_fwd = std::move(norm_fwd);
+        p->act_fwd = std::move(act_fwd);
+        p->act_bwd = std::move(act_bwd);
+        p->norm_bwd = std::move(norm_bwd);
+        p->dy_plan = std::move(dy_plan);
+        return p;
+      }));
+  m.def("mlp_forward", &mlp_forward);
   m.def("linear_forward", &linear_forward);
+#ifdef FP8TRAIN_STAGE_CLOCKS
+  m.def("stage_clocks", [] {
+    std::vector<std::tuple<std::string, int64_t, int64_t>> out;
+    for (int s = 0; s < kStages; ++s) out.emplace_back(kStageNames[s], g_stage_ns[s], g_stage_calls[s]);
+    return out;
+  });
+  m.def("reset_stage_clocks", [] {
+    g_stage_ns.fill(0);
+    g_stage_calls.fill(0);
+  });
+#endif
   m.def("cast_with", &cast_with);
   m.def("launch", &launch);
 }

@@ -49,6 +49,7 @@ from . import activation_reference as ref
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
 from .colsum import colsum_into
 from .launcher import DirectKernel, device_guard
+from .launcher import scratch as launcher_scratch
 from .transpose import store_transposed_tile, transpose_into
 
 # Activation codes (constexpr ACT), in the order of ref.ACTIVATIONS.
@@ -495,7 +496,7 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
         split_rows = triton.cdiv(row_tiles, max(1, programs // tiles_n))
         splits = triton.cdiv(row_tiles, split_rows)
         programs = splits * tiles_n
-        scratch = torch.empty(splits, fh, dtype=torch.float32, device=h.device)  # (splits, Fh)
+        scratch = launcher_scratch((splits, fh), h.device)  # (splits, Fh) float32
     stand_in, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     kernel = _bwd(cfg, _ACT_CODES[act], *flags, scratch is not None)
     with device_guard(h.device):

@@ -95,8 +95,12 @@ class DirectKernel:
     def __call__(self, grid: int, *args) -> None:
         binary = self.binary_for(*args)
         if binary is None:
+            if _recording is not None:
+                _recording.complete = False  # a launch the recording cannot replay
             self._fn[(grid,)](*args, **self._options)
             return
+        if _recording is not None:
+            _recording.launches.append((binary, grid, args))
         binary.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(args[0].device.index), binary.function,
                    binary.packed_metadata, None, None, None, *args, *self.tail)
 
@@ -122,6 +126,42 @@ class DirectKernel:
             binary.run  # loads the binary onto the current device
             self._binaries[key] = binary
         return binary
+
+
+class Recording:
+    """What DirectKernel launched while `recording()` was active, for kernels/replay.py: each
+    launch as (binary, grid, runtime args), and the scratch buffers the wrappers allocated
+    for those launches through `scratch` (by address: (buffer, zeroed)). `complete` is False
+    once a launch went through Triton's own path (it has no binary to replay)."""
+
+    def __init__(self):
+        self.launches: List[Tuple[Any, int, tuple]] = []
+        self.scratch: Dict[int, Tuple[torch.Tensor, bool]] = {}
+        self.complete = True
+
+
+_recording: Optional[Recording] = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the DirectKernel launches made inside the block (they still run); not
+    thread-safe, like the kernels' launch-shape overrides."""
+    global _recording
+    saved, _recording = _recording, Recording()
+    try:
+        yield _recording
+    finally:
+        _recording = saved
+
+
+def scratch(shape, device: torch.device, zeroed: bool = False) -> torch.Tensor:
+    """A float32 buffer that only the launches of one wrapper call use (partial sums); while
+    recording, it is noted as such, so a replay allocates its own instead of reusing it."""
+    t = (torch.zeros if zeroed else torch.empty)(shape, dtype=torch.float32, device=device)
+    if _recording is not None:
+        _recording.scratch[t.data_ptr()] = (t, zeroed)
+    return t
 
 
 def kernel_params(binary, args) -> Optional[List[Tuple[str, Any]]]:
@@ -182,4 +222,5 @@ def _is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-__all__ = ["DirectKernel", "device_guard", "hooks_installed", "kernel_params", "pack_param"]
+__all__ = ["DirectKernel", "Recording", "device_guard", "hooks_installed", "kernel_params", "pack_param", "recording",
+           "scratch"]

@@ -48,7 +48,7 @@ from .. import scaling
 from . import norm_reference
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
 from .colsum import colsum_into
-from .launcher import DirectKernel, device_guard
+from .launcher import DirectKernel, device_guard, scratch
 from .norm_reference import check_bwd_args, check_fwd_args, check_stats_args
 from .transpose import store_transposed_tile, transpose_into
 
@@ -454,8 +454,8 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Opti
     block_m, block_n = cfg.shape(k)
     programs = _programs(triton.cdiv(m, block_m), cfg.programs_per_sm, x.device)
     one_chunk = block_n >= k
-    alloc = torch.empty if one_chunk else torch.zeros
-    parts = alloc((1 if dbias_out is None else 2, programs, k), dtype=torch.float32, device=x.device)
+    # chunked rows add into their programs' scratch rows: zeroed first
+    parts = scratch((1 if dbias_out is None else 2, programs, k), x.device, zeroed=not one_chunk)
     kernel = _direct(_norm_bwd_kernel, cfg.num_warps, (
         ("LAYER", mean is not None), ("HAS_DBIAS", dbias_out is not None), ("ONE_CHUNK", one_chunk),
         ("BLOCK_M", block_m), ("BLOCK_N", block_n)))

@@ -15,6 +15,7 @@ from ..distributed.tp_config import ParallelMode, TPConfig
 from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
+from . import layernorm_mlp_native as mlp_native
 from .activation import ACTIVATIONS, activation_backward_fp8, activation_fp8, activation_high_precision
 from .base import FP8Module, in_dtype, mark_calibrated
 from .linear import _rows, init_linear_params
@@ -72,6 +73,7 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
         self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
         self.reset_parameters()
         self._fc1_workspace, self._fc2_workspace = WeightWorkspace(), WeightWorkspace()
+        self._node_plans = mlp_native.NodePlans()  # the C++ node's plans (modules/layernorm_mlp_native.py)
         self._fp8_dims = gemm.dims_ok(hidden_size, fc1_out // world, ffn_hidden_size // world)
 
     def reset_parameters(self) -> None:
@@ -123,10 +125,27 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
         skip = self.weight_cast_skip
         w1 = self._fc1_workspace.get(fc1_weight, q1[1], is_first_microbatch, need_transpose=need_dgrad1, skip=skip)
         w2 = self._fc2_workspace.get(fc2_weight, q2[1], is_first_microbatch, need_transpose=grad, skip=skip)
-        args = (x, ln_weight, self.layer_norm_bias, fc1_weight, self.fc1_bias, fc2_weight,
-                self.fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2], recipe.gemm, act_dtype, self.eps,
-                self.normalization == "LayerNorm", self.activation, grad)
-        y = _LayerNormMLPFn.apply(*args) if tp1 is None else LayerNormMLPTPFn.apply(*args, tp1, self.fc2_tp)
+        ln_bias, fc1_bias, fc2_bias = self.layer_norm_bias, self.fc1_bias, self.fc2_bias
+        args = (x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2],
+                recipe.gemm, act_dtype, self.eps, self.normalization == "LayerNorm", self.activation, grad)
+        if tp1 is not None:
+            y = LayerNormMLPTPFn.apply(*args, tp1, self.fc2_tp)
+            mark_calibrated(*q1, *q2)
+            return y
+        entry = None
+        # the C++ node where its plan is ready, else the Python Function, which records for it
+        # (traced code never gets here with a plan: compile takes the Function, untouched)
+        if x.is_cuda and not torch.compiler.is_compiling():
+            needs = mlp_native.needs_of(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+            activations = (q2[0], q1[0], q1[2], q2[2])  # a, x, dh, dy: the quantizers the groups point into
+            if mlp_native.eligible(x, activations):
+                entry = self._node_plans.entry(mlp_native.signature(self, x, act_dtype, needs, recipe.gemm),
+                                               activations)
+                plan = mlp_native.plan_for(self, entry, x, act_dtype, needs, recipe.gemm, *activations)
+                if plan is not None:
+                    return mlp_native.forward(plan, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight,
+                                              fc2_bias, w1, w2, needs)
+        y = _LayerNormMLPFn.apply(*args, entry)
         mark_calibrated(*q1, *q2)
         return y
 
@@ -188,11 +207,16 @@ class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, w1, b1, w2, b2, w1_fp8, w2_fp8, q1_input: Quantizer,
                 q1_grad: Quantizer, q2_input: Quantizer, q2_grad: Quantizer, config: GemmConfig, act_dtype,
-                eps: float, layer: bool, activation: str, grad: bool):
+                eps: float, layer: bool, activation: str, grad: bool, entry=None):
+        # entry: the C++ node's NodeEntry for this call, which collects the launch groups used
+        found = [] if entry is not None else None
         x2 = _rows(x).contiguous()  # (M, K)
-        xq, mean, rstd, _ = norm_fp8(x2, ln_weight, ln_bias, layer, eps, q1_input, grad, False)
+        xq, mean, rstd, _ = norm_fp8(x2, ln_weight, ln_bias, layer, eps, q1_input, grad, False, found=found)
         h = gemm.fprop(xq.data, xq.scale_inv, *weight_operands(w1_fp8), config, act_dtype, b1)  # (M, F1)
-        aq = activation_fp8(h, activation, q2_input, grad)  # (M, F), (F, Mp)
+        aq = activation_fp8(h, activation, q2_input, grad, found=found)  # (M, F), (F, Mp)
+        if entry is not None:
+            entry.set_fwd(tuple(found))
+        ctx.entry = entry
         y = gemm.fprop(aq.data, aq.scale_inv, *weight_operands(w2_fp8), config, act_dtype, b2)  # (M, K)
         ctx.save_for_backward(x2, ln_weight, ln_bias, mean, rstd, xq.data_t, xq.scale_inv, h, aq.data_t,
                               aq.scale_inv)
@@ -217,13 +241,16 @@ class _LayerNormMLPFn(torch.autograd.Function):
         da = gemm.dgrad(dy_data, dy_si, *weight_transposed(w2_fp8), config, act_dtype)  # (M, F)
         dw2 = gemm.wgrad(dy_t, dy_si, a_t, a_si, config, w2_dtype) if needs[5] else None
         # (M, F1), (F1, Mp); db1 (F1,) in b1's dtype from the same pass
-        dhq = activation_backward_fp8(da, h, ctx.activation, q1_grad, b1_dtype if needs[4] else None)
+        found = [] if ctx.entry is not None else None
+        dhq = activation_backward_fp8(da, h, ctx.activation, q1_grad, b1_dtype if needs[4] else None, found=found)
         db1 = dhq.dbias
         dw1 = gemm.wgrad(dhq.data_t, dhq.scale_inv, x_t, x_si, config, w1_dtype) if needs[3] else None
         dx = d_lnw = d_lnb = None
         if any(needs[:3]):
             d_ln = gemm.dgrad(dhq.data, dhq.scale_inv, *weight_transposed(w1_fp8), config, act_dtype)  # (M, K)
-            dx, d_lnw, d_lnb = norm_backward(d_ln, x2, ln_weight, ln_bias, mean, rstd, needs[0])
+            dx, d_lnw, d_lnb = norm_backward(d_ln, x2, ln_weight, ln_bias, mean, rstd, needs[0], found=found)
             if dx is not None:
                 dx = dx.view(*ctx.in_shape)
-        return (dx, d_lnw, d_lnb, dw1, db1, dw2, db2) + (None,) * 12
+        if found is not None:
+            ctx.entry.set_bwd((found[0], found[1] if len(found) > 1 else None))
+        return (dx, d_lnw, d_lnb, dw1, db1, dw2, db2) + (None,) * 13

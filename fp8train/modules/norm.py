@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels, ops
+from ..kernels import replay
 from ..quantizer import Cast, Quantizer
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -41,7 +42,8 @@ def norm_high_precision(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 
 def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layer: bool, eps: float,
-             q: Quantizer, transpose: bool, want_y: bool, amax_hook: Optional[Callable[[torch.Tensor], None]] = None
+             q: Quantizer, transpose: bool, want_y: bool, amax_hook: Optional[Callable[[torch.Tensor], None]] = None,
+             found: Optional[list] = None
              ) -> Tuple[Cast, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """Normalize x2 (M, K) straight into FP8 with quantizer q (current scaling: a statistics
     pass that also takes the amax, then the cast; delayed: one launch).
@@ -50,6 +52,7 @@ def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     the high-precision normalized output in x2's dtype, written only when want_y.
     amax_hook: Quantizer.produce's hook on the statistics pass's amax (sequence parallelism:
     the group's all-reduce, so every rank's rows are cast with one scale).
+    found: a list that gets the launch group that ran or was built (kernels/replay.py), or None.
     """
     if torch.compiler.is_compiling():  # traced code: the same kernels as a custom op (fp8train/ops.py)
         if amax_hook is not None:
@@ -71,13 +74,20 @@ def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         kernels.norm_fwd_fp8(x2, weight, bias, eps, mean, rstd, out.data, out.data_t, scale, out.scale_inv,
                              amax_out, from_amax, count, y, stats_ready=from_amax is not None)
 
-    q.produce(first_pass, cast, amax_hook)
+    # Steady state (delayed scaling, no group all-reduce): the launches replayed from C++
+    key = ("norm_fwd", x2.shape, x2.stride(), x2.dtype, weight.dtype, None if bias is None else bias.dtype, layer,
+           eps, transpose, want_y, x2.device.index)
+    group = replay.run(q._prepared, key, (x2, weight, bias, mean, rstd, out.data, out.data_t, out.scale_inv, y),
+                       None if amax_hook is not None else q.replay_fixed(),
+                       lambda: q.produce(first_pass, cast, amax_hook))
+    if found is not None:
+        found.append(group)
     return out, mean, rstd, y
 
 
 def norm_backward(d_norm: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   mean: Optional[torch.Tensor], rstd: torch.Tensor, need_dx: bool,
-                  param_grad_dtype: Optional[torch.dtype] = None
+                  param_grad_dtype: Optional[torch.dtype] = None, found: Optional[list] = None
                   ) -> Tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     """(dx (M, K) in x2's dtype or None, dweight, dbias or None) of the normalization.
     dweight / dbias come in the parameters' dtype, or in param_grad_dtype when given (float32
@@ -91,8 +101,18 @@ def norm_backward(d_norm: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
     dx = torch.empty_like(x2)
     dweight = torch.empty_like(weight, dtype=param_grad_dtype)
     dbias = torch.empty_like(bias, dtype=param_grad_dtype) if bias is not None else None
-    kernels.norm_bwd(d_norm, x2, weight, mean, rstd, dx, dweight, dbias)
+    key = ("norm_bwd", x2.shape, x2.stride(), d_norm.stride(), x2.dtype, d_norm.dtype, weight.dtype, mean is None,
+           dweight.dtype, None if dbias is None else dbias.dtype, x2.device.index)
+    group = replay.run(_BWD_GROUPS, key, (d_norm, x2, weight, mean, rstd, dx, dweight, dbias), (),
+                       lambda: kernels.norm_bwd(d_norm, x2, weight, mean, rstd, dx, dweight, dbias))
+    if found is not None:
+        found.append(group)
     return (dx if need_dx else None), dweight, dbias
+
+
+# The norm backward's launch groups (kernels/replay.py); they point at no fixed buffer, so
+# they outlive any layer. A few entries per model (one per shape and dtype combination).
+_BWD_GROUPS: dict = {}
 
 
 __all__ = ["NORMALIZATIONS", "check_norm_args", "make_norm_params", "norm_high_precision", "norm_fp8",
