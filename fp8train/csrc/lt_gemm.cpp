@@ -241,6 +241,9 @@ bool lt_matmul(const at::Tensor& a, const at::Tensor& a_si, const at::Tensor& b,
                bool fast_accum, c10::ScalarType out_dtype, const at::Tensor& bias, at::Tensor& out) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   const int device = a.get_device();
+  // A thread whose first CUDA work this is has no current context, and cuBLASLt needs one
+  // (the heuristic's first query in such a thread crashed without it)
+  ensure_context(device);
   Problem p{device, N, M, K, b.stride(1), a.stride(0), out.defined() ? out.stride(0) : N,
             lt_type(b.scalar_type()), lt_type(a.scalar_type()), lt_type(out_dtype), bias.defined(), fast_accum};
   Descs s;

@@ -11,6 +11,8 @@ using CUstream = void*;
 
 // The current CUDA stream of `device` (linear_node.cpp: c10's device-guard interface).
 CUstream current_stream(int device);
+// Make the device's primary context current in a thread that has none yet (linear_node.cpp).
+void ensure_context(int device);
 
 // (a * a_scale_inv) @ (b * b_scale_inv) [+ bias], torch._scaled_mm's contract: a (M, K)
 // row-major, b (K, N) column-major, float32 one-element *inverse* scales, an output of
