@@ -74,14 +74,28 @@ def on_python_node(run):
     return wrapped
 
 
+def on_scaled_mm(run):
+    """run with the extension's GEMMs on at::_scaled_mm instead of cuBLASLt with a cached
+    algorithm (csrc/lt_gemm.cpp)."""
+    def wrapped():
+        native.set_lt_gemm(False)
+        try:
+            run()
+        finally:
+            native.set_lt_gemm(True)
+    return wrapped
+
+
 def host_time(device, iters=300, tokens=256, dim=1024, rounds=7):
     """Median over rounds; each round times every kind in turn, so all see the same host load.
-    The FP8 kinds run twice: through the C++ Linear node (the default) and the Python one."""
+    The FP8 kinds run through the C++ Linear node (the default) and the Python one; delayed
+    scaling also with the node's GEMMs on at::_scaled_mm (what the cached cuBLASLt path saves)."""
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     runs = {kind: fwd_bwd_fn(*make(kind, dim, dim, device), x, dy) for kind in ("bf16", *RECIPES)}
     for kind in RECIPES:
         runs[f"{kind} (python node)"] = on_python_node(fwd_bwd_fn(*make(kind, dim, dim, device), x, dy))
+    runs["fp8 delayed (_scaled_mm)"] = on_scaled_mm(fwd_bwd_fn(*make("fp8 delayed", dim, dim, device), x, dy))
     kinds = tuple(runs)
     samples = {kind: [] for kind in kinds}
     for run in runs.values():

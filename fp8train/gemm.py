@@ -1,4 +1,4 @@
-"""FP8 GEMMs over torch._scaled_mm, one function per GEMM role.
+"""FP8 GEMMs with torch._scaled_mm's contract, one function per GEMM role.
 
 torch._scaled_mm computes (a * scale_a) @ (b * scale_b) with a (M, K) row-major and b (K, N)
 column-major, K and N multiples of 16 (M is free), and takes the *inverse* scales. So each
@@ -9,6 +9,10 @@ role picks the layout it needs (docs/design.md, "Tensor roles and layouts"):
   WGRAD  dW (N, K) = dY^T (N, Mp)      @ X:   X's transposed copy (K, Mp) row-major, .t()
          with Mp = M rounded up to 16; the padding columns of both copies are zero.
 Accumulation precision comes from GemmConfig per role, never from the FP8 dtypes.
+
+On the GPU the GEMM runs through the C++ extension's `scaled_mm` (csrc/lt_gemm.cpp: cuBLASLt
+with its algorithm cached, the bytes torch._scaled_mm gives, less host time), the one the C++
+nodes call; torch._scaled_mm itself on the CPU, in traced code and without the extension.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from .kernels import native
 from .recipe import GemmConfig
 from .roles import GemmRole
 
@@ -61,6 +66,10 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
               bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(a * a_scale_inv) @ (b * b_scale_inv) [+ bias]; a (M, K) row-major, b (K, N) column-major.
     `out` (M, N) contiguous, of out_dtype: written in place (a row block of a larger output)."""
+    ext = native.gemm() if a.is_cuda else None
+    if ext is not None and out_dtype in native.DTYPE_CODES:
+        return ext.scaled_mm(a, a_scale_inv, b, b_scale_inv, config.fast_accum(role), native.DTYPE_CODES[out_dtype],
+                             bias, out)
     if bias is None:
         return torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype,
                                 use_fast_accum=config.fast_accum(role), out=out)

@@ -5,6 +5,7 @@ import torch
 
 import fp8train
 from fp8train import GemmConfig, GemmRole, gemm
+from fp8train.kernels import native
 from fp8train.tensor import padded_rows
 from helpers import sqnr_db
 
@@ -62,7 +63,9 @@ def test_dims_ok():
 
 @pytest.fixture
 def scaled_mm_calls(monkeypatch):
-    """Record every torch._scaled_mm call's fast-accumulation flag and output shape."""
+    """Record every FP8 GEMM's fast-accumulation flag and output shape: torch._scaled_mm's
+    calls (the CPU) and the C++ extension's `scaled_mm` calls from gemm.py (CUDA; a layer's
+    first step runs the Python path, whose GEMMs go there)."""
     calls = []
     real = torch._scaled_mm
 
@@ -71,7 +74,23 @@ def scaled_mm_calls(monkeypatch):
         calls.append((tuple(out.shape), kwargs["use_fast_accum"]))
         return out
 
+    class SpyExtension:
+        def __init__(self, ext):
+            self.ext = ext
+
+        def scaled_mm(self, a, a_scale_inv, b, b_scale_inv, fast_accum, out_code, bias, out):
+            y = self.ext.scaled_mm(a, a_scale_inv, b, b_scale_inv, fast_accum, out_code, bias, out)
+            calls.append((tuple(y.shape), fast_accum))
+            return y
+
+    real_gemm = native.gemm
+
+    def spy_gemm():
+        ext = real_gemm()
+        return None if ext is None else SpyExtension(ext)
+
     monkeypatch.setattr(torch, "_scaled_mm", spy)
+    monkeypatch.setattr(native, "gemm", spy_gemm)
     return calls
 
 

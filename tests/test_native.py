@@ -98,3 +98,50 @@ def test_cpu_layers_never_take_the_native_node():
             y = layer(x)
         assert y.grad_fn.name() == "_LinearFnBackward"
         y.sum().backward()
+
+
+# ------------------------------------------------------------------ the extension's FP8 GEMM
+# On a CPU-only machine lt_gemm.cpp finds no libcublasLt (or gets CPU tensors) and every call
+# is at::_scaled_mm's: these check that fallback's contract (bias fused or added, `out`
+# written in place, counters); the cuBLASLt path's bytes are tests/gpu/test_lt_gemm_gpu.py's.
+
+def _fp8_operands(m, k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=g) * 3).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, generator=g) * 3).to(torch.float8_e4m3fn).t()
+    return a, torch.tensor(0.75), b, torch.tensor(1.25)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_extension_gemm_on_cpu_is_scaled_mm(ext, out_dtype):
+    a, a_si, b, b_si = _fp8_operands(17, 64, 48, seed=1)
+    bias = torch.randn(48, dtype=torch.float32)
+    lt0, fallback0, _ = ext.lt_counts()
+    got = ext.scaled_mm(a, a_si, b, b_si, True, native.DTYPE_CODES[out_dtype], bias, None)
+    fuse = out_dtype == torch.bfloat16  # fused into bf16 outputs, added after into fp32 ones
+    want = torch._scaled_mm(a, b, scale_a=a_si, scale_b=b_si, bias=bias.to(out_dtype) if fuse else None,
+                            out_dtype=out_dtype)
+    if not fuse:
+        want = want + bias
+    assert got.dtype == out_dtype and torch.equal(got, want)
+    lt1, fallback1, _ = ext.lt_counts()
+    assert (lt1 - lt0, fallback1 - fallback0) == (0, 1)
+
+
+def test_extension_gemm_writes_out_in_place(ext):
+    a, a_si, b, b_si = _fp8_operands(8, 32, 16, seed=2)
+    full = torch.full((24, 16), 5.0, dtype=torch.float32)
+    got = ext.scaled_mm(a, a_si, b, b_si, False, native.DTYPE_CODES[torch.float32], None, full[8:16])
+    assert got.data_ptr() == full[8:16].data_ptr()
+    assert torch.equal(full[8:16], torch._scaled_mm(a, b, scale_a=a_si, scale_b=b_si, out_dtype=torch.float32))
+    assert bool((full[:8] == 5).all()) and bool((full[16:] == 5).all())
+
+
+def test_gemm_on_cpu_does_not_take_the_extension(ext):
+    from fp8train import gemm
+    from fp8train.recipe import GemmConfig
+    from fp8train.roles import GemmRole
+    a, a_si, b, b_si = _fp8_operands(8, 32, 16, seed=3)
+    before = ext.lt_counts()
+    gemm.scaled_mm(a, a_si, b, b_si, role=GemmRole.FPROP, config=GemmConfig(), out_dtype=torch.bfloat16)
+    assert ext.lt_counts() == before

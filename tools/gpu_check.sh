@@ -10,6 +10,8 @@
 #   tests  the GPU suite (tools/gpu_tests_parallel.sh: shards over the GPUs, then multi-GPU files)
 #   native the C++ Linear node: its build, its GPU tests beside the Linear and graph tests, the
 #          host-time ratio (benchmarks/linear.py, 1024 only) and tools/probe_host_state.py
+#   lt     the extension's cuBLASLt GEMM: its GPU tests, the node/fused/graph tests, the node's
+#          stage clocks, the Linear host-time ratio and LayerNormMLP's host time, each with A/B
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
 # Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [replay]
@@ -71,6 +73,17 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_replay_gpu.py \
         tests/gpu/test_mlp_node_gpu.py tests/gpu/test_fused_modules_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tail -12
       timeout 150 python3 tools/host_profile_mlp.py 2>&1 | grep "^== " ;;
+    lt)
+      python3 -c "from fp8train.kernels import native; e = native.extension(); print('C++ extension:', \
+'built, libcublasLt %s' % e.lt_version() if e else native.failure())"
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=line tests/gpu/test_lt_gemm_gpu.py 2>&1 \
+        | tail -15
+      timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=line tests/gpu/test_native_gpu.py \
+        tests/gpu/test_mlp_node_gpu.py tests/gpu/test_replay_gpu.py tests/gpu/test_linear_gpu.py \
+        tests/gpu/test_graphs_gpu.py tests/gpu/test_fused_modules_gpu.py 2>&1 | tail -12
+      PYTHONPATH=$PYTHONPATH:benchmarks timeout 150 python3 tools/probe_node_stages.py 2>&1 | grep -v "warn\|Warn" | tail -20
+      timeout 100 python3 benchmarks/linear.py --sizes 1024 --json "$OUT/linear_host.json" 2>&1 | tail -8
+      timeout 120 python3 tools/host_profile_mlp.py 2>&1 | grep "^== " ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -3,7 +3,8 @@ torch modules (LayerNorm, Linear, GELU(tanh), Linear; bf16) and of fp8train.Laye
 under delayed scaling (autocast entry included): through its C++ node (the default), through
 the Python Function with the norm and activation launches replayed from C++
 (kernels/replay.py; layernorm_mlp_native.ENABLED off) and all through Python
-(native.ENABLED off); the device kernels each launches per iteration, and a cProfile of the
+(native.ENABLED off), and through the node with its GEMMs on at::_scaled_mm (native.set_lt_gemm);
+the device kernels each launches per iteration, and a cProfile of the
 default one (by own time, then by cumulative time).
 
     PYTHONPATH=. python3 tools/host_profile_mlp.py [--h 1024] [--tokens 256]
@@ -37,20 +38,24 @@ def make(kind):
         return lambda: model(x).backward(dy)
     model = fp8train.LayerNormMLP(h, f, activation="gelu_tanh", params_dtype=torch.bfloat16, device=dev)
     recipe = fp8train.DelayedScaling()
-    launches, node = kind != "fp8 delayed, python launches", kind == "fp8 delayed"
+    launches, node = kind != "fp8 delayed, python launches", kind.startswith("fp8 delayed") and "," not in kind
+    lt = kind != "fp8 delayed (_scaled_mm)"
 
     def run():
         native.ENABLED, layernorm_mlp_native.ENABLED = launches, node
+        native.set_lt_gemm(lt)
         try:
             with fp8train.autocast(recipe=recipe):
                 y = model(x)
             y.backward(dy)
         finally:
             native.ENABLED = layernorm_mlp_native.ENABLED = True
+            native.set_lt_gemm(True)
     return run
 
 
-for kind in ("bf16", "fp8 delayed", "fp8 delayed, launch groups", "fp8 delayed, python launches"):
+for kind in ("bf16", "fp8 delayed", "fp8 delayed (_scaled_mm)", "fp8 delayed, launch groups",
+             "fp8 delayed, python launches"):
     run = make(kind)
     for _ in range(30):
         run()

@@ -21,7 +21,7 @@ from fp8train.kernels import native  # noqa: E402
 from linear import fwd_bwd_fn, make  # noqa: E402
 
 native._find_ninja()
-native._ext = load(name="fp8train_linear_node_clocks", sources=[str(native._SOURCE)],
+native._ext = load(name="fp8train_linear_node_clocks", sources=native.SOURCES,
                    extra_cflags=["-O1", "-DFP8TRAIN_STAGE_CLOCKS"], extra_ldflags=["-ldl"], verbose=False)
 ext = native._ext
 

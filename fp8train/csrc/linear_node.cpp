@@ -1,5 +1,5 @@
 // fp8train's Linear as one C++ autograd node: the casts (Triton binaries compiled and loaded
-// by Python, launched here through the CUDA driver) and the three FP8 GEMMs (at::_scaled_mm)
+// by Python, launched here through the CUDA driver) and the three FP8 GEMMs (lt_gemm.cpp)
 // with no Python between them, forward or backward.
 //
 // Why: an eager FP8 Linear's host time was 2.2-3.5x nn.Linear's, most of it the Python
@@ -22,7 +22,6 @@
 // Per-operator ATen headers and torch's pybind casters only, not <torch/extension.h>: the
 // build is in the first call's (and CI's) time.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/_scaled_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
@@ -34,6 +33,8 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
+
+#include "lt_gemm.h"
 
 namespace fp8train_native {
 
@@ -73,7 +74,6 @@ inline void stage_add(Stage s, StageTime t0) {
 // ------------------------------------------------------------------------ CUDA driver
 using CUresult = int;
 using CUfunction = void*;
-using CUstream = void*;
 using CUcontext = void*;
 using CUdevice = int;
 
@@ -205,20 +205,6 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream) {
   FP8_STAGE_START(t_dbias);
   if (p.partial.defined()) out.dbias = at::sum(p.partial, 0);  // as kernels.PreparedCast: float32 column sums
   FP8_STAGE_STOP(kCastDbias, t_dbias);
-  return out;
-}
-
-// gemm.scaled_mm: (a * a_scale_inv) @ (b * b_scale_inv) [+ bias]; a row-major, b column-major.
-at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
-                     const at::Tensor& b_scale_inv, bool fast_accum, c10::ScalarType out_dtype,
-                     const at::Tensor& bias = at::Tensor()) {
-  if (!bias.defined()) return at::_scaled_mm(a, b, a_scale_inv, b_scale_inv, {}, {}, out_dtype, fast_accum);
-  at::Tensor b16 = bias.scalar_type() == out_dtype ? bias : bias.to(out_dtype);
-  // cuBLASLt fuses a bias only into bf16/fp16 outputs
-  bool fuse = out_dtype == at::kBFloat16 || out_dtype == at::kHalf;
-  at::Tensor out = at::_scaled_mm(a, b, a_scale_inv, b_scale_inv, fuse ? std::optional<at::Tensor>(b16) : std::nullopt,
-                                  {}, out_dtype, fast_accum);
-  if (!fuse) out.add_(b16);
   return out;
 }
 
@@ -724,5 +710,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 #endif
   m.def("cast_with", &cast_with);
+  m.def("scaled_mm", [](const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                        const at::Tensor& b_scale_inv, bool fast_accum, int64_t out_code,
+                        std::optional<at::Tensor> bias, std::optional<at::Tensor> out) {
+    return scaled_mm(a, a_scale_inv, b, b_scale_inv, fast_accum, float_dtype(out_code), bias.value_or(at::Tensor()),
+                     out.value_or(at::Tensor()));
+  });
+  m.def("set_lt_gemm", &set_lt_gemm);
+  m.def("lt_version", &lt_version);
+  m.def("lt_counts", &lt_counts);
   m.def("launch", &launch);
 }

@@ -1,4 +1,5 @@
-"""The C++ side of the eager hot path: fp8train/csrc/linear_node.cpp, built on first use.
+"""The C++ side of the eager hot path: fp8train/csrc/ (linear_node.cpp, lt_gemm.cpp), built
+on first use.
 
 It holds the Linear layer's autograd node in C++ (forward and backward with no Python
 between the launches) and a launcher for Triton binaries that Python compiled and loaded:
@@ -9,6 +10,11 @@ and wherever the extension could not be built (one warning says why).
 
 `ENABLED = False` turns the C++ node off for the process (an A/B switch for benchmarks and
 tests; tools/run_with_flags.py sets it from the command line).
+
+The extension's FP8 GEMM (`scaled_mm`, lt_gemm.cpp: cuBLASLt with the algorithm cached per
+problem, torch._scaled_mm's bytes at a fraction of its host time) serves the C++ nodes and
+gemm.scaled_mm alike, so the Python path and the nodes run the same kernels whether or not
+the node is on. `set_lt_gemm(False)` sends every one of those calls to at::_scaled_mm.
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ from ..tensor import padded_rows
 
 ENABLED = True
 
-_SOURCE = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "linear_node.cpp"
+_CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [str(_CSRC / "linear_node.cpp"), str(_CSRC / "lt_gemm.cpp")]
 _ext = None
 _failure: Optional[str] = None
 
@@ -43,7 +50,7 @@ def extension():
         _find_ninja()
         # -O1: the node's own code is a few loops around ATen and driver calls; -O2 only
         # lengthens the build (30 s against 23 s on a 2-core machine)
-        _ext = load(name="fp8train_linear_node", sources=[str(_SOURCE)], extra_cflags=["-O1"],
+        _ext = load(name="fp8train_linear_node", sources=SOURCES, extra_cflags=["-O1"],
                     extra_ldflags=["-ldl"], verbose=False)
     except Exception as e:  # no compiler, no ninja, headers that differ: the Python node runs
         lines = str(e).strip().splitlines()
@@ -147,4 +154,20 @@ def cast_plan(launches: Sequence, device: int, x_dtype: torch.dtype, fp8_dtype: 
                         partial, keep)
 
 
-__all__ = ["DTYPE_CODES", "ENABLED", "cast_plan", "fixed_launch", "launch_for", "launch_spec", "extension", "failure", "hooks_installed"]
+def gemm():
+    """The extension, for an FP8 GEMM on the GPU (its `scaled_mm`), or None: traced code
+    (torch.compile takes torch._scaled_mm), or no extension."""
+    if torch.compiler.is_compiling():
+        return None
+    return _ext if _ext is not None else extension()
+
+
+def set_lt_gemm(enabled: bool) -> None:
+    """The extension's GEMMs through cuBLASLt (True, the default) or at::_scaled_mm (an A/B
+    switch; a no-op without the extension)."""
+    ext = extension()
+    if ext is not None:
+        ext.set_lt_gemm(bool(enabled))
+
+
+__all__ = ["DTYPE_CODES", "ENABLED", "SOURCES", "gemm", "set_lt_gemm", "cast_plan", "fixed_launch", "launch_for", "launch_spec", "extension", "failure", "hooks_installed"]

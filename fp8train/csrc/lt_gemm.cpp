@@ -1,0 +1,299 @@
+// fp8train's FP8 GEMM: cuBLASLt called directly, its algorithm cached per problem.
+//
+// Why: at::_scaled_mm builds its cuBLASLt descriptors on the heap and asks the heuristic for
+// an algorithm on every call. Inside the C++ Linear node that cost 17-29 us of host time per
+// GEMM (tools/probe_node_stages.py), a third of the node's. Here the descriptors are
+// initialised in place on the stack and the heuristic runs once per problem and thread.
+//
+// Bytes: the descriptors, the preference (torch's 1 MiB cuBLASLt workspace limit) and the
+// one-result heuristic query are at::cuda::blas::scaled_gemm's, so the heuristic picks the
+// kernel torch._scaled_mm runs and the outputs are its bytes (tests/gpu/test_lt_gemm_gpu.py).
+// A process that changes torch's limit (CUBLASLT_WORKSPACE_SIZE) may see other kernels here.
+//
+// No CUDA headers on a CPU-only machine: the entry points come from libcublasLt at run time
+// (torch has loaded it) and the few types and values used are declared below as cublasLt.h
+// and library_types.h define them (the same in CUDA 12 and 13).
+#include "lt_gemm.h"
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ops/_scaled_mm.h>
+#include <ATen/ops/empty.h>
+
+namespace fp8train_native {
+namespace {
+
+// ------------------------------------------------------------------------ cuBLASLt's C API
+using LtStatus = int;    // cublasStatus_t, 0: success
+using LtHandle = void*;  // cublasLtHandle_t
+struct LtMatmulDesc { uint64_t data[32]; };  // cublasLtMatmulDescOpaque_t
+struct LtLayout { uint64_t data[14]; };      // cublasLtMatrixLayoutOpaque_t
+struct LtAlgo { uint64_t data[8]; };         // cublasLtMatmulAlgo_t
+struct LtHeuristic {                         // cublasLtMatmulHeuristicResult_t
+  LtAlgo algo;
+  size_t workspace_size;
+  LtStatus state;
+  float waves;
+  int reserved[4];
+};
+static_assert(sizeof(LtHeuristic) == 96, "cublasLtMatmulHeuristicResult_t is 96 bytes");
+
+constexpr int kComputeF32 = 68;                                        // CUBLAS_COMPUTE_32F
+constexpr int kR32F = 0, kR16F = 2, kR16BF = 14, kR8E4M3 = 28, kR8E5M2 = 29;  // cudaDataType_t
+constexpr int kOpN = 0, kOpT = 1;                                      // cublasOperation_t
+// cublasLtMatmulDescAttributes_t
+constexpr int kTransA = 3, kTransB = 4, kEpilogue = 7, kBiasPointer = 8, kAScalePointer = 17,
+              kBScalePointer = 18, kFastAccum = 25, kBiasDataType = 26;
+constexpr int kEpilogueBias = 4;      // CUBLASLT_EPILOGUE_BIAS
+constexpr int kPrefMaxWorkspace = 1;  // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+constexpr uint64_t kWorkspaceLimit = 1024 * 1024;  // torch's default (CUBLASLT_WORKSPACE_SIZE unset)
+
+struct Lt {
+  LtStatus (*create)(LtHandle*);
+  LtStatus (*desc_init)(LtMatmulDesc*, size_t, int, int);
+  LtStatus (*desc_set)(LtMatmulDesc*, int, const void*, size_t);
+  LtStatus (*layout_init)(LtLayout*, size_t, int, uint64_t, uint64_t, int64_t);
+  LtStatus (*pref_create)(void**);
+  LtStatus (*pref_set)(void*, int, const void*, size_t);
+  LtStatus (*pref_destroy)(void*);
+  LtStatus (*heuristic)(LtHandle, LtMatmulDesc*, LtLayout*, LtLayout*, LtLayout*, LtLayout*, void*, int,
+                        LtHeuristic*, int*);
+  LtStatus (*matmul)(LtHandle, LtMatmulDesc*, const void*, const void*, LtLayout*, const void*, LtLayout*,
+                     const void*, const void*, LtLayout*, void*, LtLayout*, const LtAlgo*, void*, size_t, CUstream);
+  size_t (*version)();
+  const char* (*status_name)(LtStatus);
+};
+
+// The loaded library, or nullptr where there is none (then every call is at::_scaled_mm's).
+const Lt* lt() {
+  static const Lt* loaded = []() -> const Lt* {
+    const char* names[] = {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"};
+    void* lib = nullptr;
+    for (const char* name : names)  // torch's own copy first
+      if (lib == nullptr) lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+    for (const char* name : names)
+      if (lib == nullptr) lib = dlopen(name, RTLD_NOW);
+    if (lib == nullptr) return nullptr;
+    static Lt l;
+    bool found = true;
+    auto sym = [&](const char* name) {
+      void* p = dlsym(lib, name);
+      found = found && p != nullptr;
+      return p;
+    };
+    l.create = reinterpret_cast<decltype(l.create)>(sym("cublasLtCreate"));
+    l.desc_init = reinterpret_cast<decltype(l.desc_init)>(sym("cublasLtMatmulDescInit_internal"));
+    l.desc_set = reinterpret_cast<decltype(l.desc_set)>(sym("cublasLtMatmulDescSetAttribute"));
+    l.layout_init = reinterpret_cast<decltype(l.layout_init)>(sym("cublasLtMatrixLayoutInit_internal"));
+    l.pref_create = reinterpret_cast<decltype(l.pref_create)>(sym("cublasLtMatmulPreferenceCreate"));
+    l.pref_set = reinterpret_cast<decltype(l.pref_set)>(sym("cublasLtMatmulPreferenceSetAttribute"));
+    l.pref_destroy = reinterpret_cast<decltype(l.pref_destroy)>(sym("cublasLtMatmulPreferenceDestroy"));
+    l.heuristic = reinterpret_cast<decltype(l.heuristic)>(sym("cublasLtMatmulAlgoGetHeuristic"));
+    l.matmul = reinterpret_cast<decltype(l.matmul)>(sym("cublasLtMatmul"));
+    l.version = reinterpret_cast<decltype(l.version)>(sym("cublasLtGetVersion"));
+    l.status_name = reinterpret_cast<decltype(l.status_name)>(sym("cublasLtGetStatusName"));
+    return found ? &l : nullptr;
+  }();
+  return loaded;
+}
+
+void lt_check(LtStatus s, const char* what) {
+  TORCH_CHECK(s == 0, "fp8train native: ", what, " failed: ", lt()->status_name(s), " (", s, ")");
+}
+
+// One handle per device, made on first use and kept for the process.
+LtHandle handle(int device) {
+  static std::mutex mu;
+  static std::vector<LtHandle> handles;
+  std::lock_guard<std::mutex> lock(mu);
+  if (handles.size() <= static_cast<size_t>(device)) handles.resize(device + 1, nullptr);
+  if (handles[device] == nullptr) lt_check(lt()->create(&handles[device]), "cublasLtCreate");
+  return handles[device];
+}
+
+// ------------------------------------------------------------------------ problems
+// cuBLASLt is column-major: the (M, N) row-major output is D (N, M), D = A^T B with A = b
+// (column-major (K, N), transposed) and B = a (row-major (M, K) is column-major (K, M)).
+struct Problem {
+  int device;
+  int64_t m, n, k;        // cuBLAS's: m = N, n = M, k = K
+  int64_t lda, ldb, ldd;  // b.stride(1), a.stride(0), out.stride(0)
+  int type_a, type_b, type_d;
+  bool bias, fast;
+  bool operator==(const Problem& o) const {
+    return device == o.device && m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb &&
+           ldd == o.ldd && type_a == o.type_a && type_b == o.type_b && type_d == o.type_d && bias == o.bias &&
+           fast == o.fast;
+  }
+};
+
+struct Descs {
+  LtMatmulDesc op;
+  LtLayout a, b, d;  // C is D's layout (beta = 0: C is never read)
+};
+
+// The descriptors at::cuda::blas::scaled_gemm makes for the problem, initialised in place.
+// The pointers are set too (the heuristic does not read them).
+void describe(Descs& s, const Problem& p, const void* scale_a, const void* scale_b, const void* bias) {
+  const Lt& l = *lt();
+  lt_check(l.desc_init(&s.op, sizeof(s.op), kComputeF32, kR32F), "cublasLtMatmulDescInit");
+  auto set = [&](int attr, const void* value, size_t size) {
+    lt_check(l.desc_set(&s.op, attr, value, size), "cublasLtMatmulDescSetAttribute");
+  };
+  const int32_t ta = kOpT, tb = kOpN;
+  const int8_t fast = p.fast ? 1 : 0;
+  set(kTransA, &ta, sizeof(ta));
+  set(kTransB, &tb, sizeof(tb));
+  set(kAScalePointer, &scale_a, sizeof(scale_a));
+  set(kBScalePointer, &scale_b, sizeof(scale_b));
+  set(kFastAccum, &fast, sizeof(fast));
+  if (p.bias) {
+    const int32_t epilogue = kEpilogueBias, bias_type = p.type_d;
+    set(kBiasPointer, &bias, sizeof(bias));
+    set(kEpilogue, &epilogue, sizeof(epilogue));
+    set(kBiasDataType, &bias_type, sizeof(bias_type));
+  }
+  lt_check(l.layout_init(&s.a, sizeof(s.a), p.type_a, p.k, p.m, p.lda), "cublasLtMatrixLayoutInit");  // (K, N)
+  lt_check(l.layout_init(&s.b, sizeof(s.b), p.type_b, p.k, p.n, p.ldb), "cublasLtMatrixLayoutInit");  // (K, M)
+  lt_check(l.layout_init(&s.d, sizeof(s.d), p.type_d, p.m, p.n, p.ldd), "cublasLtMatrixLayoutInit");  // (N, M)
+}
+
+struct Choice {
+  Problem problem;
+  bool found;  // false: no algorithm for it (the calls go to at::_scaled_mm)
+  LtAlgo algo;
+  size_t workspace;
+};
+
+std::atomic<bool> g_on{true};
+std::atomic<int64_t> g_lt_calls{0}, g_fallback_calls{0}, g_choices{0};
+
+// The heuristic's first answer for the problem: once per problem and thread (a thread's own
+// list, no lock; a training step has a handful of problems).
+const Choice& choose(const Problem& p, Descs& s) {
+  thread_local std::vector<Choice> choices;
+  for (const Choice& c : choices)
+    if (c.problem == p) return c;
+  const Lt& l = *lt();
+  void* pref = nullptr;
+  lt_check(l.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
+  const uint64_t limit = kWorkspaceLimit;
+  LtStatus st = l.pref_set(pref, kPrefMaxWorkspace, &limit, sizeof(limit));
+  LtHeuristic result{};
+  int count = 0;
+  if (st == 0) st = l.heuristic(handle(p.device), &s.op, &s.a, &s.b, &s.d, &s.d, pref, 1, &result, &count);
+  l.pref_destroy(pref);
+  Choice c{p, st == 0 && count > 0, result.algo, result.workspace_size};
+  choices.push_back(c);
+  g_choices += 1;
+  return choices.back();
+}
+
+int lt_type(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat8_e4m3fn: return kR8E4M3;
+    case at::kFloat8_e5m2: return kR8E5M2;
+    case at::kBFloat16: return kR16BF;
+    case at::kHalf: return kR16F;
+    case at::kFloat: return kR32F;
+    default: return -1;
+  }
+}
+
+bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+bool one_float(const at::Tensor& s, const at::Device& device) {
+  return s.scalar_type() == at::kFloat && s.numel() == 1 && s.device() == device;
+}
+
+// The operands the cuBLASLt path takes (torch._scaled_mm's tensorwise case); anything else
+// goes to at::_scaled_mm, which runs it or says what is wrong.
+bool lt_takes(const at::Tensor& a, const at::Tensor& a_si, const at::Tensor& b, const at::Tensor& b_si,
+              c10::ScalarType out_dtype, const at::Tensor& bias, const at::Tensor& out) {
+  if (!g_on.load(std::memory_order_relaxed) || !a.is_cuda() || a.dim() != 2 || b.dim() != 2 || lt() == nullptr)
+    return false;
+  const auto device = a.device();
+  const int ta = lt_type(a.scalar_type()), tb = lt_type(b.scalar_type()), td = lt_type(out_dtype);
+  if (ta != kR8E4M3 && ta != kR8E5M2) return false;
+  if ((tb != kR8E4M3 && tb != kR8E5M2) || (ta == kR8E5M2 && tb == kR8E5M2)) return false;
+  if (td != kR16BF && td != kR16F && td != kR32F) return false;
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  if (b.size(0) != K || K % 16 != 0 || N % 16 != 0 || M == 0 || b.device() != device) return false;
+  if (a.stride(1) != 1 || a.stride(0) < K || b.stride(0) != 1 || b.stride(1) < K) return false;
+  if (!one_float(a_si, device) || !one_float(b_si, device) || !aligned(a) || !aligned(b)) return false;
+  if (bias.defined() && (bias.scalar_type() != out_dtype || bias.dim() != 1 || bias.numel() != N ||
+                         bias.stride(0) != 1 || bias.device() != device || !aligned(bias)))
+    return false;
+  if (out.defined() && (out.scalar_type() != out_dtype || out.dim() != 2 || out.size(0) != M ||
+                        out.size(1) != N || out.stride(1) != 1 || out.device() != device || !aligned(out)))
+    return false;
+  return true;
+}
+
+// a @ b through cuBLASLt into out (allocated here when undefined); false where the heuristic
+// has no algorithm for the problem.
+bool lt_matmul(const at::Tensor& a, const at::Tensor& a_si, const at::Tensor& b, const at::Tensor& b_si,
+               bool fast_accum, c10::ScalarType out_dtype, const at::Tensor& bias, at::Tensor& out) {
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  const int device = a.get_device();
+  // A thread whose first CUDA work this is has no current context, and cuBLASLt needs one
+  // (the heuristic's first query in such a thread crashed without it)
+  ensure_context(device);
+  Problem p{device, N, M, K, b.stride(1), a.stride(0), out.defined() ? out.stride(0) : N,
+            lt_type(b.scalar_type()), lt_type(a.scalar_type()), lt_type(out_dtype), bias.defined(), fast_accum};
+  Descs s;
+  // cuBLAS's A is b, so A's scale is b's
+  describe(s, p, b_si.data_ptr(), a_si.data_ptr(), bias.defined() ? bias.data_ptr() : nullptr);
+  const Choice& c = choose(p, s);
+  if (!c.found) return false;
+  if (!out.defined()) out = at::empty({M, N}, a.options().dtype(out_dtype));
+  at::Tensor workspace;
+  if (c.workspace > 0)
+    workspace = at::empty({static_cast<int64_t>(c.workspace)}, a.options().dtype(at::kByte));
+  const float alpha = 1.0f, beta = 0.0f;
+  lt_check(lt()->matmul(handle(device), &s.op, &alpha, b.data_ptr(), &s.a, a.data_ptr(), &s.b, &beta, nullptr, &s.d,
+                        out.data_ptr(), &s.d, &c.algo, c.workspace > 0 ? workspace.data_ptr() : nullptr,
+                        c.workspace, current_stream(device)),
+           "cublasLtMatmul");
+  return true;
+}
+
+}  // namespace
+
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                     const at::Tensor& b_scale_inv, bool fast_accum, c10::ScalarType out_dtype,
+                     const at::Tensor& bias, const at::Tensor& out) {
+  at::Tensor b16 = !bias.defined() || bias.scalar_type() == out_dtype ? bias : bias.to(out_dtype);
+  // cuBLASLt fuses a bias only into bf16/fp16 outputs
+  const bool fuse = out_dtype == at::kBFloat16 || out_dtype == at::kHalf;
+  const at::Tensor fused = fuse ? b16 : at::Tensor();
+  at::Tensor result = out;
+  if (lt_takes(a, a_scale_inv, b, b_scale_inv, out_dtype, fused, out) &&
+      lt_matmul(a, a_scale_inv, b, b_scale_inv, fast_accum, out_dtype, fused, result)) {
+    g_lt_calls += 1;
+  } else {
+    g_fallback_calls += 1;
+    std::optional<at::Tensor> fused_arg = fused.defined() ? std::optional<at::Tensor>(fused) : std::nullopt;
+    if (out.defined())
+      at::_scaled_mm_out(result, a, b, a_scale_inv, b_scale_inv, fused_arg, {}, out_dtype, fast_accum);
+    else
+      result = at::_scaled_mm(a, b, a_scale_inv, b_scale_inv, fused_arg, {}, out_dtype, fast_accum);
+  }
+  if (b16.defined() && !fuse) result.add_(b16);
+  return result;
+}
+
+void set_lt_gemm(bool on) { g_on = on; }
+
+int64_t lt_version() { return lt() == nullptr ? 0 : static_cast<int64_t>(lt()->version()); }
+
+std::tuple<int64_t, int64_t, int64_t> lt_counts() {
+  return {g_lt_calls.load(), g_fallback_calls.load(), g_choices.load()};
+}
+
+}  // namespace fp8train_native
