@@ -72,7 +72,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       python3 -c "from fp8train.kernels import native; print('C++ extension:', 'built' if native.extension() else native.failure())"
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_replay_gpu.py \
         tests/gpu/test_mlp_node_gpu.py tests/gpu/test_fused_modules_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tail -12
-      timeout 150 python3 tools/host_profile_mlp.py 2>&1 | grep "^== " ;;
+      timeout 150 python3 tools/host_profile_mlp.py 2>&1 | tee "$OUT/host_profile_mlp.log" | grep "^== " ;;
     lt)
       python3 -c "from fp8train.kernels import native; e = native.extension(); print('C++ extension:', \
 'built, libcublasLt %s' % e.lt_version() if e else native.failure())"
@@ -83,7 +83,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         tests/gpu/test_graphs_gpu.py tests/gpu/test_fused_modules_gpu.py 2>&1 | tail -12
       PYTHONPATH=$PYTHONPATH:benchmarks timeout 150 python3 tools/probe_node_stages.py 2>&1 | grep -v "warn\|Warn" | tail -20
       timeout 100 python3 benchmarks/linear.py --sizes 1024 --json "$OUT/linear_host.json" 2>&1 | tail -8
-      timeout 120 python3 tools/host_profile_mlp.py 2>&1 | grep "^== " ;;
+      timeout 120 python3 tools/host_profile_mlp.py 2>&1 | tee "$OUT/host_profile_mlp.log" | grep "^== " ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
