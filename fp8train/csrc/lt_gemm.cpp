@@ -174,11 +174,16 @@ std::atomic<bool> g_on{true};
 std::atomic<int64_t> g_lt_calls{0}, g_fallback_calls{0}, g_choices{0};
 
 // The heuristic's first answer for the problem: once per problem and thread (a thread's own
-// list, no lock; a training step has a handful of problems).
+// list, no lock; a training step has a handful of problems). Variable sequence lengths make a
+// problem per token count: past kMaxChoices the list starts over rather than grow and slow
+// every lookup.
+constexpr size_t kMaxChoices = 256;
+
 const Choice& choose(const Problem& p, Descs& s) {
   thread_local std::vector<Choice> choices;
   for (const Choice& c : choices)
     if (c.problem == p) return c;
+  if (choices.size() >= kMaxChoices) choices.clear();
   const Lt& l = *lt();
   void* pref = nullptr;
   lt_check(l.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
