@@ -210,7 +210,10 @@ int lt_type(c10::ScalarType t) {
   }
 }
 
-bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+// cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise (torch's
+// scaled_gemm does not tell it): other pointers, e.g. a row block of a chunked operand, go to
+// at::_scaled_mm, as they always went.
+bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 256 == 0; }
 
 bool one_float(const at::Tensor& s, const at::Device& device) {
   return s.scalar_type() == at::kFloat && s.numel() == 1 && s.device() == device;

@@ -223,3 +223,15 @@ def test_many_problems(ext):
             if m % 37 == 1:
                 assert_bitwise(got, torch_ref(a_all[:m], a_si, b, b_si, True, torch.bfloat16), f"M={m}")
     assert (c.lt, c.fallback) == (302, 0)
+
+
+def test_operands_off_256_bytes_go_to_scaled_mm(ext):
+    """An operand 16- but not 256-byte aligned (rows of a larger tensor from an odd row) is
+    left to at::_scaled_mm: cuBLASLt's heuristic, asked as torch asks it, assumes 256."""
+    big, a_si, b, b_si = operands(65, 16, 32, E4M3, E4M3, seed=17)
+    a = big[1:]  # starts 16 bytes in
+    assert a.data_ptr() % 256 == 16
+    with Counted(ext) as c:
+        got = ext.scaled_mm(a, a_si, b, b_si, True, CODES[torch.bfloat16], None, None)
+    assert (c.lt, c.fallback) == (0, 1)
+    assert_bitwise(got, torch_ref(a, a_si, b, b_si, True, torch.bfloat16), "misaligned rows")
