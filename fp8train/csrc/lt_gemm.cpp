@@ -174,11 +174,16 @@ std::atomic<bool> g_on{true};
 std::atomic<int64_t> g_lt_calls{0}, g_fallback_calls{0}, g_choices{0};
 
 // The heuristic's first answer for the problem: once per problem and thread (a thread's own
-// list, no lock; a training step has a handful of problems).
+// list, no lock; a training step has a handful of problems). Variable sequence lengths make a
+// problem per token count: past kMaxChoices the list starts over rather than grow and slow
+// every lookup.
+constexpr size_t kMaxChoices = 256;
+
 const Choice& choose(const Problem& p, Descs& s) {
   thread_local std::vector<Choice> choices;
   for (const Choice& c : choices)
     if (c.problem == p) return c;
+  if (choices.size() >= kMaxChoices) choices.clear();
   const Lt& l = *lt();
   void* pref = nullptr;
   lt_check(l.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
@@ -205,7 +210,10 @@ int lt_type(c10::ScalarType t) {
   }
 }
 
-bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+// cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise (torch's
+// scaled_gemm does not tell it): other pointers, e.g. a row block of a chunked operand, go to
+// at::_scaled_mm, as they always went.
+bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 256 == 0; }
 
 bool one_float(const at::Tensor& s, const at::Device& device) {
   return s.scalar_type() == at::kFloat && s.numel() == 1 && s.device() == device;

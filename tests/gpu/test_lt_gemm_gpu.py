@@ -210,3 +210,28 @@ def test_linear_steps_take_the_cublaslt_path(ext):
                 y = layer(x)
             y.backward(torch.randn_like(y))
         assert (c.lt, c.fallback) == (3, 0), f"step {step}: {c.lt} cuBLASLt, {c.fallback} at::_scaled_mm calls"
+
+
+def test_many_problems(ext):
+    """Variable token counts make a problem each: past the per-thread list's bound (256) the
+    list starts over, and every call still takes the cuBLASLt path with torch's bytes."""
+    _, _, b, b_si = operands(16, 256, 128, E4M3, E4M3, seed=15)
+    a_all, a_si, _, _ = operands(300, 256, 16, E4M3, E4M3, seed=16)
+    with Counted(ext) as c:
+        for m in (*range(1, 301), 1, 2):  # 300 distinct M, then two seen before the list started over
+            got = ext.scaled_mm(a_all[:m], a_si, b, b_si, True, CODES[torch.bfloat16], None, None)
+            if m % 37 == 1:
+                assert_bitwise(got, torch_ref(a_all[:m], a_si, b, b_si, True, torch.bfloat16), f"M={m}")
+    assert (c.lt, c.fallback) == (302, 0)
+
+
+def test_operands_off_256_bytes_go_to_scaled_mm(ext):
+    """An operand 16- but not 256-byte aligned (rows of a larger tensor from an odd row) is
+    left to at::_scaled_mm: cuBLASLt's heuristic, asked as torch asks it, assumes 256."""
+    big, a_si, b, b_si = operands(65, 16, 32, E4M3, E4M3, seed=17)
+    a = big[1:]  # starts 16 bytes in
+    assert a.data_ptr() % 256 == 16
+    with Counted(ext) as c:
+        got = ext.scaled_mm(a, a_si, b, b_si, True, CODES[torch.bfloat16], None, None)
+    assert (c.lt, c.fallback) == (0, 1)
+    assert_bitwise(got, torch_ref(a, a_si, b, b_si, True, torch.bfloat16), "misaligned rows")
