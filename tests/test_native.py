@@ -145,3 +145,16 @@ def test_gemm_on_cpu_does_not_take_the_extension(ext):
     before = ext.lt_counts()
     gemm.scaled_mm(a, a_si, b, b_si, role=GemmRole.FPROP, config=GemmConfig(), out_dtype=torch.bfloat16)
     assert ext.lt_counts() == before
+
+
+def test_cast_plan_with_dbias_needs_its_colsum_launch(ext):
+    """A plan with dbias partial sums takes their colsum launch too, with one hole (the call's
+    dbias), and neither without the other."""
+    partial = torch.zeros(1, 16)
+    with pytest.raises(RuntimeError, match="needs its partial sums and their colsum launch"):
+        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, None, [])
+    with pytest.raises(RuntimeError, match="needs its partial sums and their colsum launch"):
+        ext.CastPlan(0, 1, True, [2, 16], [], [], [], None, ext.Launch(0, 1, 128, 0, [0], [0]), [])
+    with pytest.raises(RuntimeError, match="needs its partial sums and their colsum launch"):
+        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [0, 1]), [])
+    ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), [])

@@ -172,6 +172,7 @@ struct CastPlan {
   std::vector<at::Tensor> zero_first;  // scratch zeroed before the launches (current scaling's amax)
   std::vector<Launch> launches;
   at::Tensor partial;                 // (row tiles, N) float32 dbias partial sums, or undefined
+  std::optional<Launch> dbias_sum;    // with partial: its column sums into the call's dbias (hole 0)
   std::vector<at::Tensor> keep;       // every fixed buffer the launches point into
 };
 
@@ -203,7 +204,11 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream) {
   for (const auto& l : p.launches) run(l, pointers, stream);
   FP8_STAGE_STOP(kCastLaunch, t_launch);
   FP8_STAGE_START(t_dbias);
-  if (p.partial.defined()) out.dbias = at::sum(p.partial, 0);  // as kernels.PreparedCast: float32 column sums
+  if (p.partial.defined()) {  // as kernels.PreparedCast: float32 column sums, one colsum launch
+    out.dbias = at::empty({p.data_shape[1]}, x.options().dtype(at::kFloat));
+    const uint64_t dbias = reinterpret_cast<uint64_t>(out.dbias.data_ptr());
+    run(*p.dbias_sum, &dbias, stream);
+  }
   FP8_STAGE_STOP(kCastDbias, t_dbias);
   return out;
 }
@@ -620,7 +625,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](int device, int64_t x_code, bool e5m2, std::vector<int64_t> data_shape,
                        std::vector<int64_t> data_t_shape,
                        std::vector<at::Tensor> zero_first, std::vector<Launch> launches,
-                       std::optional<at::Tensor> partial, std::vector<at::Tensor> keep) {
+                       std::optional<at::Tensor> partial, std::optional<Launch> dbias_sum,
+                       std::vector<at::Tensor> keep) {
+        TORCH_CHECK(partial.has_value() == dbias_sum.has_value() && (!dbias_sum || dbias_sum->max_hole == 0),
+                    "fp8train native: a cast plan with dbias needs its partial sums and their colsum launch "
+                    "(one hole: the call's dbias)");
         auto p = std::make_shared<CastPlan>();
         p->device = device;
         p->x_dtype = float_dtype(x_code);
@@ -632,6 +641,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           TORCH_CHECK(l.max_hole < kHoles, "fp8train native: a cast plan launch with hole ", l.max_hole);
         p->launches = std::move(launches);
         if (partial.has_value()) p->partial = *partial;
+        p->dbias_sum = std::move(dbias_sum);
         p->keep = std::move(keep);
         return p;
       }));

@@ -9,8 +9,9 @@ Two kernels serve the three wrappers:
   _tile_kernel   x as (rows, cols) with any row stride: a persistent loop over 2-D tiles;
                  with TRANSPOSE it also writes each tile transposed (through shared memory)
                  into out_t and fills out_t's padding columns with zeros; with DBIAS it
-                 writes each tile's column sums (float32) into a partial-sum buffer that the
-                 host reduces: the bias gradient of a grad-output cast, from the same read.
+                 writes each tile's column sums (float32) into a partial-sum buffer that one
+                 colsum launch reduces (kernels/colsum.py): the bias gradient of a grad-output
+                 cast, from the same read.
 Every program takes part in the amax with a single `atomic_max` at its end, so a cast
 costs (programs) atomics, a small multiple of the SM count, not one per block.
 
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from .. import scaling
 from . import native, reference
+from .colsum import colsum_into
 from .checks import FP8_DTYPES, check_dbias, check_fp8_out, check_fp8_outputs, check_scalar, check_scales
 from .launcher import DirectKernel, hooks_installed
 from .launcher import device_guard as _device_guard
@@ -373,7 +375,7 @@ def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_
     with _device_guard(x.device):
         kernel(grid, *make_args(x, out, out_t, scale_inv_out, partial))
     if partial is not None:
-        torch.sum(partial, dim=0, out=dbias_out)
+        colsum_into(partial[None], [dbias_out])
 
 
 def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: bool, fp8_max: float, skip=None):
@@ -425,8 +427,8 @@ class PreparedCast:
     scale, amax_out, from_amax, nonfinite_count  as for launch_cast, fixed for all calls
     out None (and scale None): the amax kernel alone, max-accumulating x's amax into amax_out
     dbias  whether calls pass dbias_out; the partial-sum buffer is the preparation's own,
-           reused by every call (each call's sum reads it right after the launch, in stream
-           order)
+           reused by every call (each call's colsum reads it right after the launch, in
+           stream order)
     skip   None, or the () int32 device flag of a skippable cast (fixed for all calls)
     """
 
@@ -496,7 +498,7 @@ class PreparedCast:
                        binary.packed_metadata, None, None, None,
                        *self._make_args(x, out, out_t, scale_inv_out, partial), *self._tail)
         if dbias_out is not None:
-            torch.sum(partial, dim=0, out=dbias_out)
+            colsum_into(partial[None], [dbias_out])
 
 
 class _Hole:
