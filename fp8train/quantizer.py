@@ -175,22 +175,28 @@ class Quantizer(nn.Module):
                 dbias=dbias_out is not None, skip=skip)
         launch(x, data, data_t, scale_inv, dbias_out)
 
-    def native_plan(self, shape, dtype: torch.dtype, transpose: bool, dbias: bool):
+    def native_plan(self, shape, dtype: torch.dtype, transpose: bool, dbias_dtype: Optional[torch.dtype]):
         """The C++ cast plan (kernels/native.py) of this quantizer's steady-state cast of a
         contiguous 2-D input of `shape` and `dtype` on the current CUDA device, made from the
         launches the Python path prepared for it; None until that path has run once for this
-        case (and prepared them), or where the C++ launcher cannot run them. Dropped with
-        the preparations (`_forget_prepared`)."""
-        key = ("native", shape, dtype, transpose, dbias)
+        case (and prepared them), or where the C++ launcher cannot run them. dbias_dtype: the
+        plan also returns x's column sums, in that dtype (the bias's: the same bytes as the
+        Python path's float32 sums cast by autograd, without the engine's cast), or None.
+        Dropped with the preparations (`_forget_prepared`)."""
+        key = ("native", shape, dtype, transpose, dbias_dtype)
         prepared = self._prepared
         if key in prepared:
             return prepared[key]
+        if dbias_dtype is not None and not isinstance(dbias_dtype, torch.dtype):
+            raise TypeError(f"native_plan: dbias_dtype must be a torch.dtype or None, got {dbias_dtype!r}")
+        dbias = dbias_dtype is not None
         launches = self._steady_launches(shape, dtype, transpose, dbias)
         if launches is None:
             return None
         from .kernels import native
         prepared[key] = native.cast_plan(launches, torch._C._cuda_getDevice(), dtype, self.dtype, shape, transpose,
-                                         self._native_zeroed(), launches[-1].partial if dbias else None)
+                                         self._native_zeroed(), launches[-1].partial if dbias else None,
+                                         dbias_dtype or torch.float32)
         return prepared[key]
 
     def native_recast(self, x: torch.Tensor, out: Float8Tensor, transpose: bool):

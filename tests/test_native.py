@@ -152,9 +152,11 @@ def test_cast_plan_with_dbias_needs_its_colsum_launch(ext):
     dbias), and neither without the other."""
     partial = torch.zeros(1, 16)
     with pytest.raises(RuntimeError, match="needs its partial sums and their colsum launch"):
-        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, None, [])
+        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, None, 0, [])
     with pytest.raises(RuntimeError, match="needs its partial sums and their colsum launch"):
-        ext.CastPlan(0, 1, True, [2, 16], [], [], [], None, ext.Launch(0, 1, 128, 0, [0], [0]), [])
+        ext.CastPlan(0, 1, True, [2, 16], [], [], [], None, ext.Launch(0, 1, 128, 0, [0], [0]), 0, [])
     with pytest.raises(RuntimeError, match="needs its partial sums and their colsum launch"):
-        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [0, 1]), [])
-    ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), [])
+        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [0, 1]), 0, [])
+    ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), 0, [])
+    with pytest.raises(RuntimeError, match="bad dtype code"):  # dbias dtype: float32, bf16 or fp16 only
+        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), 7, [])

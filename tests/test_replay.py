@@ -122,4 +122,4 @@ def test_cpp_group_checks_its_arguments():
         ext.run_group(group, [torch.zeros(4), None])
     # a cast plan's launches index the four cast holes only
     with pytest.raises(RuntimeError, match="cast plan launch with hole 4"):
-        ext.CastPlan(0, 1, False, [2, 16], [], [], [ext.Launch(0, 1, 128, 0, [0], [4])], None, None, [])
+        ext.CastPlan(0, 1, False, [2, 16], [], [], [ext.Launch(0, 1, 128, 0, [0], [4])], None, None, 0, [])

@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <tuple>
 #include <memory>
 #include <vector>
@@ -35,41 +34,12 @@
 #include <pybind11/stl.h>
 
 #include "lt_gemm.h"
+#include "stage_clocks.h"
 
 namespace fp8train_native {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
-
-// ------------------------------------------------------------------------ stage clocks
-// A build with -DFP8TRAIN_STAGE_CLOCKS (tools/probe_node_stages.py makes one, under another
-// module name) adds each marked stage's host nanoseconds to a per-stage total, read back by
-// stage_clocks(); the library's build compiles the marks to nothing.
-enum Stage {
-  kFwd, kFwdWeightCast, kFwdInput, kFwdInputCast, kFwdGemm, kFwdNode,
-  kBwd, kBwdPrep, kBwdCast, kBwdDgrad, kBwdWgrad,
-  kCastAlloc, kCastLaunch, kCastDbias, kStages
-};
-#ifdef FP8TRAIN_STAGE_CLOCKS
-const char* const kStageNames[kStages] = {
-    "forward (all)", "forward: weight re-cast launch", "forward: input as rows", "forward: input cast",
-    "forward: fprop GEMM", "forward: node and edges",
-    "backward (apply, all)", "backward: dY as rows", "backward: dY cast", "backward: dgrad GEMM",
-    "backward: wgrad GEMM",
-    "cast: allocations", "cast: launches", "cast: dbias column sums"};
-std::array<int64_t, kStages> g_stage_ns{}, g_stage_calls{};
-using StageTime = std::chrono::steady_clock::time_point;
-inline StageTime stage_now() { return std::chrono::steady_clock::now(); }
-inline void stage_add(Stage s, StageTime t0) {
-  g_stage_ns[s] += std::chrono::duration_cast<std::chrono::nanoseconds>(stage_now() - t0).count();
-  g_stage_calls[s] += 1;
-}
-#define FP8_STAGE_START(var) const auto var = stage_now()
-#define FP8_STAGE_STOP(stage, var) stage_add(stage, var)
-#else
-#define FP8_STAGE_START(var) (void)0
-#define FP8_STAGE_STOP(stage, var) (void)0
-#endif
 
 // ------------------------------------------------------------------------ CUDA driver
 using CUresult = int;
@@ -173,6 +143,7 @@ struct CastPlan {
   std::vector<Launch> launches;
   at::Tensor partial;                 // (row tiles, N) float32 dbias partial sums, or undefined
   std::optional<Launch> dbias_sum;    // with partial: its column sums into the call's dbias (hole 0)
+  c10::ScalarType dbias_dtype = at::kFloat;  // the dbias the colsum launch writes (compiled for it)
   std::vector<at::Tensor> keep;       // every fixed buffer the launches point into
 };
 
@@ -180,19 +151,58 @@ struct CastOut {
   at::Tensor data, data_t, scale_inv, dbias;
 };
 
+// A cast's outputs that live equally long share one allocation: one caching-allocator call
+// where there were up to three (~2.5 us of host each on the GPU machine, tools/
+// probe_node_stages.py). Each part is a plain tensor over a slice of the buffer's storage,
+// made without the dispatcher; parts start at 256-byte offsets (the cuBLASLt path's operand
+// alignment, and the allocator's blocks are 512-byte aligned).
+constexpr int64_t kPartAlign = 256;
+
+int64_t part_bytes(c10::IntArrayRef sizes, c10::ScalarType dtype) {
+  int64_t n = static_cast<int64_t>(c10::elementSize(dtype));
+  for (int64_t s : sizes) n *= s;
+  return (n + kPartAlign - 1) / kPartAlign * kPartAlign;
+}
+
+at::Tensor part(const at::Tensor& buf, int64_t offset, c10::ScalarType dtype, c10::IntArrayRef sizes) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(buf.storage()),
+                                                          c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                                          c10::scalarTypeToTypeMeta(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  t.unsafeGetTensorImpl()->set_storage_offset(offset / static_cast<int64_t>(c10::elementSize(dtype)));
+  return t;
+}
+
+// How a cast's outputs are allocated. kSaved: scale_inv shares the transposed copy's buffer
+// (or the payload's, without one): a forward input cast, whose payload is dropped after the
+// fprop GEMM while its transposed copy is saved for wgrad. kTogether: payload, transposed copy
+// and scale_inv in one buffer: a grad-output cast, all used and dropped in the same backward.
+enum class Outputs { kSaved, kTogether };
+
 // x: contiguous, of the plan's shape and dtype, 16-byte aligned (the binaries were
 // specialised on that); the current device is the plan's.
-CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream) {
+CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs outputs = Outputs::kSaved) {
   TORCH_CHECK(x.sizes() == c10::IntArrayRef(p.data_shape) && x.scalar_type() == p.x_dtype && x.is_contiguous() &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "fp8train native: cast plan for shape ", c10::IntArrayRef(p.data_shape), " got a tensor of shape ",
               x.sizes(), " ", x.scalar_type(), " (contiguous ", x.is_contiguous(), ", plan dtype ", p.x_dtype, ")");
   FP8_STAGE_START(t_alloc);
-  auto fp8 = x.options().dtype(p.fp8_dtype);
   CastOut out;
-  out.data = at::empty(p.data_shape, fp8);
-  if (!p.data_t_shape.empty()) out.data_t = at::empty(p.data_t_shape, fp8);
-  out.scale_inv = at::empty({1}, x.options().dtype(at::kFloat));
+  const bool transposed = !p.data_t_shape.empty();
+  const int64_t si_bytes = kPartAlign, data_bytes = part_bytes(p.data_shape, p.fp8_dtype);
+  const int64_t t_bytes = transposed ? part_bytes(p.data_t_shape, p.fp8_dtype) : 0;
+  auto bytes = x.options().dtype(at::kByte);
+  at::Tensor shared;  // scale_inv at offset 0, then the parts that share its buffer
+  if (outputs == Outputs::kTogether || !transposed) {
+    shared = at::empty({si_bytes + data_bytes + t_bytes}, bytes);
+    out.data = part(shared, si_bytes, p.fp8_dtype, p.data_shape);
+    if (transposed) out.data_t = part(shared, si_bytes + data_bytes, p.fp8_dtype, p.data_t_shape);
+  } else {
+    shared = at::empty({si_bytes + t_bytes}, bytes);
+    out.data = at::empty(p.data_shape, x.options().dtype(p.fp8_dtype));
+    out.data_t = part(shared, si_bytes, p.fp8_dtype, p.data_t_shape);
+  }
+  out.scale_inv = part(shared, 0, at::kFloat, {1});
   FP8_STAGE_STOP(kCastAlloc, t_alloc);
   FP8_STAGE_START(t_launch);
   uint64_t pointers[kHoles] = {
@@ -205,7 +215,7 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream) {
   FP8_STAGE_STOP(kCastLaunch, t_launch);
   FP8_STAGE_START(t_dbias);
   if (p.partial.defined()) {  // as kernels.PreparedCast: float32 column sums, one colsum launch
-    out.dbias = at::empty({p.data_shape[1]}, x.options().dtype(at::kFloat));
+    out.dbias = at::empty({p.data_shape[1]}, x.options().dtype(p.dbias_dtype));
     const uint64_t dbias = reinterpret_cast<uint64_t>(out.dbias.data_ptr());
     run(*p.dbias_sum, &dbias, stream);
   }
@@ -264,7 +274,7 @@ struct LinearBackward : public Node {
     FP8_STAGE_STOP(kBwdPrep, t_prep);
     FP8_STAGE_START(t_cast);
     CUstream stream = current_stream(grad_plan->device);
-    CastOut g = cast(*grad_plan, dy, stream);
+    CastOut g = cast(*grad_plan, dy, stream, Outputs::kTogether);
     FP8_STAGE_STOP(kBwdCast, t_cast);
     if (need_dgrad) {
       FP8_STAGE_START(t_dgrad);
@@ -279,7 +289,7 @@ struct LinearBackward : public Node {
       out[1] = scaled_mm(g.data_t, g.scale_inv, x_t.t(), x_scale_inv, fast_wgrad, weight_dtype);
       FP8_STAGE_STOP(kBwdWgrad, t_wgrad);
     }
-    if (need_dbias) out[2] = g.dbias;  // float32; the engine casts it to the bias dtype
+    if (need_dbias) out[2] = g.dbias;  // in the plan's dbias dtype, the bias's: the engine casts nothing
     FP8_STAGE_STOP(kBwd, t_all);
     return out;
   }
@@ -499,7 +509,7 @@ struct LayerNormMLPBackward : public Node {
     if (dy.scalar_type() != p.act_dtype) dy = dy.to(p.act_dtype);
     dy = rows_of(dy, p.hidden);
     CUstream stream = current_stream(p.device);
-    CastOut g = cast(*p.dy_plan, dy, stream);  // (M, K), (K, Mp); db2 float32 (the engine casts it)
+    CastOut g = cast(*p.dy_plan, dy, stream, Outputs::kTogether);  // (M, K), (K, Mp); db2 in fc2's bias dtype
     at::Tensor da = scaled_mm(g.data, g.scale_inv, w2_t.t(), w2_si, p.fast_dgrad, p.act_dtype);  // (M, F)
     if (p.needs[5]) out[5] = scaled_mm(g.data_t, g.scale_inv, a_t.t(), a_si, p.fast_wgrad, w2_dtype);
     if (p.needs[6]) out[6] = g.dbias;
@@ -589,10 +599,11 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
 }
 
 // Standalone cast through a plan (tests compare it byte for byte with the Python launch):
-// (data, data_t or None, scale_inv, dbias or None).
-std::vector<std::optional<at::Tensor>> cast_with(const std::shared_ptr<CastPlan>& plan, const at::Tensor& x) {
+// (data, data_t or None, scale_inv, dbias or None); together: the grad-output cast's one buffer.
+std::vector<std::optional<at::Tensor>> cast_with(const std::shared_ptr<CastPlan>& plan, const at::Tensor& x,
+                                                 bool together) {
   c10::DeviceGuard device(x.device());
-  CastOut o = cast(*plan, x, current_stream(plan->device));
+  CastOut o = cast(*plan, x, current_stream(plan->device), together ? Outputs::kTogether : Outputs::kSaved);
   auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
   return {o.data, opt(o.data_t), o.scale_inv, opt(o.dbias)};
 }
@@ -625,7 +636,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](int device, int64_t x_code, bool e5m2, std::vector<int64_t> data_shape,
                        std::vector<int64_t> data_t_shape,
                        std::vector<at::Tensor> zero_first, std::vector<Launch> launches,
-                       std::optional<at::Tensor> partial, std::optional<Launch> dbias_sum,
+                       std::optional<at::Tensor> partial, std::optional<Launch> dbias_sum, int64_t dbias_code,
                        std::vector<at::Tensor> keep) {
         TORCH_CHECK(partial.has_value() == dbias_sum.has_value() && (!dbias_sum || dbias_sum->max_hole == 0),
                     "fp8train native: a cast plan with dbias needs its partial sums and their colsum launch "
@@ -642,6 +653,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p->launches = std::move(launches);
         if (partial.has_value()) p->partial = *partial;
         p->dbias_sum = std::move(dbias_sum);
+        p->dbias_dtype = float_dtype(dbias_code);
         p->keep = std::move(keep);
         return p;
       }));
@@ -719,7 +731,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_stage_calls.fill(0);
   });
 #endif
-  m.def("cast_with", &cast_with);
+  m.def("cast_with", &cast_with, py::arg("plan"), py::arg("x"), py::arg("together") = false);
   m.def("scaled_mm", [](const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
                         const at::Tensor& b_scale_inv, bool fast_accum, int64_t out_code,
                         std::optional<at::Tensor> bias, std::optional<at::Tensor> out) {

@@ -2,8 +2,9 @@
 //
 // Why: at::_scaled_mm builds its cuBLASLt descriptors on the heap and asks the heuristic for
 // an algorithm on every call. Inside the C++ Linear node that cost 17-29 us of host time per
-// GEMM (tools/probe_node_stages.py), a third of the node's. Here the descriptors are
-// initialised in place on the stack and the heuristic runs once per problem and thread.
+// GEMM (tools/probe_node_stages.py), a third of the node's. Here each problem's descriptors are
+// initialised in place once per thread, kept with the heuristic's answer, and a call only sets
+// its pointers.
 //
 // Bytes: the descriptors, the preference (torch's 1 MiB cuBLASLt workspace limit) and the
 // one-result heuristic query are at::cuda::blas::scaled_gemm's, so the heuristic picks the
@@ -14,6 +15,7 @@
 // (torch has loaded it) and the few types and values used are declared below as cublasLt.h
 // and library_types.h define them (the same in CUDA 12 and 13).
 #include "lt_gemm.h"
+#include "stage_clocks.h"
 
 #include <dlfcn.h>
 
@@ -137,8 +139,8 @@ struct Descs {
   LtLayout a, b, d;  // C is D's layout (beta = 0: C is never read)
 };
 
-// The descriptors at::cuda::blas::scaled_gemm makes for the problem, initialised in place.
-// The pointers are set too (the heuristic does not read them).
+// The descriptors at::cuda::blas::scaled_gemm makes for the problem, initialised in place, with
+// the first call's pointers (the heuristic does not read them; each call sets its own: point).
 void describe(Descs& s, const Problem& p, const void* scale_a, const void* scale_b, const void* bias) {
   const Lt& l = *lt();
   lt_check(l.desc_init(&s.op, sizeof(s.op), kComputeF32, kR32F), "cublasLtMatmulDescInit");
@@ -163,9 +165,18 @@ void describe(Descs& s, const Problem& p, const void* scale_a, const void* scale
   lt_check(l.layout_init(&s.d, sizeof(s.d), p.type_d, p.m, p.n, p.ldd), "cublasLtMatrixLayoutInit");  // (N, M)
 }
 
+// A call's pointers into the problem's kept descriptor.
+void point(Descs& s, bool bias_on, const void* scale_a, const void* scale_b, const void* bias) {
+  const Lt& l = *lt();
+  lt_check(l.desc_set(&s.op, kAScalePointer, &scale_a, sizeof(scale_a)), "cublasLtMatmulDescSetAttribute");
+  lt_check(l.desc_set(&s.op, kBScalePointer, &scale_b, sizeof(scale_b)), "cublasLtMatmulDescSetAttribute");
+  if (bias_on) lt_check(l.desc_set(&s.op, kBiasPointer, &bias, sizeof(bias)), "cublasLtMatmulDescSetAttribute");
+}
+
 struct Choice {
   Problem problem;
-  bool found;  // false: no algorithm for it (the calls go to at::_scaled_mm)
+  Descs descs;  // the problem's descriptors, kept: each call only sets its pointers
+  bool found;   // false: no algorithm for it (the calls go to at::_scaled_mm)
   LtAlgo algo;
   size_t workspace;
 };
@@ -173,17 +184,21 @@ struct Choice {
 std::atomic<bool> g_on{true};
 std::atomic<int64_t> g_lt_calls{0}, g_fallback_calls{0}, g_choices{0};
 
-// The heuristic's first answer for the problem: once per problem and thread (a thread's own
-// list, no lock; a training step has a handful of problems). Variable sequence lengths make a
-// problem per token count: past kMaxChoices the list starts over rather than grow and slow
-// every lookup.
+// The problem's descriptors and the heuristic's first answer: made once per problem and thread
+// (a thread's own list, no lock; a training step has a handful of problems). Variable sequence
+// lengths make a problem per token count: past kMaxChoices the list starts over rather than
+// grow and slow every lookup.
 constexpr size_t kMaxChoices = 256;
 
-const Choice& choose(const Problem& p, Descs& s) {
+Choice& choose(const Problem& p, const void* scale_a, const void* scale_b, const void* bias) {
   thread_local std::vector<Choice> choices;
-  for (const Choice& c : choices)
+  if (choices.capacity() == 0) choices.reserve(kMaxChoices);  // never moved: cuBLASLt's descriptors stay put
+  for (Choice& c : choices)
     if (c.problem == p) return c;
   if (choices.size() >= kMaxChoices) choices.clear();
+  Choice& c = choices.emplace_back();
+  c.problem = p;
+  describe(c.descs, p, scale_a, scale_b, bias);
   const Lt& l = *lt();
   void* pref = nullptr;
   lt_check(l.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
@@ -191,12 +206,14 @@ const Choice& choose(const Problem& p, Descs& s) {
   LtStatus st = l.pref_set(pref, kPrefMaxWorkspace, &limit, sizeof(limit));
   LtHeuristic result{};
   int count = 0;
+  Descs& s = c.descs;
   if (st == 0) st = l.heuristic(handle(p.device), &s.op, &s.a, &s.b, &s.d, &s.d, pref, 1, &result, &count);
   l.pref_destroy(pref);
-  Choice c{p, st == 0 && count > 0, result.algo, result.workspace_size};
-  choices.push_back(c);
+  c.found = st == 0 && count > 0;
+  c.algo = result.algo;
+  c.workspace = result.workspace_size;
   g_choices += 1;
-  return choices.back();
+  return c;
 }
 
 int lt_type(c10::ScalarType t) {
@@ -251,23 +268,38 @@ bool lt_matmul(const at::Tensor& a, const at::Tensor& a_si, const at::Tensor& b,
   const int device = a.get_device();
   // A thread whose first CUDA work this is has no current context, and cuBLASLt needs one
   // (the heuristic's first query in such a thread crashed without it)
+  FP8_STAGE_START(t_prep);
   ensure_context(device);
   Problem p{device, N, M, K, b.stride(1), a.stride(0), out.defined() ? out.stride(0) : N,
             lt_type(b.scalar_type()), lt_type(a.scalar_type()), lt_type(out_dtype), bias.defined(), fast_accum};
-  Descs s;
+  FP8_STAGE_STOP(kGemmPrep, t_prep);
+  FP8_STAGE_START(t_choose);
   // cuBLAS's A is b, so A's scale is b's
-  describe(s, p, b_si.data_ptr(), a_si.data_ptr(), bias.defined() ? bias.data_ptr() : nullptr);
-  const Choice& c = choose(p, s);
+  const void* bias_ptr = bias.defined() ? bias.data_ptr() : nullptr;
+  Choice& c = choose(p, b_si.data_ptr(), a_si.data_ptr(), bias_ptr);
+  FP8_STAGE_STOP(kGemmChoose, t_choose);
   if (!c.found) return false;
+  FP8_STAGE_START(t_describe);
+  Descs& s = c.descs;
+  point(s, p.bias, b_si.data_ptr(), a_si.data_ptr(), bias_ptr);
+  FP8_STAGE_STOP(kGemmDescribe, t_describe);
+  FP8_STAGE_START(t_alloc);
   if (!out.defined()) out = at::empty({M, N}, a.options().dtype(out_dtype));
   at::Tensor workspace;
   if (c.workspace > 0)
     workspace = at::empty({static_cast<int64_t>(c.workspace)}, a.options().dtype(at::kByte));
+  FP8_STAGE_STOP(kGemmAlloc, t_alloc);
+  FP8_STAGE_START(t_handle);
+  LtHandle h = handle(device);
+  CUstream stream = current_stream(device);
+  FP8_STAGE_STOP(kGemmHandle, t_handle);
+  FP8_STAGE_START(t_matmul);
   const float alpha = 1.0f, beta = 0.0f;
-  lt_check(lt()->matmul(handle(device), &s.op, &alpha, b.data_ptr(), &s.a, a.data_ptr(), &s.b, &beta, nullptr, &s.d,
+  lt_check(lt()->matmul(h, &s.op, &alpha, b.data_ptr(), &s.a, a.data_ptr(), &s.b, &beta, nullptr, &s.d,
                         out.data_ptr(), &s.d, &c.algo, c.workspace > 0 ? workspace.data_ptr() : nullptr,
-                        c.workspace, current_stream(device)),
+                        c.workspace, stream),
            "cublasLtMatmul");
+  FP8_STAGE_STOP(kGemmMatmul, t_matmul);
   return true;
 }
 

@@ -93,15 +93,15 @@ def colsum_into(src: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         _kernel(len(outs) == 2)(len(outs) * triton.cdiv(n, _BLOCK_N), src, outs[0], outs[-1], src.shape[1], n)
 
 
-def native_spec(partial: torch.Tensor):
-    """The column sums of `partial` (rows, N) float32 into a float32 (N,) output, as
+def native_spec(partial: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """The column sums of `partial` (rows, N) float32 into an (N,) output of `dtype`, as
     kernels.native.Launch arguments whose one hole (index 0) is that output, and the fixed
     tensors they point into: the C++ cast plans' dbias (csrc/linear_node.cpp `cast`), the
     launch colsum_into makes for `partial[None]`. None where the launch must go through
     Triton (launcher.DirectKernel.binary_for)."""
     from . import native
     n = partial.shape[1]
-    out = torch.empty(n, dtype=torch.float32, device=partial.device)  # stands for each call's dbias
+    out = torch.empty(n, dtype=dtype, device=partial.device)  # stands for each call's dbias
     args = (partial[None], out, out, partial.shape[0], n)
     binary = _kernel(False).binary_for(*args)
     if binary is None:

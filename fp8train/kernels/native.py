@@ -131,19 +131,21 @@ def fixed_launch(binary, grid: int, args: Sequence):
 
 
 def cast_plan(launches: Sequence, device: int, x_dtype: torch.dtype, fp8_dtype: torch.dtype, shape, transpose: bool,
-              zero_first: Sequence[torch.Tensor] = (), partial: Optional[torch.Tensor] = None):
+              zero_first: Sequence[torch.Tensor] = (), partial: Optional[torch.Tensor] = None,
+              dbias_dtype: torch.dtype = torch.float32):
     """A C++ CastPlan running `launches` (PreparedCasts, in order) on an input of 2-D `shape`
     and `x_dtype` (the plan refuses any other), after zeroing `zero_first`; None where a
     launch is not one the C++ launcher can make or the extension is missing. partial: the
     (row tiles, N) float32 dbias buffer of the last launch; the plan returns its column sums
-    as dbias, by the colsum launch kernels.PreparedCast makes (the same bytes)."""
+    as dbias, in dbias_dtype, by the colsum launch kernels.PreparedCast makes (the same sums,
+    rounded once into dbias_dtype)."""
     ext = extension()
     if ext is None:
         return None
     dbias_sum = None
     if partial is not None:  # the partial sums' colsum launch, into each call's dbias
         from .colsum import native_spec
-        spec = native_spec(partial)
+        spec = native_spec(partial, dbias_dtype)
         if spec is None:
             return None
         dbias_sum = ext.Launch(*spec[0])
@@ -156,10 +158,10 @@ def cast_plan(launches: Sequence, device: int, x_dtype: torch.dtype, fp8_dtype: 
         keep.extend(spec[1])
     m, n = shape
     data_t_shape = [n, padded_rows(m)] if transpose else []
-    if x_dtype not in DTYPE_CODES:
+    if x_dtype not in DTYPE_CODES or dbias_dtype not in DTYPE_CODES:
         return None
     return ext.CastPlan(device, DTYPE_CODES[x_dtype], fp8_dtype == torch.float8_e5m2, [m, n], data_t_shape,
-                        list(zero_first), made, partial, dbias_sum, keep)
+                        list(zero_first), made, partial, dbias_sum, DTYPE_CODES[dbias_dtype], keep)
 
 
 def gemm():

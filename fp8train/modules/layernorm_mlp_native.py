@@ -114,7 +114,7 @@ def plan_for(layer, entry: NodeEntry, x: torch.Tensor, act_dtype: torch.dtype, n
         if bwd is None or bwd[0] is None or (any(needs[:3]) and bwd[1] is None):
             return None
         m, k = x.numel() // x.shape[-1], x.shape[-1]
-        dy_plan = q_dy.native_plan((m, k), act_dtype, True, needs[6])
+        dy_plan = q_dy.native_plan((m, k), act_dtype, True, layer.fc2_bias.dtype if needs[6] else None)
         if dy_plan is None:
             return None
     ext = native.extension()

@@ -194,12 +194,12 @@ def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight
     need_dgrad = grad and x.requires_grad
     need_wgrad = grad and weight.requires_grad
     need_dbias = grad and bias is not None and bias.requires_grad
-    x_plan = q_input.native_plan((m, k), x.dtype, need_wgrad, False)
+    x_plan = q_input.native_plan((m, k), x.dtype, need_wgrad, None)
     if x_plan is None:
         return None
     grad_plan = None
     if need_dgrad or need_wgrad or need_dbias:
-        grad_plan = q_grad.native_plan((m, weight.shape[0]), act_dtype, need_wgrad, need_dbias)
+        grad_plan = q_grad.native_plan((m, weight.shape[0]), act_dtype, need_wgrad, bias.dtype if need_dbias else None)
         if grad_plan is None:
             return None
     workspace, skip = layer._workspace, layer.weight_cast_skip

@@ -49,48 +49,81 @@ def node_name(y: torch.Tensor) -> str:
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
 @pytest.mark.parametrize("shape, dtype, transpose, dbias", [
-    ((256, 1024), torch.bfloat16, True, False),
-    ((333, 48), torch.bfloat16, True, True),      # odd rows: padded transposed copy, partial last tile
-    ((77, 4096), torch.float16, False, False),    # the flat kernel
-    ((1000, 272), torch.bfloat16, False, True),   # tile kernel for dbias alone
-    ((64, 160), torch.float32, False, False),
+    ((256, 1024), torch.bfloat16, True, None),
+    ((333, 48), torch.bfloat16, True, torch.bfloat16),   # odd rows: padded transposed copy, partial last tile
+    ((77, 4096), torch.float16, False, None),            # the flat kernel
+    ((1000, 272), torch.bfloat16, False, torch.float32),  # tile kernel for dbias alone; float32 bias
+    ((96, 160), torch.bfloat16, True, torch.float16),    # a bias dtype other than the input's
+    ((64, 160), torch.float32, False, None),
 ], ids=str)
 def test_cast_plan_matches_the_python_launch(recipe, shape, dtype, transpose, dbias):
     """A plan's cast against the prepared Python launch it was made from: data, transposed
-    copy, scale_inv, dbias and the amax it records, byte for byte."""
+    copy, scale_inv, dbias and the amax it records, byte for byte. The plan writes dbias in
+    the bias dtype; the Python path's float32 sums, cast as autograd casts them, must give
+    the same bytes."""
     role = TensorRole.GRAD_OUTPUT if dbias else TensorRole.INPUT
     q = make_quantizer(recipe, role, device=CUDA)
     x = (torch.randn(shape, device=CUDA) * 3).to(dtype)
     x[0, 0] = 40.0  # the amax
     for _ in range(2):  # calibration (delayed), then the prepared steady-state launch
-        q.cast(x, transpose=transpose, dbias=dbias)
+        q.cast(x, transpose=transpose, dbias=dbias is not None)
     plan = q.native_plan(tuple(shape), dtype, transpose, dbias)
     assert plan is not None
     state = [b.clone() for b in q.buffers()]
-    want = q.cast(x, transpose=transpose, dbias=dbias)
+    want = q.cast(x, transpose=transpose, dbias=dbias is not None)
+    if dbias is not None:
+        want = want._replace(dbias=want.dbias.to(dbias))
     state_after = [b.clone() for b in q.buffers()]
-    with torch.no_grad():
-        for b, s in zip(q.buffers(), state):
-            b.copy_(s)
-    got = native.extension().cast_with(plan, x)
-    for name, g, w in zip(("data", "data_t", "scale_inv", "dbias"), got, want):
-        assert (g is None) == (w is None), name
-        if w is not None:
-            assert_bitwise(g, w, name)
-    for b, s in zip(q.buffers(), state_after):
-        assert_bitwise(b, s, "quantizer state")
+    for together in (False, True):  # a forward input's outputs, then a grad output's one buffer
+        with torch.no_grad():
+            for b, s in zip(q.buffers(), state):
+                b.copy_(s)
+        got = native.extension().cast_with(plan, x, together)
+        for name, g, w in zip(("data", "data_t", "scale_inv", "dbias"), got, want):
+            assert (g is None) == (w is None), name
+            if w is not None:
+                assert_bitwise(g, w, name)
+                assert g.is_contiguous() and g.data_ptr() % 256 == 0, name  # the cuBLASLt path's alignment
+        for b, s in zip(q.buffers(), state_after):
+            assert_bitwise(b, s, "quantizer state")
+        shares = got[0].untyped_storage().data_ptr() == got[2].untyped_storage().data_ptr()
+        assert shares == (together or not transpose)  # scale_inv lives with what is saved
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float16])
+def test_cast_plan_dbias_rounds_as_torch_does(bias_dtype):
+    """The plan's dbias in a 16-bit bias dtype against torch's conversion of the float32 sums,
+    bit for bit, with columns that sum to NaN, +-inf, values past fp16's range, and
+    halfway cases (torch's NaN is the GPU's canonical one; so must ours be)."""
+    q = make_quantizer(DelayedScaling(), TensorRole.GRAD_OUTPUT, device=CUDA)
+    x = torch.randn(300, 128, device=CUDA)
+    x[7, 3] = float("nan")
+    x[9, 4], x[10, 5] = float("inf"), -float("inf")
+    x[:, 6] = 300.0  # 90000: past fp16's largest finite value
+    x[:, 7:9] = 0.0
+    x[0, 7], x[1, 7], x[2, 7] = 1.0, 2.0 ** -8, 2.0 ** -20  # just past bf16's halfway point: rounds up
+    x[0, 8], x[1, 8] = 1.0, 2.0 ** -8                       # halfway: rounds to even (1.0)
+    x = x.to(torch.bfloat16)
+    for _ in range(2):
+        q.cast(x, transpose=True, dbias=True)
+    plan = q.native_plan((300, 128), torch.bfloat16, True, bias_dtype)
+    want = q.cast(x, transpose=True, dbias=True).dbias  # float32 sums (scales move: dbias does not)
+    got = native.extension().cast_with(plan, x)[3]
+    assert got.dtype == bias_dtype
+    assert want[3].isnan() and want[4].isinf() and want[5].isinf()
+    assert_bitwise(got, want.to(bias_dtype), "dbias")
 
 
 def test_plans_wait_for_the_python_preparation_and_are_dropped_with_it():
     q = make_quantizer(DelayedScaling(), TensorRole.INPUT, device=CUDA)
     x = torch.randn(64, 256, device=CUDA, dtype=torch.bfloat16)
-    assert q.native_plan((64, 256), torch.bfloat16, True, False) is None  # nothing prepared
+    assert q.native_plan((64, 256), torch.bfloat16, True, None) is None  # nothing prepared
     q.cast(x, transpose=True)  # calibrates: no steady-state launch yet
-    assert q.native_plan((64, 256), torch.bfloat16, True, False) is None
+    assert q.native_plan((64, 256), torch.bfloat16, True, None) is None
     q.cast(x, transpose=True)
-    assert q.native_plan((64, 256), torch.bfloat16, True, False) is not None
+    assert q.native_plan((64, 256), torch.bfloat16, True, None) is not None
     q.to(CUDA, torch.float32)  # buffers may move: preparations and plans go
-    assert q.native_plan((64, 256), torch.bfloat16, True, False) is None
+    assert q.native_plan((64, 256), torch.bfloat16, True, None) is None
 
 
 CASES = [
