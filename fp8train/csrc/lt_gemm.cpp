@@ -15,6 +15,7 @@
 // (torch has loaded it) and the few types and values used are declared below as cublasLt.h
 // and library_types.h define them (the same in CUDA 12 and 13).
 #include "lt_gemm.h"
+#include "dl.h"
 #include "stage_clocks.h"
 
 #include <dlfcn.h>
@@ -74,12 +75,7 @@ struct Lt {
 // The loaded library, or nullptr where there is none (then every call is at::_scaled_mm's).
 const Lt* lt() {
   static const Lt* loaded = []() -> const Lt* {
-    const char* names[] = {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"};
-    void* lib = nullptr;
-    for (const char* name : names)  // torch's own copy first
-      if (lib == nullptr) lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
-    for (const char* name : names)
-      if (lib == nullptr) lib = dlopen(name, RTLD_NOW);
+    void* lib = open_library({"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"});
     if (lib == nullptr) return nullptr;
     static Lt l;
     bool found = true;
