@@ -110,3 +110,43 @@ class RecordDgradOverlap:
     def __exit__(self, *exc):
         for owner, name, fn in self._orig:
             setattr(owner, name, fn)
+
+
+def autocast_steps(module, xs, dys, recipe, grad_x: bool = True):
+    """Per step (grad_fn name, y, x.grad, parameter grads) of module's forward inside
+    fp8train.autocast(recipe) and backward with dy, then its state_dict after the last step.
+
+    Run all of one module's steps before its twin's: every autocast entry rolls every live
+    delayed quantizer, so interleaved steps would roll each module's histories at the other's
+    entries."""
+    import fp8train  # here: the helpers' other users need no fp8train import
+    out = []
+    for x, dy in zip(xs, dys):
+        x = x.detach().clone().requires_grad_(grad_x)
+        with fp8train.autocast(recipe=recipe):
+            y = module(x)
+        name = y.grad_fn.name() if y.grad_fn is not None else "none"
+        if y.requires_grad:
+            y.backward(dy)
+        out.append((name, y.detach(), x.grad,
+                    {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}))
+        module.zero_grad(set_to_none=True)
+    return out, {n: t.clone() for n, t in module.state_dict().items()}
+
+
+def assert_same_steps(got, want) -> None:
+    """Two autocast_steps results bit for bit: each step's output, input and parameter
+    gradients (the same ones present), then the final state."""
+    (steps, state), (steps_ref, state_ref) = got, want
+    assert len(steps) == len(steps_ref)
+    for i, ((_, y, dx, grads), (_, y_ref, dx_ref, grads_ref)) in enumerate(zip(steps, steps_ref)):
+        assert_bitwise(y, y_ref, f"step {i}: y")
+        assert (dx is None) == (dx_ref is None), f"step {i}: x.grad presence"
+        if dx is not None:
+            assert_bitwise(dx, dx_ref, f"step {i}: x.grad")
+        assert grads.keys() == grads_ref.keys(), f"step {i}: which parameters got gradients"
+        for name in grads_ref:
+            assert_bitwise(grads[name], grads_ref[name], f"step {i}: {name}.grad")
+    assert state.keys() == state_ref.keys()
+    for name, t in state_ref.items():
+        assert_bitwise(state[name], t, name)

@@ -14,7 +14,7 @@ import torch
 
 import fp8train
 from fp8train.kernels import native
-from tests.helpers import assert_bitwise
+from tests.helpers import assert_bitwise, assert_same_steps, autocast_steps
 
 pytest.importorskip("triton")
 
@@ -30,23 +30,10 @@ def built():
 
 
 def run_steps(module, xs, dys, recipe, enabled, grad_x=True):
-    """Per step (node name, y, x.grad, parameter grads), and the state after the last step.
-    All of one module's steps run before its twin's: every autocast entry rolls every live
-    delayed quantizer, so interleaved steps would roll each module's histories at the other's."""
+    """autocast_steps with the C++ extension on or off."""
     native.ENABLED = enabled
     try:
-        out = []
-        for x, dy in zip(xs, dys):
-            x = x.detach().clone().requires_grad_(grad_x)
-            with fp8train.autocast(recipe=recipe):
-                y = module(x)
-            name = node_name(y)
-            if y.requires_grad:
-                y.backward(dy)
-            out.append((name, y.detach(), x.grad,
-                        {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}))
-            module.zero_grad(set_to_none=True)
-        return out, {n: t.clone() for n, t in module.state_dict().items()}
+        return autocast_steps(module, xs, dys, recipe, grad_x)
     finally:
         native.ENABLED = True
 
@@ -54,20 +41,12 @@ def run_steps(module, xs, dys, recipe, enabled, grad_x=True):
 def compare(mod, ref, xs, dys, recipe, grad_x=True):
     """mod through the node (where it takes it) against ref through the Python Function: the
     node names per step of mod."""
-    got, got_state = run_steps(mod, xs, dys, recipe, True, grad_x)
-    want, want_state = run_steps(ref, xs, dys, recipe, False, grad_x)
-    for i, ((_, y, dx, grads), (name_ref, y_ref, dx_ref, grads_ref)) in enumerate(zip(got, want)):
+    got = run_steps(mod, xs, dys, recipe, True, grad_x)
+    want = run_steps(ref, xs, dys, recipe, False, grad_x)
+    for name_ref, *_ in want[0]:
         assert name_ref in ("_LayerNormMLPFnBackward", "none"), name_ref
-        assert_bitwise(y, y_ref, f"step {i}: y")
-        assert (dx is None) == (dx_ref is None), f"step {i}: x.grad presence"
-        if dx is not None:
-            assert_bitwise(dx, dx_ref, f"step {i}: x.grad")
-        assert grads.keys() == grads_ref.keys(), f"step {i}: which parameters got gradients"
-        for name in grads_ref:
-            assert_bitwise(grads[name], grads_ref[name], f"step {i}: {name}.grad")
-    for name, t in want_state.items():
-        assert_bitwise(got_state[name], t, name)
-    return [g[0] for g in got]
+    assert_same_steps(got, want)
+    return [g[0] for g in got[0]]
 
 
 def node_name(y):
@@ -162,14 +141,9 @@ def test_graphed_node_matches_eager():
         y.backward(dys[i])
         # clones: a replay's output and input gradient are the graph's static buffers, which
         # the next replay overwrites
-        replays.append((y.detach().clone(), x.grad.clone(), {n: p.grad.clone() for n, p in mod.named_parameters()}))
+        replays.append(("graphed", y.detach().clone(), x.grad.clone(),
+                        {n: p.grad.clone() for n, p in mod.named_parameters()}))
         mod.zero_grad(set_to_none=True)
     state = {n: t.clone() for n, t in mod.state_dict().items()}
     want, want_state = run_steps(ref, xs, dys, recipe, False)
-    for i, ((y, dx, grads), (_, y_ref, dx_ref, grads_ref)) in enumerate(zip(replays, want[3:])):
-        assert_bitwise(y, y_ref, f"replay {i}: y")
-        assert_bitwise(dx, dx_ref, f"replay {i}: x.grad")
-        for name in grads_ref:
-            assert_bitwise(grads[name], grads_ref[name], f"replay {i}: {name}.grad")
-    for name, t in want_state.items():
-        assert_bitwise(state[name], t, name)
+    assert_same_steps((replays, state), (want[3:], want_state))

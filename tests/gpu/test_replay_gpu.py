@@ -16,7 +16,7 @@ from fp8train.kernels import native, replay
 from fp8train.modules import layernorm_mlp_native as mlp_native
 from fp8train.modules import norm as norm_module
 from fp8train.quantizer import Quantizer
-from tests.helpers import assert_bitwise
+from tests.helpers import assert_same_steps, autocast_steps
 
 pytest.importorskip("triton")
 
@@ -44,22 +44,12 @@ def replays(monkeypatch):
 
 
 def run_steps(module, xs, dys, recipe, enabled):
-    """Per step (y, x.grad, parameter grads), and the state after the last step. All of one
-    module's steps run before its twin's: every autocast entry rolls every live delayed
-    quantizer, so interleaved steps would roll each module's histories at the other's entries."""
-    # the LayerNormMLP node off: these tests look at the groups the Python Function replays
-    # (tests/gpu/test_mlp_node_gpu.py: the node, which runs them from C++)
+    """autocast_steps with the launch groups on or off; the LayerNormMLP node off: these tests
+    look at the groups the Python Function replays (tests/gpu/test_mlp_node_gpu.py: the node,
+    which runs them from C++)."""
     native.ENABLED, mlp_native.ENABLED = enabled, False
     try:
-        out = []
-        for x, dy in zip(xs, dys):
-            x = x.detach().clone().requires_grad_(True)
-            with fp8train.autocast(recipe=recipe):
-                y = module(x)
-            y.backward(dy)
-            out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}))
-            module.zero_grad(set_to_none=True)
-        return out, {n: t.clone() for n, t in module.state_dict().items()}
+        return autocast_steps(module, xs, dys, recipe)
     finally:
         native.ENABLED = mlp_native.ENABLED = True
 
@@ -75,16 +65,7 @@ def compare(mod, ref, xs, dys, recipe, between=None):
             between(module, i)
             out += run_steps(module, xs[i:i + 1], dys[i:i + 1], recipe, enabled)[0]
         return out, {n: t.clone() for n, t in module.state_dict().items()}
-    got, got_state = steps(mod, True)
-    want, want_state = steps(ref, False)
-    for i, ((y, dx, grads), (y_ref, dx_ref, grads_ref)) in enumerate(zip(got, want)):
-        assert_bitwise(y, y_ref, f"step {i}: y")
-        assert_bitwise(dx, dx_ref, f"step {i}: x.grad")
-        for name in grads_ref:
-            assert_bitwise(grads[name], grads_ref[name], f"step {i}: {name}.grad")
-    assert got_state.keys() == want_state.keys()
-    for name, t in want_state.items():
-        assert_bitwise(got_state[name], t, name)
+    assert_same_steps(steps(mod, True), steps(ref, False))
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu", "relu"])

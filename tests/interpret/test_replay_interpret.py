@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 import fp8train  # noqa: E402
 from fp8train import kernels  # noqa: E402
 from fp8train.kernels import launcher, native, replay  # noqa: E402
+from tests.helpers import assert_same_steps, autocast_steps  # noqa: E402
 
 
 class _Arg:
@@ -93,35 +94,16 @@ def interpreted_groups(monkeypatch, exact_conversions):
     InterpretedGroup.calls = 0
 
 
-def run_steps(module, xs, dys, recipe, enabled):
-    """Per step (y, x.grad, parameter grads), then the state after the last step. One module's
-    steps all run before its twin's: every autocast entry rolls every live delayed quantizer,
-    so the twin's entries would roll this module's histories between its own steps."""
-    native.ENABLED = enabled
+def compare(mod, ref, xs, dys, recipe):
+    """mod's steps with launch groups (interpreted) against ref's through Python, bit for bit."""
+    native.ENABLED = True
+    got = autocast_steps(mod, xs, dys, recipe)
+    native.ENABLED = False
     try:
-        out = []
-        for x, dy in zip(xs, dys):
-            x = x.clone().requires_grad_(True)
-            with fp8train.autocast(recipe=recipe):
-                y = module(x)
-            y.backward(dy)
-            out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}))
-            module.zero_grad(set_to_none=True)
-        return out, {n: t.clone() for n, t in module.state_dict().items()}
+        want = autocast_steps(ref, xs, dys, recipe)
     finally:
         native.ENABLED = True
-
-
-def compare(mod, ref, xs, dys, recipe):
-    got, got_state = run_steps(mod, xs, dys, recipe, True)
-    want, want_state = run_steps(ref, xs, dys, recipe, False)
-    for i, ((y, dx, grads), (y_ref, dx_ref, grads_ref)) in enumerate(zip(got, want)):
-        assert torch.equal(y, y_ref), f"step {i}: y"
-        assert torch.equal(dx, dx_ref), f"step {i}: x.grad"
-        for name in grads_ref:
-            assert torch.equal(grads[name], grads_ref[name]), f"step {i}: {name}.grad"
-    for name, t in want_state.items():
-        assert torch.equal(got_state[name], t), name
+    assert_same_steps(got, want)
 
 
 @pytest.mark.parametrize("activation,normalization,bias", [("gelu_tanh", "LayerNorm", True),
