@@ -9,7 +9,8 @@ a measured table, never from a guess:
   and the recipe kind (`ShapeKey`);
 * a missing entry is measured on the spot: a throwaway copy of the layer (same kind, dims
   and parameter dtype, its own quantizers) runs forward + backward in FP8 and in high
-  precision, side by side, and the faster wins;
+  precision, in interleaved rounds (a drift in the machine's speed cancels: `time_pair`), and
+  the faster wins;
 * the table is saved as JSON under `~/.cache/fp8train/precision/` (one file per device
   name) and loaded on first use, so each shape is measured once per GPU model;
 * `PrecisionTable.override(pattern, "fp8" | "high")` pins a choice for every key that
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
@@ -198,20 +200,37 @@ def decide(layer, rows: int, dtype: torch.dtype, recipe, device: torch.device) -
 # ---------------------------------------------------------------------- measuring
 
 
-def time_step(step: Callable[[], None], device: torch.device, warmup: int = 3, iters: int = 10) -> float:
-    """Median milliseconds of `step` (a whole fwd+bwd), host and device together: the
-    loop issues `iters` steps back to back and waits once, as training does."""
+def time_pair(a: Callable[[], None], b: Callable[[], None], device: torch.device, warmup: int = 3,
+              iters: int = 10, blocks: int = 3, clock: Callable[[], float] = time.perf_counter
+              ) -> Tuple[float, float]:
+    """Milliseconds per step of `a` and of `b` (each a whole fwd+bwd), host and device together.
+
+    A round issues `iters` steps back to back and waits once, as training does. Each block
+    times a round of a, two of b, then one of a (a b b a): the two steps' rounds are centred
+    on the same moment, so a drift in the machine's speed that is linear across the block
+    cancels from the block's ratio b / a. (A shared host's speed moves by 2x between minutes;
+    the two were timed one after the other before, and at sizes where they differ by less than
+    that drift the choice followed the drift.) Returns a's median round time and a's time
+    times the median of the blocks' ratios as b's."""
     for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(3):
+        a()
+        b()
+
+    def timed(step) -> float:
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(iters):
             step()
         _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3 / iters)
-    return sorted(times)[1]
+        return (clock() - t0) * 1e3 / iters
+
+    a_times, ratios = [], []
+    for _ in range(blocks):
+        a1, b1, b2, a2 = timed(a), timed(b), timed(b), timed(a)
+        a_times += [a1, a2]
+        ratios.append((b1 + b2) / (a1 + a2))
+    a_ms = statistics.median(a_times)
+    return a_ms, a_ms * statistics.median(ratios)
 
 
 def _sync(device: torch.device) -> None:
@@ -240,7 +259,7 @@ def measure(make_layer: Callable[[], torch.nn.Module], x_shape, dtype: torch.dty
         _backward_from_ones(layer.high_precision_forward(x, dtype))
 
     with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-        return time_step(fp8_step, device), time_step(high_step, device)
+        return time_pair(fp8_step, high_step, device)
 
 
 def _backward_from_ones(out) -> None:
@@ -269,4 +288,4 @@ def report(model: torch.nn.Module) -> str:
 
 
 __all__ = ["ShapeKey", "PrecisionTable", "Entry", "bucket", "table_for", "use_table", "refresh", "decide",
-           "measure", "time_step", "report", "FP8", "HIGH"]
+           "measure", "time_pair", "report", "FP8", "HIGH"]

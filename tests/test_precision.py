@@ -197,3 +197,52 @@ def test_report_names_each_layer_and_its_reason(table):
     assert "0: high for LayerNormMLP[32x64xLayerNormxgelux1] tokens<=16 float32 DelayedScaling: override" in text
     assert "1: fp8 for Linear[32x16x1] tokens<=16 float32 DelayedScaling: override" in text
     assert "2: no auto-precision decision yet" in text
+
+
+class _DriftingClock:
+    """A fake clock for time_pair: each step call advances it by the step's cost times the
+    machine's slowdown, which grows with every call (a host getting slower during the
+    measurement)."""
+
+    def __init__(self, drift: float):
+        self.now, self.calls, self.drift = 0.0, 0, drift
+
+    def step(self, cost: float):
+        def run():
+            self.calls += 1
+            self.now += cost * (1 + self.drift * self.calls)
+        return run
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_time_pair_interleaves_rounds():
+    log = []
+    clock = _DriftingClock(0.0)
+    a, b = clock.step(2e-3), clock.step(1e-3)
+    fa = lambda: (log.append("a"), a())  # noqa: E731
+    fb = lambda: (log.append("b"), b())  # noqa: E731
+    a_ms, b_ms = precision.time_pair(fa, fb, torch.device("cpu"), warmup=1, iters=2, blocks=2, clock=clock)
+    assert "".join(log) == "ab" + "aabbbbaa" * 2  # warm-up, then blocks of rounds a b b a
+    assert a_ms == pytest.approx(2.0) and b_ms == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("drift", [0.002, 0.02])
+def test_time_pair_keeps_the_faster_step_faster_while_the_host_slows(drift):
+    """b costs 3% less than a, and the host slows by `drift` per step. Timing a's steps then
+    b's (the old order) makes b look slower; interleaved blocks give b's 3% back."""
+    clock = _DriftingClock(drift)
+    a, b = clock.step(1.00), clock.step(0.97)
+    a_ms, b_ms = precision.time_pair(a, b, torch.device("cpu"), warmup=0, iters=10, blocks=3, clock=clock)
+    assert b_ms / a_ms == pytest.approx(0.97, rel=1e-9)
+
+    clock = _DriftingClock(drift)  # the old order, for contrast: the drift decides
+    a, b = clock.step(1.00), clock.step(0.97)
+
+    def one_after_the_other(step) -> float:
+        t0 = clock()
+        for _ in range(30):
+            step()
+        return clock() - t0
+    assert one_after_the_other(a) < one_after_the_other(b)
