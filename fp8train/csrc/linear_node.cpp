@@ -188,6 +188,32 @@ at::Tensor part(const at::Tensor& buf, int64_t offset, c10::ScalarType dtype, c1
   return t;
 }
 
+struct PartSpec {
+  c10::ScalarType dtype;
+  std::vector<int64_t> sizes;
+  bool wanted = true;
+};
+
+// One allocation on `like`'s device holding each wanted part, in order, at 256-byte offsets;
+// the parts not wanted come back undefined.
+std::vector<at::Tensor> one_allocation(const at::TensorOptions& like, std::initializer_list<PartSpec> specs) {
+  int64_t total = 0;
+  for (const PartSpec& s : specs)
+    if (s.wanted) total += part_bytes(s.sizes, s.dtype);
+  at::Tensor buf = at::empty({total}, like.dtype(at::kByte));
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (const PartSpec& s : specs) {
+    if (!s.wanted) {
+      out.emplace_back();
+      continue;
+    }
+    out.push_back(part(buf, offset, s.dtype, s.sizes));
+    offset += part_bytes(s.sizes, s.dtype);
+  }
+  return out;
+}
+
 // How a cast's outputs are allocated. kSaved: scale_inv shares the transposed copy's buffer
 // (or the payload's, without one): a forward input cast, whose payload is dropped after the
 // fprop GEMM while its transposed copy is saved for wgrad. kTogether: payload, transposed copy
@@ -204,20 +230,15 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs ou
   FP8_STAGE_START(t_alloc);
   CastOut out;
   const bool transposed = !p.data_t_shape.empty();
-  const int64_t si_bytes = kPartAlign, data_bytes = part_bytes(p.data_shape, p.fp8_dtype);
-  const int64_t t_bytes = transposed ? part_bytes(p.data_t_shape, p.fp8_dtype) : 0;
-  auto bytes = x.options().dtype(at::kByte);
-  at::Tensor shared;  // scale_inv at offset 0, then the parts that share its buffer
   if (outputs == Outputs::kTogether || !transposed) {
-    shared = at::empty({si_bytes + data_bytes + t_bytes}, bytes);
-    out.data = part(shared, si_bytes, p.fp8_dtype, p.data_shape);
-    if (transposed) out.data_t = part(shared, si_bytes + data_bytes, p.fp8_dtype, p.data_t_shape);
+    auto parts = one_allocation(x.options(), {{at::kFloat, {1}}, {p.fp8_dtype, p.data_shape},
+                                              {p.fp8_dtype, p.data_t_shape, transposed}});
+    out.scale_inv = parts[0], out.data = parts[1], out.data_t = parts[2];
   } else {
-    shared = at::empty({si_bytes + t_bytes}, bytes);
     out.data = at::empty(p.data_shape, x.options().dtype(p.fp8_dtype));
-    out.data_t = part(shared, si_bytes, p.fp8_dtype, p.data_t_shape);
+    auto parts = one_allocation(x.options(), {{at::kFloat, {1}}, {p.fp8_dtype, p.data_t_shape}});
+    out.scale_inv = parts[0], out.data_t = parts[1];
   }
-  out.scale_inv = part(shared, 0, at::kFloat, {1});
   FP8_STAGE_STOP(kCastAlloc, t_alloc);
   FP8_STAGE_START(t_launch);
   uint64_t pointers[kHoles] = {
@@ -528,10 +549,10 @@ struct LayerNormMLPBackward : public Node {
     at::Tensor da = scaled_mm(g.data, g.scale_inv, w2_t.t(), w2_si, p.fast_dgrad, p.act_dtype);  // (M, F)
     if (p.needs[5]) out[5] = scaled_mm(g.data_t, g.scale_inv, a_t.t(), a_si, p.fast_wgrad, w2_dtype);
     if (p.needs[6]) out[6] = g.dbias;
-    auto f32 = da.options().dtype(at::kFloat);
-    at::Tensor dh = at::empty({p.rows, p.fc1_cols}, da.options().dtype(p.dh_fp8));
-    at::Tensor dh_t = at::empty({p.fc1_cols, p.padded}, da.options().dtype(p.dh_fp8));
-    at::Tensor dh_si = at::empty({1}, f32);
+    // dH's payload, transposed copy and scale_inv are all used and dropped in this backward
+    auto dh_parts = one_allocation(da.options(), {{p.dh_fp8, {p.rows, p.fc1_cols}}, {p.dh_fp8, {p.fc1_cols, p.padded}},
+                                                  {at::kFloat, {1}}});
+    const at::Tensor &dh = dh_parts[0], &dh_t = dh_parts[1], &dh_si = dh_parts[2];
     at::Tensor db1 = p.needs[4] ? at::empty({p.fc1_cols}, da.options().dtype(p.db1_dtype)) : at::Tensor();
     run_group(*p.act_bwd, {da, h, dh, dh_t, dh_si, opt(db1)});
     if (p.needs[3]) out[3] = scaled_mm(dh_t, dh_si, x_t.t(), x_si, p.fast_wgrad, w1_dtype);
@@ -550,13 +571,16 @@ struct LayerNormMLPBackward : public Node {
   }
 };
 
-// The forward; w*_data / w*_si: the FP8 weight workspaces (cast by Python), w*_t their
-// transposed copies (None where no dgrad needs them).
+// The forward; w*_data / w*_si: the FP8 weight workspaces, w*_t their transposed copies (None
+// where no dgrad needs them). w*_cast: the weight's re-cast launch into its workspace
+// (WeightWorkspace.for_native), run first; nullptr where the workspace holds what Python cast
+// or kept.
 at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x, const at::Tensor& ln_w,
                        const std::optional<at::Tensor>& ln_b, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
                        const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& w1_data,
                        const at::Tensor& w1_si, const std::optional<at::Tensor>& w1_t, const at::Tensor& w2_data,
-                       const at::Tensor& w2_si, const std::optional<at::Tensor>& w2_t) {
+                       const at::Tensor& w2_si, const std::optional<at::Tensor>& w2_t, const Launch* w1_cast,
+                       const Launch* w2_cast) {
   const MlpPlan& p = *plan;
   TORCH_CHECK(x.is_cuda() && x.get_device() == p.device && x.size(-1) == p.hidden && x.numel() == p.rows * p.hidden,
               "fp8train native: LayerNormMLP plan for ", p.rows, " x ", p.hidden, " rows on cuda:", p.device,
@@ -567,18 +591,20 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
   at::Tensor x2, mean, rstd, xq, x_t, x_si, h, aq, a_t, a_si, y;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
+    if (w1_cast != nullptr) launch(*w1_cast, p.device, w1, w1_data, w1_t, w1_si);
+    if (w2_cast != nullptr) launch(*w2_cast, p.device, w2, w2_data, w2_t, w2_si);
     x2 = rows_of(x, p.hidden);
-    auto f32 = x.options().dtype(at::kFloat);
-    if (p.layer) mean = at::empty({p.rows}, f32);
-    rstd = at::empty({p.rows}, f32);
+    // what the backward keeps in one allocation each (x's and a's scale_inv, transposed
+    // copies, the norm's statistics); the payloads, dropped after their GEMM, apart
+    auto x_parts = one_allocation(x.options(), {{at::kFloat, {1}}, {at::kFloat, {p.rows}}, {at::kFloat, {p.rows}, p.layer},
+                                                {p.x_fp8, {p.hidden, p.padded}, p.grad}});
+    x_si = x_parts[0], rstd = x_parts[1], mean = x_parts[2], x_t = x_parts[3];
     xq = at::empty({p.rows, p.hidden}, x.options().dtype(p.x_fp8));
-    if (p.grad) x_t = at::empty({p.hidden, p.padded}, x.options().dtype(p.x_fp8));
-    x_si = at::empty({1}, f32);
     run_group(*p.norm_fwd, {x2, ln_w, opt(lnb), opt(mean), rstd, xq, opt(x_t), x_si, std::nullopt});
     h = scaled_mm(xq, x_si, w1_data.t(), w1_si, p.fast_fprop, p.act_dtype, bias1);  // (M, F1)
+    auto a_parts = one_allocation(x.options(), {{at::kFloat, {1}}, {p.a_fp8, {p.act_cols, p.padded}, p.grad}});
+    a_si = a_parts[0], a_t = a_parts[1];
     aq = at::empty({p.rows, p.act_cols}, x.options().dtype(p.a_fp8));
-    if (p.grad) a_t = at::empty({p.act_cols, p.padded}, x.options().dtype(p.a_fp8));
-    a_si = at::empty({1}, f32);
     run_group(*p.act_fwd, {h, aq, opt(a_t), a_si});
     y = scaled_mm(aq, a_si, w2_data.t(), w2_si, p.fast_fprop, p.act_dtype, bias2);  // (M, K)
     if (x.dim() != 2) y = y.view(x.sizes());

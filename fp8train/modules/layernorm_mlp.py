@@ -123,19 +123,12 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
         grad = torch.is_grad_enabled()
         need_dgrad1 = grad and (x.requires_grad or ln_weight.requires_grad)
         skip = self.weight_cast_skip
-        w1 = self._fc1_workspace.get(fc1_weight, q1[1], is_first_microbatch, need_transpose=need_dgrad1, skip=skip)
-        w2 = self._fc2_workspace.get(fc2_weight, q2[1], is_first_microbatch, need_transpose=grad, skip=skip)
         ln_bias, fc1_bias, fc2_bias = self.layer_norm_bias, self.fc1_bias, self.fc2_bias
-        args = (x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2],
-                recipe.gemm, act_dtype, self.eps, self.normalization == "LayerNorm", self.activation, grad)
-        if tp1 is not None:
-            y = LayerNormMLPTPFn.apply(*args, tp1, self.fc2_tp)
-            mark_calibrated(*q1, *q2)
-            return y
         entry = None
-        # the C++ node where its plan is ready, else the Python Function, which records for it
+        # the C++ node where its plan is ready (it re-casts the weights too, where their
+        # steady-state launch is prepared), else the Python Function, which records for it
         # (traced code never gets here with a plan: compile takes the Function, untouched)
-        if x.is_cuda and not torch.compiler.is_compiling():
+        if tp1 is None and x.is_cuda and not torch.compiler.is_compiling():
             needs = mlp_native.needs_of(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
             activations = (q2[0], q1[0], q1[2], q2[2])  # a, x, dh, dy: the quantizers the groups point into
             if mlp_native.eligible(x, activations):
@@ -143,8 +136,19 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
                                                activations)
                 plan = mlp_native.plan_for(self, entry, x, act_dtype, needs, recipe.gemm, *activations)
                 if plan is not None:
+                    w1, w1_cast = self._fc1_workspace.for_native(fc1_weight, q1[1], is_first_microbatch,
+                                                                 need_dgrad1, skip)
+                    w2, w2_cast = self._fc2_workspace.for_native(fc2_weight, q2[1], is_first_microbatch, grad, skip)
                     return mlp_native.forward(plan, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight,
-                                              fc2_bias, w1, w2, needs)
+                                              fc2_bias, w1, w2, needs, w1_cast, w2_cast)
+        w1 = self._fc1_workspace.get(fc1_weight, q1[1], is_first_microbatch, need_transpose=need_dgrad1, skip=skip)
+        w2 = self._fc2_workspace.get(fc2_weight, q2[1], is_first_microbatch, need_transpose=grad, skip=skip)
+        args = (x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, w1, w2, q1[0], q1[2], q2[0], q2[2],
+                recipe.gemm, act_dtype, self.eps, self.normalization == "LayerNorm", self.activation, grad)
+        if tp1 is not None:
+            y = LayerNormMLPTPFn.apply(*args, tp1, self.fc2_tp)
+            mark_calibrated(*q1, *q2)
+            return y
         y = _LayerNormMLPFn.apply(*args, entry)
         mark_calibrated(*q1, *q2)
         return y

@@ -135,13 +135,17 @@ def plan_for(layer, entry: NodeEntry, x: torch.Tensor, act_dtype: torch.dtype, n
 
 
 def forward(plan, x, ln_weight, ln_bias, w1, b1, w2, b2, w1_fp8: Float8Tensor, w2_fp8: Float8Tensor,
-            needs: Tuple[bool, ...]) -> torch.Tensor:
-    """The node's forward: y, with the node as its grad_fn where anything needs a gradient."""
+            needs: Tuple[bool, ...], w1_cast=None, w2_cast=None) -> torch.Tensor:
+    """The node's forward: y, with the node as its grad_fn where anything needs a gradient.
+    w1_cast / w2_cast: the weights' re-cast launches into their workspaces
+    (WeightWorkspace.for_native), which the node runs before its GEMMs, or None (the
+    workspace holds what Python cast or kept)."""
     grad = any(needs)
     w1_t = w1_fp8.transpose_data() if any(needs[:3]) else None
     w2_t = w2_fp8.transpose_data() if grad else None
     return native.extension().mlp_forward(plan, x, ln_weight, ln_bias, w1, b1, w2, b2, w1_fp8._data,
-                                          w1_fp8._scale_inv, w1_t, w2_fp8._data, w2_fp8._scale_inv, w2_t)
+                                          w1_fp8._scale_inv, w1_t, w2_fp8._data, w2_fp8._scale_inv, w2_t,
+                                          w1_cast, w2_cast)
 
 
 __all__ = ["NodeEntry", "NodePlans", "eligible", "forward", "needs_of", "plan_for", "signature"]

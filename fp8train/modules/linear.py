@@ -202,12 +202,8 @@ def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight
         grad_plan = q_grad.native_plan((m, weight.shape[0]), act_dtype, need_wgrad, bias.dtype if need_dbias else None)
         if grad_plan is None:
             return None
-    workspace, skip = layer._workspace, layer.weight_cast_skip
-    w_fp8, w_cast = workspace.fp8, None
-    if is_first_microbatch is not False and skip is None and workspace.fits(weight, q_weight):
-        w_cast = q_weight.native_recast(weight, w_fp8, need_dgrad)  # bookkeeping done, the launch is C++'s
-    if w_cast is None:
-        w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad, skip=skip)
+    w_fp8, w_cast = layer._workspace.for_native(weight, q_weight, is_first_microbatch, need_dgrad,
+                                                layer.weight_cast_skip)
     w_t = w_fp8.transpose_data() if need_dgrad else None
     return native.extension().linear_forward(
         x, weight, bias, w_fp8._data, w_fp8._scale_inv, w_t, x_plan, grad_plan, config.fprop_fast_accum,

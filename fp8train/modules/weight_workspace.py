@@ -44,6 +44,18 @@ class WeightWorkspace:
             self.fp8 = quantizer.quantize(weight, transpose=need_transpose)
         return self.fp8
 
+    def for_native(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
+                   need_transpose: bool, skip: Optional[torch.Tensor] = None):
+        """(workspace, launch) for a C++ node: where this call re-casts the weight in its
+        steady state, the quantizer's C++ launch of that re-cast (bookkeeping done, the node
+        launches it before its GEMMs) and the workspace it writes; else (get(...)'s result,
+        None), the weight cast or kept here in Python."""
+        if is_first_microbatch is not False and skip is None and self.fits(weight, quantizer):
+            launch = quantizer.native_recast(weight, self.fp8, need_transpose)
+            if launch is not None:
+                return self.fp8, launch
+        return self.get(weight, quantizer, is_first_microbatch, need_transpose=need_transpose, skip=skip), None
+
     def fits(self, weight: torch.Tensor, quantizer: Quantizer) -> bool:
         """Whether the workspace exists and can hold `weight` cast by `quantizer`."""
         ws = self.fp8

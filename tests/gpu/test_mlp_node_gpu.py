@@ -90,6 +90,56 @@ def test_node_with_frozen_parts(frozen):
     assert names[-1] == NODE, names
 
 
+@pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float32], ids=["bf16-params", "fp32-params"])
+def test_node_recasts_the_weights_itself(params_dtype, monkeypatch):
+    """Once the node runs, it launches the weights' steady-state re-casts itself (no Python
+    requantize), skips them for is_first_microbatch=False, and follows in-place weight
+    updates between steps: the Python Function's bytes, step after step."""
+    from fp8train.quantizer import DelayedScalingQuantizer
+    torch.manual_seed(5)
+    ref = fp8train.LayerNormMLP(128, 256, activation="gelu_tanh", params_dtype=params_dtype, device=CUDA)
+    mod = copy.deepcopy(ref)
+    flags = [None, None, None, None, True, False, False, None]
+    xs = [torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16) for _ in flags]
+    dys = [torch.randn(64, 128, device=CUDA, dtype=torch.bfloat16) for _ in flags]
+    updates = [{n: 0.01 * torch.randn_like(p) for n, p in ref.named_parameters()} for _ in flags]
+    recipe = fp8train.DelayedScaling()
+    python_casts = [0]
+    requantize = DelayedScalingQuantizer.requantize
+
+    def counted(self, *args, **kwargs):
+        python_casts[0] += 1
+        return requantize(self, *args, **kwargs)
+    monkeypatch.setattr(DelayedScalingQuantizer, "requantize", counted)
+
+    def steps(module, enabled):
+        native.ENABLED = enabled
+        out, casts = [], []
+        try:
+            for i, flag in enumerate(flags):
+                x = xs[i].clone().requires_grad_(True)
+                before = python_casts[0]
+                with fp8train.autocast(recipe=recipe):
+                    y = module(x, is_first_microbatch=flag)
+                casts.append(python_casts[0] - before)
+                y.backward(dys[i])
+                out.append((node_name(y), y.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}))
+                module.zero_grad(set_to_none=True)
+                if i + 1 < len(flags) and flags[i + 1] is not False:  # an update between microbatch groups
+                    with torch.no_grad():
+                        for n, p in module.named_parameters():
+                            p.add_(updates[i][n])
+            return (out, {n: t.clone() for n, t in module.state_dict().items()}), casts
+        finally:
+            native.ENABLED = True
+    got, got_casts = steps(mod, True)
+    want, want_casts = steps(ref, False)
+    assert [g[0] for g in got[0]][2:] == [NODE] * (len(flags) - 2)
+    assert got_casts[3:] == [0] * (len(flags) - 3), got_casts  # the node's own launches
+    assert want_casts[5:7] == [0, 0] and want_casts[4] == 2, want_casts  # False: no cast; True: both weights
+    assert_same_steps(got, want)
+
+
 def test_no_grad_forward_and_backward_twice():
     torch.manual_seed(2)
     mod = fp8train.LayerNormMLP(128, 256, activation="gelu_tanh", params_dtype=torch.bfloat16, device=CUDA)
