@@ -12,6 +12,10 @@ tensorwise compiled, default and "reduce-overhead", at h=1024 when importable
 (`--torchao-all` for every size). Loss and Adam stay eager in every other variant. Every
 variant is built and timed once per round (--rounds, default 5; each round starts one
 variant later than the previous, so no variant always follows the same one).
+A variant's time is its steps issued back to back, as training issues them, with one sync
+at each end of the timed block (`time_steps`): not triton's do_bench, which puts a 256 MB
+L2 flush and a pair of events between steps; on a host-bound step that measures the host's
+gaps around those extra launches as much as the step.
 Prints a table with each variant's median and its ratio to BF16 eager, its fastest round
 and that ratio (on a host-bound step the fastest round is the one the host disturbed
 least), the auto-precision report and the host time of one fwd+bwd of a 1024 x 1024 FP8
@@ -28,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import triton
@@ -39,6 +44,24 @@ from fp8train.quantizer import _REGISTRY
 sys.path.insert(0, os.path.dirname(__file__))
 from linear import host_time  # noqa: E402
 from mlp import fp8_mlp, kernel_breakdown, make_step, print_breakdown, torch_mlp  # noqa: E402
+
+
+def time_steps(step, block_ms: float = 300.0, warmup: int = 20) -> float:
+    """ms per step: `warmup` steps, then a block of back-to-back steps lasting about
+    `block_ms` (its length from the warm-up's rate), timed from one device sync to the next.
+    The first step runs before the warm-up's clock starts (auto precision measures in it)."""
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    iters = max(10, int(block_ms / max((time.perf_counter() - t0) * 1e3 / warmup, 1e-3)))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def graphed_bf16(h, f, device, x, target):
@@ -168,7 +191,7 @@ def main():
                     continue
                 try:
                     step, model = build()
-                    ms = triton.testing.do_bench(step, warmup=100, rep=300, return_mode="median")
+                    ms = time_steps(step)
                 except RuntimeError as e:
                     if "whole step" not in name:
                         raise
