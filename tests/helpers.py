@@ -150,3 +150,56 @@ def assert_same_steps(got, want) -> None:
     assert state.keys() == state_ref.keys()
     for name, t in state_ref.items():
         assert_bitwise(state[name], t, name)
+
+
+def high_mlp_case(shape, ffn: int, activation: str, bias: bool, dtype, device, needs=(True,) * 7) -> dict:
+    """Input, parameters (LayerNorm weight and bias, fc1, fc2: the C++ high-precision node's
+    argument order) and output gradient of a LayerNormMLP in `dtype`; needs[i]: whether the
+    i-th of (x, *params) requires grad."""
+    k = shape[-1]
+    f1 = 2 * ffn if activation == "swiglu" else ffn
+
+    def t(*size, scale=1.0, shift=0.0):
+        return torch.randn(*size, device=device).mul(scale).add(shift).to(dtype)
+    params = [t(k, scale=0.5, shift=1.0), t(k, scale=0.1) if bias else None, t(f1, k, scale=k ** -0.5),
+              t(f1, scale=0.1) if bias else None, t(k, ffn, scale=ffn ** -0.5), t(k, scale=0.1) if bias else None]
+    x = t(*shape)
+    leaves = [x] + params
+    for leaf, need in zip(leaves, needs):
+        if leaf is not None:
+            leaf.requires_grad_(need)
+    return {"x": x, "params": params, "dy": t(*shape)}
+
+
+def high_mlp_steps(ext, case, activation: str, eps: float = 1e-5) -> None:
+    """The node (ext.high_mlp_forward) against the torch composition it stands for: output
+    and every gradient bit for bit, and the same inputs given gradients."""
+    import torch.nn.functional as F
+
+    from fp8train.modules import layernorm_mlp_high as mlp_high
+    from fp8train.modules.activation import activation_high_precision
+    x, params, dy = case["x"], case["params"], case["dy"]
+    lnw, lnb, w1, b1, w2, b2 = params
+    leaves = [t for t in [x] + params if t is not None]
+
+    def composition():
+        ln = F.layer_norm(x, (x.shape[-1],), lnw, lnb, eps)
+        return F.linear(activation_high_precision(F.linear(ln, w1, b1), activation), w2, b2)
+
+    def node():
+        return ext.high_mlp_forward(x, *params, eps, mlp_high.ACTIVATION_CODES[activation])
+
+    results = []
+    for fn in (composition, node):
+        y = fn()
+        if y.requires_grad:
+            y.backward(dy)
+        results.append((y.detach(), [None if t.grad is None else t.grad.clone() for t in leaves]))
+        for t in leaves:
+            t.grad = None
+    (y_want, g_want), (y_got, g_got) = results
+    assert_bitwise(y_got, y_want, "output")
+    for i, (got, want) in enumerate(zip(g_got, g_want)):
+        assert (got is None) == (want is None), f"gradient {i}: given {got is not None}, composition {want is not None}"
+        if want is not None:
+            assert_bitwise(got, want, f"gradient {i}")

@@ -34,6 +34,7 @@
 #include <pybind11/stl.h>
 
 #include "dl.h"
+#include "high_mlp.h"
 #include "lt_gemm.h"
 #include "stage_clocks.h"
 
@@ -655,6 +656,7 @@ namespace py = pybind11;
 using namespace fp8train_native;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_high_mlp(m);
   py::class_<Launch>(m, "Launch")
       .def(py::init([](uint64_t function, unsigned grid, unsigned block, unsigned shared,
                        std::vector<uint64_t> values, std::vector<int> holes) {

@@ -1,8 +1,10 @@
-"""The C++ side of the eager hot path: fp8train/csrc/ (linear_node.cpp, lt_gemm.cpp), built
+"""The C++ side of the eager hot path: fp8train/csrc/ (linear_node.cpp, lt_gemm.cpp, high_mlp.cpp), built
 on first use.
 
 It holds the Linear layer's autograd node in C++ (forward and backward with no Python
-between the launches) and a launcher for Triton binaries that Python compiled and loaded:
+between the launches), LayerNormMLP's high-precision path as one node (high_mlp.cpp: the
+torch composition's ATen ops, one call forward and one node backward, for the layers auto
+precision keeps out of FP8) and a launcher for Triton binaries that Python compiled and loaded:
 a `CastPlan` is one quantizer's cast of one input shape, made from the quantizer's prepared
 launches (kernels.cast.PreparedCast.native_launch). The Python path stays the reference
 and the fallback: on the CPU, under the interpreter or torch.compile, with launch hooks,
@@ -31,7 +33,7 @@ from ..tensor import padded_rows
 ENABLED = True
 
 _CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [str(_CSRC / "linear_node.cpp"), str(_CSRC / "lt_gemm.cpp")]
+SOURCES = [str(_CSRC / "linear_node.cpp"), str(_CSRC / "lt_gemm.cpp"), str(_CSRC / "high_mlp.cpp")]
 _ext = None
 _failure: Optional[str] = None
 
