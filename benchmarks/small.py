@@ -15,7 +15,10 @@ variant later than the previous, so no variant always follows the same one).
 A variant's time is its steps issued back to back, as training issues them, with one sync
 at each end of the timed block (`time_steps`): not triton's do_bench, which puts a 256 MB
 L2 flush and a pair of events between steps; on a host-bound step that measures the host's
-gaps around those extra launches as much as the step.
+gaps around those extra launches as much as the step. Rounds lie seconds apart (builds,
+captures), and the host drifts between them, so after the rounds auto precision and BF16
+eager are also timed interleaved in a b b a blocks (precision.time_pair): the auto-precision
+target's measurement.
 Prints a table with each variant's median and its ratio to BF16 eager, its fastest round
 and that ratio (on a host-bound step the fastest round is the one the host disturbed
 least), the auto-precision report and the host time of one fwd+bwd of a 1024 x 1024 FP8
@@ -164,12 +167,14 @@ def main():
     p.add_argument("--profile", type=int, default=1024,
                    help="print the per-kernel device time of the graphed variants at this h (0: none)")
     p.add_argument("--rounds", type=int, default=5, help="times each variant is built and timed (median)")
+    p.add_argument("--pair-blocks", type=int, default=7,
+                   help="a b b a blocks of the interleaved auto-precision vs BF16 eager timing")
     p.add_argument("--json", default="benchmarks/results/small.json")
     args = p.parse_args()
     device = torch.device("cuda")
     meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__, "tokens": args.tokens}
-    results, reports, profiles = [], [], {}
+    results, reports, profiles, interleaved = [], [], {}, []
     failed: dict = {}  # variant -> why it could not run
     for h in (int(s) for s in args.sizes.split(",")):
         torch.manual_seed(0)
@@ -211,6 +216,18 @@ def main():
                 del step, model
                 gc.collect()
                 torch.cuda.empty_cache()
+        # Auto precision against BF16 eager once more, interleaved finely: both steps built and
+        # kept, timed in a b b a blocks of 50 steps each (precision.time_pair, the method auto
+        # precision decides by), so the host's drift between the rounds' variants cancels.
+        steps = [make_step(torch_mlp(h, 4 * h, torch.bfloat16, device), x, target),
+                 make_step(fp8_mlp(h, 4 * h, torch.bfloat16, device), x, target,
+                           fp8train.DelayedScaling(auto_precision=True))]
+        steps[1]()  # the auto-precision decision (a table lookup: measured in the rounds above)
+        bf16_ms, auto_ms = precision.time_pair(*steps, device, warmup=20, iters=50, blocks=args.pair_blocks)
+        interleaved.append({"h": h, "bf16_eager_ms": bf16_ms, "auto_ms": auto_ms, "ratio": auto_ms / bf16_ms})
+        del steps
+        gc.collect()
+        torch.cuda.empty_cache()
         base, base_min = statistics.median(samples["bf16 eager"]), min(samples["bf16 eager"])
         for name, ms in samples.items():
             if not ms:  # a variant that failed (see `failed`)
@@ -256,6 +273,10 @@ def main():
     print("\nauto precision choices:")
     for text in reports:
         print(text)
+    print("\nfp8train eager auto against BF16 eager, interleaved (a b b a blocks of 50 steps, median block ratio; "
+          "target <= 1.0 at every size):")
+    for r in interleaved:
+        print(f"  h={r['h']:<5} {r['auto_ms']:.3f} / {r['bf16_eager_ms']:.3f} ms = {r['ratio']:.2f}x")
     # the issue's third target: host time of one fwd+bwd of a 1024 x 1024 layer on 256
     # tokens against nn.Linear's, measured here too so one run shows all three
     host = host_time(device)
@@ -265,7 +286,7 @@ def main():
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump({"meta": meta, "steps": results, "failed": failed, "auto_precision": reports, "profiles": profiles,
-                   "host_time": host}, fh, indent=1)
+                   "auto_interleaved": interleaved, "host_time": host}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -96,3 +96,22 @@ def test_which_calls_the_layer_routes_to_the_node():
     rms = fp8train.LayerNormMLP(32, 64, normalization="RMSNorm", params_dtype=torch.bfloat16)
     assert not mlp_high.takes(rms, x, torch.bfloat16)
     assert mlp_high.forward(layer, x, torch.bfloat16) is None  # CPU layers never take the extension
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_high_path_norm_of_mixed_dtypes_is_computed_wide_and_rounded_once(normalization):
+    """Float32 master weights with bf16 activations (torch's CUDA norms refuse the mix): the
+    norm runs in float32 and is rounded once to x's dtype, within half a bf16 ulp of float64
+    plus float32's own error; one dtype is exactly norm_high_precision."""
+    from fp8train.modules.norm import norm_high_precision, norm_high_precision_in
+    torch.manual_seed(6)
+    x = (torch.randn(41, 96) * 3 + 1).to(torch.bfloat16)
+    w, b = torch.randn(96) * 0.5 + 1, (torch.randn(96) if normalization == "LayerNorm" else None)
+    got = norm_high_precision_in(x, w, b, normalization, 1e-5)
+    assert got.dtype == torch.bfloat16
+    ref = norm_high_precision(x.double(), w.double(), None if b is None else b.double(), normalization, 1e-5)
+    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(2.0 ** -126)
+    assert ((got.double() - ref).abs() <= 0.5 * ulp + 1e-5 * ref.abs().clamp_min(1.0)).all()
+    same = x.float()
+    torch.testing.assert_close(norm_high_precision_in(same, w, b, normalization, 1e-5),
+                               norm_high_precision(same, w, b, normalization, 1e-5), rtol=0, atol=0)

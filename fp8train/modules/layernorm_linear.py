@@ -15,7 +15,8 @@ from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from .base import FP8Module, in_dtype, mark_calibrated
 from .linear import _rows, init_linear_params, linear_parts
-from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
+from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision, \
+    norm_high_precision_in
 from .tp_checkpoint import TPCheckpoints
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
@@ -165,7 +166,8 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
                                                     self.bias, self.normalization, self.eps, self.tp,
                                                     self.local_out_parts)
             return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
-        ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
+        norm = norm_high_precision if dtype is None else norm_high_precision_in
+        ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
         gemm_in, w, b = ln, self.weight, self.bias
         if dtype is not None:
             gemm_in, w, b = in_dtype(ln, dtype), in_dtype(w, dtype), in_dtype(b, dtype)

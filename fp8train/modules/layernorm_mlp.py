@@ -20,7 +20,8 @@ from . import layernorm_mlp_native as mlp_native
 from .activation import ACTIVATIONS, activation_backward_fp8, activation_fp8, activation_high_precision
 from .base import FP8Module, in_dtype, mark_calibrated
 from .linear import _rows, init_linear_params
-from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision
+from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision, \
+    norm_high_precision_in
 from .tp_checkpoint import TPCheckpoints
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
@@ -32,7 +33,9 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
     """y = fc2(act(fc1(Norm(x)))), the transformer MLP.
 
     Outside fp8train.autocast it computes exactly the torch composition (norm, F.linear,
-    the activation of `activation_high_precision`, F.linear). Inside, the norm writes fc1's
+    the activation of `activation_high_precision`, F.linear); inside, where it runs in high
+    precision (auto precision, dims FP8 cannot take), the same bytes come from one C++ node
+    on the GPU (layernorm_mlp_high.py). Inside, the norm writes fc1's
     FP8 input, the activation kernel writes fc2's FP8 input (each with the transposed copy
     wgrad needs and the amax), and in the backward the activation-gradient kernel writes
     fc1's FP8 grad-output with its transpose and fc1's bias gradient. swiglu's fc1 has
@@ -179,7 +182,8 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
             y = mlp_high.forward(self, x, dtype)
             if y is not None:
                 return y
-        ln = norm_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
+        norm = norm_high_precision if dtype is None else norm_high_precision_in
+        ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
         params = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
         if dtype is not None:
             ln = in_dtype(ln, dtype)

@@ -41,6 +41,20 @@ def norm_high_precision(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def norm_high_precision_in(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], normalization: str,
+                           eps: float) -> torch.Tensor:
+    """The norm of a layer's high-precision path inside fp8train.autocast, where input and
+    parameters may differ in dtype (float32 master weights, bf16 activations; torch's CUDA
+    kernels refuse the mix): computed in the wider of the two, as torch.autocast runs norms in
+    float32, and returned in x's dtype, as the norm modules return it. One dtype: exactly
+    norm_high_precision."""
+    wide = torch.promote_types(x.dtype, weight.dtype)
+    if wide == x.dtype and wide == weight.dtype:
+        return norm_high_precision(x, weight, bias, normalization, eps)
+    ln = norm_high_precision(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide), normalization, eps)
+    return ln.to(x.dtype)
+
+
 def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layer: bool, eps: float,
              q: Quantizer, transpose: bool, want_y: bool, amax_hook: Optional[Callable[[torch.Tensor], None]] = None,
              found: Optional[list] = None
@@ -115,5 +129,6 @@ def norm_backward(d_norm: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
 _BWD_GROUPS: dict = {}
 
 
-__all__ = ["NORMALIZATIONS", "check_norm_args", "make_norm_params", "norm_high_precision", "norm_fp8",
+__all__ = ["NORMALIZATIONS", "check_norm_args", "make_norm_params", "norm_high_precision", "norm_high_precision_in",
+           "norm_fp8",
            "norm_backward"]
