@@ -1,5 +1,7 @@
 """Shared test helpers: SQNR, bf16 bit patterns, FP8 byte comparison, poisoned outputs, the
 TP backward's reduction / wgrad order."""
+import contextlib
+
 import pytest
 import torch
 
@@ -210,3 +212,22 @@ def high_node_steps(ext, case, activation, eps: float = 1e-5) -> None:
         assert (got is None) == (want is None), f"gradient {i}: given {got is not None}, composition {want is not None}"
         if want is not None:
             assert_bitwise(got, want, f"gradient {i}")
+
+
+@contextlib.contextmanager
+def own_precision_table(device, path):
+    """A fresh auto-precision table for `device`'s model, saved at `path`, in use inside; the
+    table in use before comes back after."""
+    from fp8train import precision
+    name = precision.device_name(device)
+    saved = precision._TABLES.get(name)
+    table = precision.PrecisionTable(name, path)
+    precision.use_table(table)
+    try:
+        yield table
+    finally:
+        if saved is None:
+            precision._TABLES.pop(name, None)
+        else:
+            precision._TABLES[name] = saved
+        precision.refresh()

@@ -40,6 +40,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "high_mlp.h"
+#include "node_ptr.h"
 
 namespace fp8train_native {
 
@@ -52,18 +53,6 @@ namespace {
 // Activation codes (modules/high_mlp_native.py ACTIVATION_CODES).
 // kNone: no activation and no fc2 (LayerNormLinear: y = fc1's output).
 enum Activation : int64_t { kNone = -1, kGelu = 0, kGeluTanh = 1, kRelu = 2, kSwiglu = 3 };
-
-using NodePtr = decltype(std::declval<torch::autograd::Edge>().function);
-
-template <typename T>
-std::shared_ptr<T> make_node(std::shared_ptr<Node>*) {
-  return std::make_shared<T>();
-}
-
-template <typename T>
-c10::intrusive_ptr<T> make_node(c10::intrusive_ptr<Node>*) {
-  return c10::make_intrusive<T>();
-}
 
 // F.linear's forward on rows x2: addmm with a bias, mm without
 at::Tensor linear(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b) {
@@ -176,7 +165,7 @@ at::Tensor high_forward(const at::Tensor& x, const at::Tensor& ln_w, const at::T
   const bool any_need = needs(x) || needs(ln_w) || needs(lnb) || needs(w1) || needs(bias1) || needs(w2) ||
                         needs(bias2);
   if (!any_need || !torch::autograd::GradMode::is_enabled()) return y;
-  auto node = make_node<HighBackward>(static_cast<NodePtr*>(nullptr));
+  auto node = make_node<HighBackward>(kNodePtr);
   node->set_next_edges(torch::autograd::collect_next_edges(x, ln_w, lnb, w1, bias1, w2, bias2));
   node->x2_saved = SavedVariable(x2, false);
   node->ln_w_saved = SavedVariable(ln_w, false);

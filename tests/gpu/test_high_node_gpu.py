@@ -14,7 +14,7 @@ import fp8train
 from fp8train import precision
 from fp8train.kernels import native
 from fp8train.modules import high_node
-from tests.helpers import assert_bitwise, high_node_case, high_node_steps
+from tests.helpers import assert_bitwise, high_node_case, high_node_steps, own_precision_table
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -32,17 +32,9 @@ def ext():
 @pytest.fixture
 def high_table(tmp_path):
     """Auto precision pinned to high precision for every layer, on a table of this test's own."""
-    name = precision.device_name(CUDA)
-    saved = precision._TABLES.get(name)
-    table = precision.PrecisionTable(name, tmp_path / "table.json")
-    precision.use_table(table)
-    table.override("", precision.HIGH)
-    yield table
-    if saved is None:
-        precision._TABLES.pop(name, None)
-    else:
-        precision._TABLES[name] = saved
-    precision.refresh()
+    with own_precision_table(CUDA, tmp_path / "table.json") as table:
+        table.override("", precision.HIGH)
+        yield table
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
