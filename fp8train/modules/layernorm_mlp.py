@@ -35,7 +35,7 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
     Outside fp8train.autocast it computes exactly the torch composition (norm, F.linear,
     the activation of `activation_high_precision`, F.linear); inside, where it runs in high
     precision (auto precision, dims FP8 cannot take), the same bytes come from one C++ node
-    on the GPU (high_node.py). Inside, the norm writes fc1's
+    on the GPU (high_node.py). In FP8, the norm writes fc1's
     FP8 input, the activation kernel writes fc2's FP8 input (each with the transposed copy
     wgrad needs and the amax), and in the backward the activation-gradient kernel writes
     fc1's FP8 grad-output with its transpose and fc1's bias gradient. swiglu's fc1 has
