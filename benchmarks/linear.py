@@ -87,10 +87,12 @@ def on_scaled_mm(run):
     return wrapped
 
 
-def host_time(device, iters=300, tokens=256, dim=1024, rounds=7):
-    """Median over rounds; each round times every kind in turn, so all see the same host load.
-    The FP8 kinds run through the C++ Linear node (the default) and the Python one; delayed
-    scaling also with the node's GEMMs on at::_scaled_mm (what the cached cuBLASLt path saves)."""
+def host_time(device, iters=100, tokens=256, dim=1024, rounds=21):
+    """Median over rounds; each round times every kind in turn, so all see the same host load,
+    in the reverse order every other round (a b ... b a: no kind always runs first after the
+    sync). Many short rounds, because the host's speed drifts within seconds. The FP8 kinds run
+    through the C++ Linear node (the default) and the Python one; delayed scaling also with the
+    node's GEMMs on at::_scaled_mm (what the cached cuBLASLt path saves)."""
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     runs = {kind: fwd_bwd_fn(*make(kind, dim, dim, device), x, dy) for kind in ("bf16", *RECIPES)}
@@ -102,8 +104,9 @@ def host_time(device, iters=300, tokens=256, dim=1024, rounds=7):
     for run in runs.values():
         for _ in range(20):
             run()
-    for _ in range(rounds):
-        for kind, run in runs.items():
+    for r in range(rounds):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            run = runs[kind]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(iters):

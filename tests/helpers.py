@@ -1,5 +1,7 @@
 """Shared test helpers: SQNR, bf16 bit patterns, FP8 byte comparison, poisoned outputs, the
 TP backward's reduction / wgrad order."""
+import contextlib
+
 import pytest
 import torch
 
@@ -152,42 +154,49 @@ def assert_same_steps(got, want) -> None:
         assert_bitwise(state[name], t, name)
 
 
-def high_mlp_case(shape, ffn: int, activation: str, bias: bool, dtype, device, needs=(True,) * 7) -> dict:
-    """Input, parameters (LayerNorm weight and bias, fc1, fc2: the C++ high-precision node's
-    argument order) and output gradient of a LayerNormMLP in `dtype`; needs[i]: whether the
-    i-th of (x, *params) requires grad."""
+def high_node_case(shape, ffn: int, activation, bias: bool, dtype, device, needs=(True,) * 7) -> dict:
+    """Input, parameters and output gradient for the C++ high-precision node, in `dtype`: a
+    LayerNormMLP's (LayerNorm weight and bias, fc1, fc2: the node's argument order) or, for
+    activation None, a LayerNormLinear's (LayerNorm, then a Linear of `ffn` outputs);
+    needs[i]: whether the i-th of (x, *params) requires grad."""
     k = shape[-1]
     f1 = 2 * ffn if activation == "swiglu" else ffn
 
     def t(*size, scale=1.0, shift=0.0):
         return torch.randn(*size, device=device).mul(scale).add(shift).to(dtype)
     params = [t(k, scale=0.5, shift=1.0), t(k, scale=0.1) if bias else None, t(f1, k, scale=k ** -0.5),
-              t(f1, scale=0.1) if bias else None, t(k, ffn, scale=ffn ** -0.5), t(k, scale=0.1) if bias else None]
+              t(f1, scale=0.1) if bias else None]
+    if activation is not None:
+        params += [t(k, ffn, scale=ffn ** -0.5), t(k, scale=0.1) if bias else None]
     x = t(*shape)
-    leaves = [x] + params
-    for leaf, need in zip(leaves, needs):
+    for leaf, need in zip([x] + params, needs):
         if leaf is not None:
             leaf.requires_grad_(need)
-    return {"x": x, "params": params, "dy": t(*shape)}
+    out = k if activation is not None else ffn
+    return {"x": x, "params": params, "dy": t(*shape[:-1], out)}
 
 
-def high_mlp_steps(ext, case, activation: str, eps: float = 1e-5) -> None:
-    """The node (ext.high_mlp_forward) against the torch composition it stands for: output
-    and every gradient bit for bit, and the same inputs given gradients."""
+def high_node_steps(ext, case, activation, eps: float = 1e-5) -> None:
+    """The node (ext.high_mlp_forward, or ext.high_ln_linear_forward for activation None)
+    against the torch composition it stands for: output and every gradient bit for bit, and
+    the same inputs given gradients."""
     import torch.nn.functional as F
 
-    from fp8train.modules import layernorm_mlp_high as mlp_high
+    from fp8train.modules import high_node
     from fp8train.modules.activation import activation_high_precision
     x, params, dy = case["x"], case["params"], case["dy"]
-    lnw, lnb, w1, b1, w2, b2 = params
     leaves = [t for t in [x] + params if t is not None]
 
     def composition():
-        ln = F.layer_norm(x, (x.shape[-1],), lnw, lnb, eps)
-        return F.linear(activation_high_precision(F.linear(ln, w1, b1), activation), w2, b2)
+        y = F.linear(F.layer_norm(x, (x.shape[-1],), params[0], params[1], eps), params[2], params[3])
+        if activation is None:
+            return y
+        return F.linear(activation_high_precision(y, activation), params[4], params[5])
 
     def node():
-        return ext.high_mlp_forward(x, *params, eps, mlp_high.ACTIVATION_CODES[activation])
+        if activation is None:
+            return ext.high_ln_linear_forward(x, *params, eps)
+        return ext.high_mlp_forward(x, *params, eps, high_node.ACTIVATION_CODES[activation])
 
     results = []
     for fn in (composition, node):
@@ -203,3 +212,22 @@ def high_mlp_steps(ext, case, activation: str, eps: float = 1e-5) -> None:
         assert (got is None) == (want is None), f"gradient {i}: given {got is not None}, composition {want is not None}"
         if want is not None:
             assert_bitwise(got, want, f"gradient {i}")
+
+
+@contextlib.contextmanager
+def own_precision_table(device, path):
+    """A fresh auto-precision table for `device`'s model, saved at `path`, in use inside; the
+    table in use before comes back after."""
+    from fp8train import precision
+    name = precision.device_name(device)
+    saved = precision._TABLES.get(name)
+    table = precision.PrecisionTable(name, path)
+    precision.use_table(table)
+    try:
+        yield table
+    finally:
+        if saved is None:
+            precision._TABLES.pop(name, None)
+        else:
+            precision._TABLES[name] = saved
+        precision.refresh()

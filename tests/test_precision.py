@@ -10,6 +10,7 @@ import torch
 import fp8train
 from fp8train import precision
 from fp8train.precision import FP8, HIGH, PrecisionTable, ShapeKey
+from tests.helpers import own_precision_table
 
 CPU = torch.device("cpu")
 RECIPES = [pytest.param(fp8train.DelayedScaling, id="delayed"), pytest.param(fp8train.CurrentScaling, id="current")]
@@ -18,16 +19,8 @@ RECIPES = [pytest.param(fp8train.DelayedScaling, id="delayed"), pytest.param(fp8
 @pytest.fixture
 def table(tmp_path):
     """A fresh table for this machine's CPU, saved under tmp_path; the old one comes back after."""
-    name = precision.device_name(CPU)
-    saved = precision._TABLES.get(name)
-    t = PrecisionTable(name, tmp_path / "table.json")
-    precision.use_table(t)
-    yield t
-    if saved is None:
-        precision._TABLES.pop(name, None)
-    else:
-        precision._TABLES[name] = saved
-    precision.refresh()
+    with own_precision_table(CPU, tmp_path / "table.json") as t:
+        yield t
 
 
 def layers():

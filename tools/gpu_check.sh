@@ -12,9 +12,12 @@
 #          host-time ratio (benchmarks/linear.py, 1024 only) and tools/probe_host_state.py
 #   lt     the extension's cuBLASLt GEMM: its GPU tests, the node/fused/graph tests, the node's
 #          stage clocks, the Linear host-time ratio and LayerNormMLP's host time, each with A/B
+#   high   the high-precision C++ node (csrc/high_mlp.cpp): its GPU tests beside the native,
+#          precision, compile, fused-module, graph, MLP-node and replay tests (two shards where
+#          there are two GPUs), then tools/probe_high_mlp.py
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [replay]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -73,6 +76,17 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_replay_gpu.py \
         tests/gpu/test_mlp_node_gpu.py tests/gpu/test_fused_modules_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tail -12
       timeout 150 python3 tools/host_profile_mlp.py 2>&1 | tee "$OUT/host_profile_mlp.log" | grep "^== " ;;
+    high)
+      python3 -c "from fp8train.kernels import native; print('C++ extension:', 'built' if native.extension() else native.failure())"
+      CUDA_VISIBLE_DEVICES=0 timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+        tests/gpu/test_high_node_gpu.py tests/gpu/test_precision_gpu.py tests/gpu/test_compile_gpu.py \
+        tests/gpu/test_native_gpu.py > "$OUT/high_a.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=$((ngpu - 1)) timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+        tests/gpu/test_fused_modules_gpu.py tests/gpu/test_graphs_gpu.py tests/gpu/test_mlp_node_gpu.py \
+        tests/gpu/test_replay_gpu.py > "$OUT/high_b.log" 2>&1 &
+      wait
+      for log in "$OUT"/high_a.log "$OUT"/high_b.log; do grep -h "^FAILED\|^ERROR" "$log" | head -8; tail -1 "$log"; done
+      PYTHONPATH=$PYTHONPATH:benchmarks timeout 100 python3 tools/probe_high_mlp.py 2>&1 | grep -v "warn\|Warn\|run_backward" ;;
     lt)
       python3 -c "from fp8train.kernels import native; e = native.extension(); print('C++ extension:', \
 'built, libcublasLt %s' % e.lt_version() if e else native.failure())"

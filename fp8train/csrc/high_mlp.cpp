@@ -1,5 +1,6 @@
 // LayerNormMLP's high-precision path (auto precision's "high" choice, dims FP8 cannot take)
-// as one C++ autograd node: LayerNorm -> fc1 -> activation -> fc2 in the activation dtype.
+// as one C++ autograd node: LayerNorm -> fc1 -> activation -> fc2 in the activation dtype;
+// and LayerNormLinear's, the same node stopped after fc1 (activation kNone).
 //
 // Why: where auto precision keeps a layer out of FP8, the step is small enough to be bound
 // by the host, and the torch composition costs a Python call per op forward and an autograd
@@ -39,6 +40,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "high_mlp.h"
+#include "node_ptr.h"
 
 namespace fp8train_native {
 
@@ -49,19 +51,8 @@ using torch::autograd::variable_list;
 namespace {
 
 // Activation codes (modules/high_mlp_native.py ACTIVATION_CODES).
-enum Activation : int64_t { kGelu = 0, kGeluTanh = 1, kRelu = 2, kSwiglu = 3 };
-
-using NodePtr = decltype(std::declval<torch::autograd::Edge>().function);
-
-template <typename T>
-std::shared_ptr<T> make_node(std::shared_ptr<Node>*) {
-  return std::make_shared<T>();
-}
-
-template <typename T>
-c10::intrusive_ptr<T> make_node(c10::intrusive_ptr<Node>*) {
-  return c10::make_intrusive<T>();
-}
+// kNone: no activation and no fc2 (LayerNormLinear: y = fc1's output).
+enum Activation : int64_t { kNone = -1, kGelu = 0, kGeluTanh = 1, kRelu = 2, kSwiglu = 3 };
 
 // F.linear's forward on rows x2: addmm with a bias, mm without
 at::Tensor linear(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b) {
@@ -71,7 +62,7 @@ at::Tensor linear(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b
 // Inputs, in the order of the node's next edges.
 enum Input { kX = 0, kLnW, kLnB, kW1, kB1, kW2, kB2, kInputs };
 
-struct HighMLPBackward : public Node {
+struct HighBackward : public Node {
   // The caller's x (as rows) and the parameters, saved as autograd saves them: an in-place
   // change before the backward is the usual version-counter error
   SavedVariable x2_saved, ln_w_saved, ln_b_saved, w1_saved, w2_saved;
@@ -80,7 +71,7 @@ struct HighMLPBackward : public Node {
   int64_t activation = kGeluTanh;
   double eps = 1e-5;
 
-  std::string name() const override { return "fp8train::HighMLPBackward"; }
+  std::string name() const override { return "fp8train::HighBackward"; }
 
   void release_variables() override {
     for (SavedVariable* v : {&x2_saved, &ln_w_saved, &ln_b_saved, &w1_saved, &w2_saved}) v->reset_data();
@@ -92,25 +83,27 @@ struct HighMLPBackward : public Node {
     at::Tensor dy = grads[0];
     if (!dy.defined()) return out;
     TORCH_CHECK(!torch::autograd::GradMode::is_enabled(),
-                "fp8train.LayerNormMLP: double backward (create_graph=True) through its high-precision node is not "
-                "supported; run the layer outside fp8train.autocast for the torch composition");
-    TORCH_CHECK(h.defined(), "fp8train.LayerNormMLP: backward through the graph a second time; the saved tensors "
+                "fp8train: double backward (create_graph=True) through the high-precision node (LayerNormMLP, "
+                "LayerNormLinear) is not supported; run the layer outside fp8train.autocast for the torch composition");
+    TORCH_CHECK(h.defined(), "fp8train: backward through the high-precision node a second time; the saved tensors "
                 "were freed (use retain_graph=True)");
     const at::Tensor x2 = x2_saved.unpack(), ln_w = ln_w_saved.unpack(), ln_b = ln_b_saved.unpack();
     const at::Tensor w1 = w1_saved.unpack(), w2 = w2_saved.unpack();
     const int64_t hidden = x2.size(1);
-    at::Tensor dy2 = dy.dim() == 2 ? dy : dy.reshape({-1, hidden});  // ViewBackward's reshape
-    // fc2
-    if (task_should_compute_output(kW2)) out[kW2] = dy2.t().mm(a);
-    if (task_should_compute_output(kB2)) out[kB2] = at::sum_to(dy2, b2_shape);
+    at::Tensor dy2 = dy.dim() == 2 ? dy : dy.reshape({-1, dy.size(-1)});  // ViewBackward's reshape
+    if (activation != kNone) {  // fc2
+      if (task_should_compute_output(kW2)) out[kW2] = dy2.t().mm(a);
+      if (task_should_compute_output(kB2)) out[kB2] = at::sum_to(dy2, b2_shape);
+    }
     const std::array<bool, 3> mask = {task_should_compute_output(kX), task_should_compute_output(kLnW),
                                       task_should_compute_output(kLnB)};
     const bool need_w1 = task_should_compute_output(kW1), need_b1 = task_should_compute_output(kB1);
     if (!(need_w1 || need_b1 || mask[0] || mask[1] || mask[2])) return out;
-    at::Tensor da = dy2.mm(w2);  // (M, F)
+    at::Tensor da = activation == kNone ? at::Tensor() : dy2.mm(w2);  // (M, F)
     // the activation
     at::Tensor dh;
     switch (activation) {
+      case kNone: dh = dy2; break;
       case kGelu: dh = at::gelu_backward(da, h, "none"); break;
       case kGeluTanh: dh = at::gelu_backward(da, h, "tanh"); break;
       case kRelu: dh = at::threshold_backward(da, a, 0); break;
@@ -134,18 +127,16 @@ struct HighMLPBackward : public Node {
   }
 };
 
-// y = fc2(act(fc1(LayerNorm(x)))): x (..., K) of 2 or 3 dims in the parameters' dtype, with
-// torch.autocast off (modules/high_mlp_native.py checks both, and the rest).
-at::Tensor high_mlp_forward(const at::Tensor& x, const at::Tensor& ln_w, const std::optional<at::Tensor>& ln_b,
-                            const at::Tensor& w1, const std::optional<at::Tensor>& b1, const at::Tensor& w2,
-                            const std::optional<at::Tensor>& b2, double eps, int64_t activation) {
-  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "fp8train native: the high-precision LayerNormMLP node takes 2-D or 3-D "
-              "input, got ", x.dim(), "-D");
-  TORCH_CHECK(activation >= kGelu && activation <= kSwiglu, "fp8train native: bad activation code ", activation);
+// y = fc2(act(fc1(LayerNorm(x)))), or fc1(LayerNorm(x)) for kNone (w2, b2 undefined): x (..., K)
+// of 2 or 3 dims in the parameters' dtype, with torch.autocast off (modules/high_node.py
+// checks both, and the rest).
+at::Tensor high_forward(const at::Tensor& x, const at::Tensor& ln_w, const at::Tensor& lnb, const at::Tensor& w1,
+                        const at::Tensor& bias1, const at::Tensor& w2, const at::Tensor& bias2, double eps,
+                        int64_t activation) {
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "fp8train native: the high-precision node takes 2-D or 3-D input, got ",
+              x.dim(), "-D");
+  TORCH_CHECK(activation >= kNone && activation <= kSwiglu, "fp8train native: bad activation code ", activation);
   const int64_t hidden = x.size(-1);
-  const at::Tensor lnb = ln_b.has_value() ? *ln_b : at::Tensor();
-  const at::Tensor bias1 = b1.has_value() ? *b1 : at::Tensor();
-  const at::Tensor bias2 = b2.has_value() ? *b2 : at::Tensor();
   at::Tensor x2, ln, mean, rstd, h, s, a, y;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -153,6 +144,7 @@ at::Tensor high_mlp_forward(const at::Tensor& x, const at::Tensor& ln_w, const s
     std::tie(ln, mean, rstd) = at::native_layer_norm(x2, {hidden}, ln_w, lnb, eps);
     h = linear(ln, w1, bias1);
     switch (activation) {
+      case kNone: break;
       case kGelu: a = at::gelu(h, "none"); break;
       case kGeluTanh: a = at::gelu(h, "tanh"); break;
       case kRelu: a = at::relu(h); break;
@@ -162,24 +154,24 @@ at::Tensor high_mlp_forward(const at::Tensor& x, const at::Tensor& ln_w, const s
         a = at::mul(s, parts[1]);
       }
     }
-    y = linear(a, w2, bias2);
+    y = activation == kNone ? h : linear(a, w2, bias2);
     if (x.dim() != 2) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
       shape.push_back(y.size(1));
       y = y.view(shape);
     }
   }
-  const bool any_need = x.requires_grad() || ln_w.requires_grad() || (lnb.defined() && lnb.requires_grad()) ||
-                        w1.requires_grad() || (bias1.defined() && bias1.requires_grad()) || w2.requires_grad() ||
-                        (bias2.defined() && bias2.requires_grad());
+  auto needs = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
+  const bool any_need = needs(x) || needs(ln_w) || needs(lnb) || needs(w1) || needs(bias1) || needs(w2) ||
+                        needs(bias2);
   if (!any_need || !torch::autograd::GradMode::is_enabled()) return y;
-  auto node = make_node<HighMLPBackward>(static_cast<NodePtr*>(nullptr));
+  auto node = make_node<HighBackward>(kNodePtr);
   node->set_next_edges(torch::autograd::collect_next_edges(x, ln_w, lnb, w1, bias1, w2, bias2));
   node->x2_saved = SavedVariable(x2, false);
   node->ln_w_saved = SavedVariable(ln_w, false);
   if (lnb.defined()) node->ln_b_saved = SavedVariable(lnb, false);
   node->w1_saved = SavedVariable(w1, false);
-  node->w2_saved = SavedVariable(w2, false);
+  if (w2.defined()) node->w2_saved = SavedVariable(w2, false);
   node->mean = mean;
   node->rstd = rstd;
   node->ln = ln;
@@ -195,12 +187,30 @@ at::Tensor high_mlp_forward(const at::Tensor& x, const at::Tensor& ln_w, const s
   return y;
 }
 
+at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+
+at::Tensor high_mlp_forward(const at::Tensor& x, const at::Tensor& ln_w, const std::optional<at::Tensor>& ln_b,
+                            const at::Tensor& w1, const std::optional<at::Tensor>& b1, const at::Tensor& w2,
+                            const std::optional<at::Tensor>& b2, double eps, int64_t activation) {
+  TORCH_CHECK(activation != kNone, "fp8train native: bad activation code ", activation);
+  return high_forward(x, ln_w, value_or_undefined(ln_b), w1, value_or_undefined(b1), w2, value_or_undefined(b2), eps,
+                      activation);
+}
+
+at::Tensor high_ln_linear_forward(const at::Tensor& x, const at::Tensor& ln_w, const std::optional<at::Tensor>& ln_b,
+                                  const at::Tensor& w, const std::optional<at::Tensor>& b, double eps) {
+  return high_forward(x, ln_w, value_or_undefined(ln_b), w, value_or_undefined(b), at::Tensor(), at::Tensor(), eps,
+                      kNone);
+}
+
 }  // namespace
 
 void register_high_mlp(pybind11::module& m) {
   m.def("high_mlp_forward", &high_mlp_forward, pybind11::arg("x"), pybind11::arg("ln_weight"),
         pybind11::arg("ln_bias"), pybind11::arg("w1"), pybind11::arg("b1"), pybind11::arg("w2"), pybind11::arg("b2"),
         pybind11::arg("eps"), pybind11::arg("activation"));
+  m.def("high_ln_linear_forward", &high_ln_linear_forward, pybind11::arg("x"), pybind11::arg("ln_weight"),
+        pybind11::arg("ln_bias"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"));
 }
 
 }  // namespace fp8train_native

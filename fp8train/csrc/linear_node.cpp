@@ -36,6 +36,7 @@
 #include "dl.h"
 #include "high_mlp.h"
 #include "lt_gemm.h"
+#include "node_ptr.h"
 #include "stage_clocks.h"
 
 namespace fp8train_native {
@@ -261,20 +262,6 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs ou
 }
 
 // ------------------------------------------------------------------------ the Linear node
-// Autograd holds nodes by std::shared_ptr up to torch 2.12 and by c10::intrusive_ptr from
-// 2.13 on (an Edge's `function`): make a node the way this torch holds it.
-using NodePtr = decltype(std::declval<torch::autograd::Edge>().function);
-
-template <typename T>
-std::shared_ptr<T> make_node(std::shared_ptr<Node>*) {
-  return std::make_shared<T>();
-}
-
-template <typename T>
-c10::intrusive_ptr<T> make_node(c10::intrusive_ptr<Node>*) {
-  return c10::make_intrusive<T>();
-}
-
 struct LinearBackward : public Node {
   std::shared_ptr<CastPlan> grad_plan;  // dY (M, N): transposed copy when dW is needed, dbias when db is
   at::Tensor x_t, x_scale_inv;          // X's transposed copy (K, Mp) and 1/scale, when dW is needed
@@ -392,7 +379,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   TORCH_CHECK(grad_plan != nullptr, "fp8train native: no grad-output cast plan");
   TORCH_CHECK(!need_wgrad || x_t.defined(), "fp8train native: the input plan wrote no transposed copy");
   TORCH_CHECK(!need_dgrad || w_t.has_value(), "fp8train native: no transposed weight for dgrad");
-  auto node = make_node<LinearBackward>(static_cast<NodePtr*>(nullptr));
+  auto node = make_node<LinearBackward>(kNodePtr);
   node->set_next_edges(torch::autograd::collect_next_edges(x, weight, b));
   node->grad_plan = grad_plan;
   if (need_wgrad) {
@@ -616,7 +603,7 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
               "fp8train native: a LayerNormMLP plan without its backward");
   TORCH_CHECK(w2_t.has_value() && (w1_t.has_value() || !(p.needs[0] || p.needs[1] || p.needs[2])),
               "fp8train native: no transposed FP8 weight for dgrad");
-  auto node = make_node<LayerNormMLPBackward>(static_cast<NodePtr*>(nullptr));
+  auto node = make_node<LayerNormMLPBackward>(kNodePtr);
   node->set_next_edges(torch::autograd::collect_next_edges(x, ln_w, lnb, w1, bias1, w2, bias2));
   node->plan = plan;
   node->x2_saved = torch::autograd::SavedVariable(x2, false);

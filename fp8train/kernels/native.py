@@ -2,9 +2,9 @@
 on first use.
 
 It holds the Linear layer's autograd node in C++ (forward and backward with no Python
-between the launches), LayerNormMLP's high-precision path as one node (high_mlp.cpp: the
-torch composition's ATen ops, one call forward and one node backward, for the layers auto
-precision keeps out of FP8) and a launcher for Triton binaries that Python compiled and loaded:
+between the launches), the high-precision path of LayerNormMLP and LayerNormLinear as one node
+(high_mlp.cpp: the torch composition's ATen ops, one call forward and one node backward, for
+the layers auto precision keeps out of FP8) and a launcher for Triton binaries that Python compiled and loaded:
 a `CastPlan` is one quantizer's cast of one input shape, made from the quantizer's prepared
 launches (kernels.cast.PreparedCast.native_launch). The Python path stays the reference
 and the fallback: on the CPU, under the interpreter or torch.compile, with launch hooks,

@@ -13,6 +13,7 @@ from ..distributed.tp_config import TPConfig
 from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
+from . import high_node
 from .base import FP8Module, in_dtype, mark_calibrated
 from .linear import _rows, init_linear_params, linear_parts
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision, \
@@ -25,7 +26,8 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
     """y = Linear(Norm(x)); with return_layernorm_output=True, forward returns (y, Norm(x)).
 
     Outside fp8train.autocast it computes exactly what torch.nn.LayerNorm (or RMSNorm)
-    followed by torch.nn.Linear compute. Inside, one kernel normalizes x and writes the
+    followed by torch.nn.Linear compute; inside, where it runs in high precision, the same
+    bytes come from one C++ node on the GPU where it can (high_node.py). In FP8, one kernel normalizes x and writes the
     FP8 GEMM input, its transposed copy (for wgrad) and its amax (current scaling: a
     statistics pass that takes the amax first); the backward runs dgrad, wgrad and the
     norm backward. forward(x, is_first_microbatch): see WeightWorkspace.
@@ -166,6 +168,10 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
                                                     self.bias, self.normalization, self.eps, self.tp,
                                                     self.local_out_parts)
             return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
+        if dtype is not None:  # inside autocast: one C++ node where it can take the call
+            y = high_node.forward(self, x, dtype)
+            if y is not None:
+                return y
         norm = norm_high_precision if dtype is None else norm_high_precision_in
         ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
         gemm_in, w, b = ln, self.weight, self.bias

@@ -15,7 +15,7 @@ from ..distributed.tp_config import ParallelMode, TPConfig
 from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
-from . import layernorm_mlp_high as mlp_high
+from . import high_node
 from . import layernorm_mlp_native as mlp_native
 from .activation import ACTIVATIONS, activation_backward_fp8, activation_fp8, activation_high_precision
 from .base import FP8Module, in_dtype, mark_calibrated
@@ -35,7 +35,7 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
     Outside fp8train.autocast it computes exactly the torch composition (norm, F.linear,
     the activation of `activation_high_precision`, F.linear); inside, where it runs in high
     precision (auto precision, dims FP8 cannot take), the same bytes come from one C++ node
-    on the GPU (layernorm_mlp_high.py). In FP8, the norm writes fc1's
+    on the GPU (high_node.py). In FP8, the norm writes fc1's
     FP8 input, the activation kernel writes fc2's FP8 input (each with the transposed copy
     wgrad needs and the amax), and in the backward the activation-gradient kernel writes
     fc1's FP8 grad-output with its transpose and fc1's bias gradient. swiglu's fc1 has
@@ -179,7 +179,7 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
                                                 self.fc1_bias, self.fc2_weight, self.fc2_bias, self.normalization,
                                                 self.activation, self.eps, self.fc1_tp, self.fc2_tp)
         if dtype is not None:  # inside autocast: one C++ node where it can take the call
-            y = mlp_high.forward(self, x, dtype)
+            y = high_node.forward(self, x, dtype)
             if y is not None:
                 return y
         norm = norm_high_precision if dtype is None else norm_high_precision_in

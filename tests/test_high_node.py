@@ -1,9 +1,10 @@
-"""LayerNormMLP's high-precision C++ node (csrc/high_mlp.cpp) on the CPU: the torch
-composition's bytes (output and every gradient) for each activation, with and without
-biases, 2-D and 3-D input, float32 and bf16, any subset of inputs requiring grad; its autograd
-contract (version counters, a second backward, double backward refused, no_grad); and which
-calls the layer routes to it (modules/layernorm_mlp_high.py `takes`). The GPU half, and the
-layer under auto precision, is tests/gpu/test_high_mlp_gpu.py."""
+"""The high-precision C++ node (csrc/high_mlp.cpp) of LayerNormMLP and LayerNormLinear on the
+CPU: the torch composition's bytes (output and every gradient) for each activation and for
+the norm and Linear alone, with and without biases, 2-D and 3-D input, float32 and bf16, any
+subset of inputs requiring grad; its autograd contract (version counters, a second backward,
+double backward refused, no_grad); and which calls the layers route to it
+(modules/high_node.py `takes`). The GPU half, and the layers under auto precision, is
+tests/gpu/test_high_node_gpu.py."""
 from __future__ import annotations
 
 import pytest
@@ -11,10 +12,10 @@ import torch
 
 import fp8train
 from fp8train.kernels import native
-from fp8train.modules import layernorm_mlp_high as mlp_high
-from tests.helpers import high_mlp_case, high_mlp_steps
+from fp8train.modules import high_node
+from tests.helpers import high_node_case, high_node_steps
 
-ACTS = list(mlp_high.ACTIVATION_CODES)
+ACTS = [*high_node.ACTIVATION_CODES, None]  # None: LayerNormLinear (the norm, then one Linear)
 
 
 @pytest.fixture(scope="module")
@@ -27,39 +28,40 @@ def ext():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(37, 48), (3, 13, 48)], ids=["2d", "3d"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("activation", ACTS, ids=[*high_node.ACTIVATION_CODES, "ln-linear"])
 def test_node_gives_the_composition_bytes(ext, activation, bias, shape, dtype):
     torch.manual_seed(hash((activation, bias, shape)) % 1000)
-    case = high_mlp_case(shape, 80, activation, bias, dtype, "cpu")
-    high_mlp_steps(ext, case, activation)
+    case = high_node_case(shape, 80, activation, bias, dtype, "cpu")
+    high_node_steps(ext, case, activation)
 
 
 @pytest.mark.parametrize("needs", [(False, True, True, True, True, True, True), (True, False, False, False, False,
                                                                                  False, False),
                                    (False, False, False, True, False, False, False),
                                    (True, True, False, False, True, True, False)], ids=["params", "x", "w1", "mixed"])
-def test_node_gives_only_the_gradients_asked_for(ext, needs):
+@pytest.mark.parametrize("activation", ["gelu_tanh", None], ids=["mlp", "ln-linear"])
+def test_node_gives_only_the_gradients_asked_for(ext, needs, activation):
     torch.manual_seed(3)
-    case = high_mlp_case((29, 32), 64, "gelu_tanh", True, torch.float32, "cpu", needs=needs)
-    high_mlp_steps(ext, case, "gelu_tanh")
+    case = high_node_case((29, 32), 64, activation, True, torch.float32, "cpu", needs=needs)
+    high_node_steps(ext, case, activation)
 
 
 def test_nonfinite_values_go_through_as_in_the_composition(ext):
     torch.manual_seed(4)
-    case = high_mlp_case((16, 32), 64, "relu", True, torch.float32, "cpu")
+    case = high_node_case((16, 32), 64, "relu", True, torch.float32, "cpu")
     with torch.no_grad():
         case["x"][0, 0] = float("inf")
         case["x"][1, 3] = float("nan")
         case["x"][2] = 0.0
-    high_mlp_steps(ext, case, "relu")
+    high_node_steps(ext, case, "relu")
 
 
 def test_autograd_contract(ext):
     torch.manual_seed(5)
-    case = high_mlp_case((8, 32), 64, "gelu", True, torch.float32, "cpu")
+    case = high_node_case((8, 32), 64, "gelu", True, torch.float32, "cpu")
     x, p = case["x"], case["params"]
-    y = ext.high_mlp_forward(x, *p, 1e-5, mlp_high.ACTIVATION_CODES["gelu"])
-    assert y.grad_fn.name() == "fp8train::HighMLPBackward"
+    y = ext.high_mlp_forward(x, *p, 1e-5, high_node.ACTIVATION_CODES["gelu"])
+    assert y.grad_fn.name() == "fp8train::HighBackward"
     y.sum().backward(retain_graph=True)
     first = x.grad.clone()
     y.sum().backward()  # retained: the same gradient again
@@ -79,23 +81,31 @@ def test_autograd_contract(ext):
     assert z.grad_fn is None and not z.requires_grad
     with pytest.raises(RuntimeError, match="2-D or 3-D"):
         ext.high_mlp_forward(x.view(2, 2, 2, 32), *p, 1e-5, 0)
-    with pytest.raises(RuntimeError, match="bad activation code"):
-        ext.high_mlp_forward(x, *p, 1e-5, 9)
+    for code in (9, -1):  # -1 is the node's own LayerNormLinear mode
+        with pytest.raises(RuntimeError, match="bad activation code"):
+            ext.high_mlp_forward(x, *p, 1e-5, code)
 
 
 def test_which_calls_the_layer_routes_to_the_node():
     layer = fp8train.LayerNormMLP(32, 64, activation="gelu_tanh", params_dtype=torch.bfloat16)
     x = torch.randn(4, 32, dtype=torch.bfloat16)
-    assert mlp_high.takes(layer, x, torch.bfloat16)
-    assert mlp_high.takes(layer, x.view(2, 2, 32), torch.bfloat16)
-    assert not mlp_high.takes(layer, x.view(2, 2, 1, 32), torch.bfloat16)  # 4-D: F.linear adds the bias apart
-    assert not mlp_high.takes(layer, x.float(), torch.float32)  # the composition would cast the parameters
-    assert not mlp_high.takes(layer, x, torch.float16)
+    assert high_node.takes(layer, x, torch.bfloat16)
+    assert high_node.takes(layer, x.view(2, 2, 32), torch.bfloat16)
+    assert not high_node.takes(layer, x.view(2, 2, 1, 32), torch.bfloat16)  # 4-D: F.linear adds the bias apart
+    assert not high_node.takes(layer, x.float(), torch.float32)  # the composition would cast the parameters
+    assert not high_node.takes(layer, x, torch.float16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not mlp_high.takes(layer, x, torch.bfloat16)
+        assert not high_node.takes(layer, x, torch.bfloat16)
     rms = fp8train.LayerNormMLP(32, 64, normalization="RMSNorm", params_dtype=torch.bfloat16)
-    assert not mlp_high.takes(rms, x, torch.bfloat16)
-    assert mlp_high.forward(layer, x, torch.bfloat16) is None  # CPU layers never take the extension
+    assert not high_node.takes(rms, x, torch.bfloat16)
+    assert high_node.forward(layer, x, torch.bfloat16) is None  # CPU layers never take the extension
+    ln_linear = fp8train.LayerNormLinear(32, 48, params_dtype=torch.bfloat16)
+    assert high_node.takes(ln_linear, x, torch.bfloat16)
+    assert not high_node.takes(fp8train.LayerNormLinear(32, (16, 16, 16), params_dtype=torch.bfloat16), x,
+                               torch.bfloat16)  # output parts: one F.linear per part
+    assert not high_node.takes(fp8train.LayerNormLinear(32, 48, return_layernorm_output=True,
+                                                        params_dtype=torch.bfloat16), x, torch.bfloat16)
+    assert high_node.forward(ln_linear, x, torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
