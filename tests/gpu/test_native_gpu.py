@@ -152,7 +152,10 @@ def test_weight_recast_plan_matches_requantize(recipe, shape, dtype, transpose):
         for b, v in zip(q.buffers(), state):
             b.copy_(v)
         for t in [ws._data, ws._scale_inv] + ([ws._transpose] if transpose else []):
-            t.view(torch.uint8).fill_(0x55)  # garbage the plan must overwrite
+            if t.dtype == torch.float32:  # scale_inv (a 0-d tensor: no byte view)
+                t.fill_(float("nan"))
+            else:
+                t.view(torch.uint8).fill_(0x55)  # garbage the plan must overwrite
     plan = q.native_recast(w, ws, transpose)
     assert plan is not None
     assert ws.transpose_is_cached() == transpose  # the bookkeeping: the buffer is the valid copy again
