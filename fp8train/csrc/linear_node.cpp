@@ -261,31 +261,47 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs ou
   return out;
 }
 
+// Why a weight and its workspace do not fit the re-cast plan `p` (below), or nullptr where they
+// fit. data_t: the transposed copy, (K, Np) or a view of its first N columns, given exactly
+// when the plan writes one. The binaries were specialised on 16-byte aligned pointers.
+const char* recast_refusal(const CastPlan& p, const at::Tensor& w, const at::Tensor& data,
+                           const std::optional<at::Tensor>& data_t, const at::Tensor& scale_inv) {
+  auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  auto on_device = [&p](const at::Tensor& t) { return t.is_cuda() && t.get_device() == p.device; };
+  const c10::IntArrayRef shape(p.data_shape);
+  if (p.partial.defined()) return "the plan computes dbias";
+  if (!on_device(w) || w.sizes() != shape || w.scalar_type() != p.x_dtype)
+    return "the weight is not of the plan's shape, dtype and device";
+  if (!w.is_contiguous() || !aligned(w)) return "the weight is not contiguous and 16-byte aligned";
+  if (!on_device(data) || data.sizes() != shape || data.scalar_type() != p.fp8_dtype || !data.is_contiguous() ||
+      !aligned(data))
+    return "the payload buffer does not fit the plan";
+  if (!on_device(scale_inv) || scale_inv.numel() != 1 || scale_inv.scalar_type() != at::kFloat || !aligned(scale_inv))
+    return "the scale_inv buffer is not one aligned float32 on the plan's device";
+  const bool transposed = !p.data_t_shape.empty();
+  if (data_t.has_value() != transposed)
+    return transposed ? "no transposed buffer for a plan that writes one" : "a transposed buffer for a plan that writes none";
+  if (transposed) {
+    const at::Tensor& t = *data_t;
+    const int64_t rows = p.data_t_shape[0], pitch = p.data_t_shape[1];
+    if (!on_device(t) || t.scalar_type() != p.fp8_dtype || t.dim() != 2 || t.size(0) != rows || t.stride(0) != pitch ||
+        t.stride(1) != 1 || !aligned(t) ||
+        static_cast<int64_t>(t.storage().nbytes()) < t.storage_offset() + rows * pitch)
+      return "the transposed buffer does not have the plan's rows and row pitch";
+  }
+  return nullptr;
+}
+
 // A weight's steady-state re-cast into its FP8 workspace (WeightWorkspace.for_native): the
 // weight quantizer's cast plan, as for an input (Quantizer.native_plan), run into the
 // workspace's own buffers instead of fresh ones: its scratch zeroed first (current scaling's
-// amax), then its launches (current scaling: the amax pass, then the cast). data_t: the
-// transposed copy, (K, Np) or a view of its first N columns, given exactly when the plan
-// writes one. The binaries were specialised on 16-byte aligned pointers: checked here.
+// amax), then its launches (current scaling: the amax pass, then the cast).
 void recast(const CastPlan& p, const at::Tensor& w, const at::Tensor& data, const std::optional<at::Tensor>& data_t,
             const at::Tensor& scale_inv) {
+  const char* why = recast_refusal(p, w, data, data_t, scale_inv);
+  TORCH_CHECK(why == nullptr, "fp8train native: a weight re-cast plan for ", c10::IntArrayRef(p.data_shape), " ",
+              p.x_dtype, " on cuda:", p.device, " got a weight ", w.sizes(), " ", w.scalar_type(), ": ", why);
   const bool transposed = !p.data_t_shape.empty();
-  auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
-  bool fits = !p.partial.defined() && w.is_cuda() && w.get_device() == p.device && w.sizes() == c10::IntArrayRef(p.data_shape) &&
-              w.scalar_type() == p.x_dtype && w.is_contiguous() && aligned(w) && data.get_device() == p.device &&
-              data.sizes() == c10::IntArrayRef(p.data_shape) && data.scalar_type() == p.fp8_dtype &&
-              data.is_contiguous() && aligned(data) && scale_inv.get_device() == p.device && scale_inv.numel() == 1 &&
-              scale_inv.scalar_type() == at::kFloat && aligned(scale_inv) && data_t.has_value() == transposed;
-  if (fits && transposed) {
-    const at::Tensor& t = *data_t;
-    const int64_t rows = p.data_t_shape[0], pitch = p.data_t_shape[1];
-    fits = t.get_device() == p.device && t.scalar_type() == p.fp8_dtype && t.dim() == 2 && t.size(0) == rows &&
-           t.stride(0) == pitch && t.stride(1) == 1 && aligned(t) &&
-           static_cast<int64_t>(t.storage().nbytes()) >= (t.storage_offset() + rows * pitch);
-  }
-  TORCH_CHECK(fits, "fp8train native: a weight re-cast plan for ", c10::IntArrayRef(p.data_shape), " ", p.x_dtype,
-              " on cuda:", p.device, (transposed ? " with" : " without"), " a transposed copy got a weight ", w.sizes(),
-              " ", w.scalar_type(), " and a workspace that does not fit it");
   uint64_t pointers[kHoles] = {
       reinterpret_cast<uint64_t>(w.data_ptr()), reinterpret_cast<uint64_t>(data.data_ptr()),
       transposed ? reinterpret_cast<uint64_t>(data_t->data_ptr()) : 0, reinterpret_cast<uint64_t>(scale_inv.data_ptr())};
@@ -798,6 +814,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("cast_with", &cast_with, py::arg("plan"), py::arg("x"), py::arg("together") = false);
   m.def("recast_with", &recast, py::arg("plan"), py::arg("w"), py::arg("data"), py::arg("data_t"),
+        py::arg("scale_inv"));
+  m.def("recast_refusal", &recast_refusal, py::arg("plan"), py::arg("w"), py::arg("data"), py::arg("data_t"),
         py::arg("scale_inv"));
   m.def("scaled_mm", [](const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
                         const at::Tensor& b_scale_inv, bool fast_accum, int64_t out_code,

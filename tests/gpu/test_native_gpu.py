@@ -166,10 +166,17 @@ def test_weight_recast_plan_matches_requantize(recipe, shape, dtype, transpose):
         assert_bitwise(g, v, name)
     for g, v in zip(q.buffers(), want_state):
         assert_bitwise(g, v, "quantizer state")
-    with pytest.raises(RuntimeError, match="does not fit"):
-        native.extension().recast_with(plan, w[1:].contiguous(), ws._data, data_t, ws._scale_inv)
-    with pytest.raises(RuntimeError, match="does not fit"):  # the transposed copy: given exactly when planned
-        native.extension().recast_with(plan, w, ws._data, None if transpose else ws._data, ws._scale_inv)
+    # the check recast runs before any launch (a refusal raises there), called on its own
+    refusal = native.extension().recast_refusal
+    assert refusal(plan, w, ws._data, data_t, ws._scale_inv) is None
+    assert "weight is not of the plan's shape" in refusal(plan, w[1:].contiguous(), ws._data, data_t, ws._scale_inv)
+    assert "weight is not contiguous" in refusal(plan, w.t().contiguous().t(), ws._data, data_t, ws._scale_inv)
+    assert "payload" in refusal(plan, w, ws._data.view(-1)[: ws._data.numel() - shape[1]].view(-1, shape[1]), data_t,
+                                ws._scale_inv)
+    assert "scale_inv" in refusal(plan, w, ws._data, data_t, ws._data.view(-1)[:1])
+    assert "transposed buffer" in refusal(plan, w, ws._data, None if transpose else ws._data, ws._scale_inv)
+    if transpose:  # a transposed copy whose row pitch is not the plan's
+        assert "row pitch" in refusal(plan, w, ws._data, data_t[:, :16].contiguous(), ws._scale_inv)
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
