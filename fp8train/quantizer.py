@@ -200,11 +200,25 @@ class Quantizer(nn.Module):
         return prepared[key]
 
     def native_recast(self, x: torch.Tensor, out: Float8Tensor, transpose: bool):
-        """requantize(x, out, transpose=transpose) left to the caller's C++ launch: the C++
-        Launch (kernels/native.py; holes x, out's payload, its transposed buffer, its
-        scale_inv) of this quantizer's steady-state cast of x, with `out`'s bookkeeping done,
-        or None (nothing done) where the Python cast must run. `out` must fit x."""
-        return None
+        """requantize(x, out, transpose=transpose) left to the caller's C++ call: this
+        quantizer's cast plan for x (`native_plan`, run by the C++ side into out's payload,
+        transposed buffer and scale_inv: csrc/linear_node.cpp `recast`), with `out`'s
+        bookkeeping done, or None (nothing done) where the Python cast must run: no plan yet
+        (delayed scaling before calibration, the first cast of a shape), a transposed copy
+        wanted that `out` has no buffer for, x not a contiguous, 16-byte aligned 2-D tensor.
+        `out` must fit x."""
+        if isinstance(x, Float8Tensor) or x.dim() != 2 or not x.is_contiguous() or x.data_ptr() & 15:
+            return None
+        data_t = out._transpose if transpose else None
+        if transpose and data_t is None:
+            return None
+        plan = self.native_plan(x.shape, x.dtype, transpose, None)
+        if plan is None:
+            return None
+        out._mark_rewritten()  # the C++ launches rewrite payload (and transposed copy) through raw pointers
+        if data_t is not None:
+            out._set_transpose(data_t)
+        return plan
 
     def replay_fixed(self) -> Optional[tuple]:
         """The buffers the next `produce` reads and writes when that is one cast launch from this
@@ -331,21 +345,6 @@ class DelayedScalingQuantizer(Quantizer):
             return None
         cast = self._prepared.get((shape, dtype, transpose, False, dbias, 0))
         return None if cast is None else (cast,)
-
-    def native_recast(self, x, out, transpose):
-        if not self.calibrated or isinstance(x, Float8Tensor) or not x.is_contiguous():
-            return None
-        data_t = out._transpose if transpose else None
-        if transpose and data_t is None:
-            return None
-        launch = self._prepared.get((x.shape, x.dtype, transpose, False, False, 0))
-        native = None if launch is None else launch.native_for(x)
-        if native is None:
-            return None
-        out._mark_rewritten()  # the C++ launch rewrites payload (and transposed copy) through raw pointers
-        if data_t is not None:
-            out._set_transpose(data_t)
-        return native
 
     def requantize(self, x, out, *, transpose=False, skip=None) -> None:
         # The steady state of a weight workspace re-cast every step, inlined (host time): a

@@ -160,3 +160,15 @@ def test_cast_plan_with_dbias_needs_its_colsum_launch(ext):
     ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), 0, [])
     with pytest.raises(RuntimeError, match="bad dtype code"):  # dbias dtype: float32, bf16 or fp16 only
         ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), 7, [])
+
+
+def test_weight_recast_refuses_what_its_plan_was_not_made_for(ext):
+    """The nodes' weight re-cast (csrc recast, `recast_with`) checks the weight and the
+    workspace against its plan before any launch (`recast_refusal`, which recast raises
+    from): here CPU tensors (the GPU tests cover each buffer's refusal and the launches)."""
+    plan = ext.CastPlan(0, 1, True, [2, 16], [], [], [], None, None, 0, [])  # bf16 (2, 16) -> e5m2
+    w = torch.zeros(2, 16, dtype=torch.bfloat16)
+    data = torch.zeros(2, 16, dtype=torch.float8_e5m2)
+    assert "weight is not of the plan's shape, dtype and device" in ext.recast_refusal(plan, w, data, None, torch.ones(1))
+    with pytest.raises(RuntimeError, match="re-cast plan for .2, 16. BFloat16 on cuda:0 got a weight"):
+        ext.recast_with(plan, w, data, None, torch.ones(1))

@@ -173,6 +173,19 @@ def test_table_round_trip_and_errors(tmp_path):
         PrecisionTable.load(t.path)
 
 
+@pytest.mark.parametrize("fp8_ms, want", [(0.5, FP8), (0.949, FP8), (0.951, HIGH), (0.99, HIGH), (1.0, HIGH),
+                                         (1.2, HIGH)])
+def test_fp8_must_be_clearly_faster(fp8_ms, want):
+    """FP8 is chosen only at least FP8_MIN_GAIN (5%) faster than high precision; a closer win
+    keeps high precision and says why."""
+    assert precision.FP8_MIN_GAIN == 0.05
+    t = PrecisionTable("NVIDIA H200")
+    key = ShapeKey("Linear", (1024, 1024, 1), 256, "bfloat16", "DelayedScaling")
+    entry = t.record(key, fp8_ms, 1.0)
+    assert entry.choice == want and t.lookup(key) is entry
+    assert ("fp8 not 5% faster" in entry.reason()) == (want == HIGH and fp8_ms < 1.0), entry.reason()
+
+
 @pytest.mark.parametrize("tokens,want", [(1, 16), (16, 16), (17, 32), (4096, 4096), (4097, 8192)])
 def test_token_buckets(tokens, want):
     assert precision.bucket(tokens) == want

@@ -261,6 +261,57 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs ou
   return out;
 }
 
+// Why a weight and its workspace do not fit the re-cast plan `p` (below), or nullptr where they
+// fit. data_t: the transposed copy, (K, Np) or a view of its first N columns, given exactly
+// when the plan writes one. The binaries were specialised on 16-byte aligned pointers.
+const char* recast_refusal(const CastPlan& p, const at::Tensor& w, const at::Tensor& data,
+                           const std::optional<at::Tensor>& data_t, const at::Tensor& scale_inv) {
+  auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  auto on_device = [&p](const at::Tensor& t) { return t.is_cuda() && t.get_device() == p.device; };
+  const c10::IntArrayRef shape(p.data_shape);
+  if (p.partial.defined()) return "the plan computes dbias";
+  if (!on_device(w) || w.sizes() != shape || w.scalar_type() != p.x_dtype)
+    return "the weight is not of the plan's shape, dtype and device";
+  if (!w.is_contiguous() || !aligned(w)) return "the weight is not contiguous and 16-byte aligned";
+  if (!on_device(data) || data.sizes() != shape || data.scalar_type() != p.fp8_dtype || !data.is_contiguous() ||
+      !aligned(data))
+    return "the payload buffer does not fit the plan";
+  if (!on_device(scale_inv) || scale_inv.numel() != 1 || scale_inv.scalar_type() != at::kFloat || !aligned(scale_inv))
+    return "the scale_inv buffer is not one aligned float32 on the plan's device";
+  const bool transposed = !p.data_t_shape.empty();
+  if (data_t.has_value() != transposed)
+    return transposed ? "no transposed buffer for a plan that writes one" : "a transposed buffer for a plan that writes none";
+  if (transposed) {
+    const at::Tensor& t = *data_t;
+    const int64_t rows = p.data_t_shape[0], pitch = p.data_t_shape[1];
+    if (!on_device(t) || t.scalar_type() != p.fp8_dtype || t.dim() != 2 || t.size(0) != rows || t.stride(0) != pitch ||
+        t.stride(1) != 1 || !aligned(t) ||
+        static_cast<int64_t>(t.storage().nbytes()) < t.storage_offset() + rows * pitch)
+      return "the transposed buffer does not have the plan's rows and row pitch";
+  }
+  return nullptr;
+}
+
+// A weight's steady-state re-cast into its FP8 workspace (WeightWorkspace.for_native): the
+// weight quantizer's cast plan, as for an input (Quantizer.native_plan), run into the
+// workspace's own buffers instead of fresh ones: its scratch zeroed first (current scaling's
+// amax), then its launches (current scaling: the amax pass, then the cast).
+void recast(const CastPlan& p, const at::Tensor& w, const at::Tensor& data, const std::optional<at::Tensor>& data_t,
+            const at::Tensor& scale_inv) {
+  const char* why = recast_refusal(p, w, data, data_t, scale_inv);
+  TORCH_CHECK(why == nullptr, "fp8train native: a weight re-cast plan for ", c10::IntArrayRef(p.data_shape), " ",
+              p.x_dtype, " on cuda:", p.device, " got a weight ", w.sizes(), " ", w.scalar_type(), ": ", why);
+  const bool transposed = !p.data_t_shape.empty();
+  uint64_t pointers[kHoles] = {
+      reinterpret_cast<uint64_t>(w.data_ptr()), reinterpret_cast<uint64_t>(data.data_ptr()),
+      transposed ? reinterpret_cast<uint64_t>(data_t->data_ptr()) : 0, reinterpret_cast<uint64_t>(scale_inv.data_ptr())};
+  c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(p.device)));
+  ensure_context(p.device);
+  CUstream stream = current_stream(p.device);
+  for (const auto& t : p.zero_first) zero(t, stream);
+  for (const auto& l : p.launches) run(l, pointers, stream);
+}
+
 // ------------------------------------------------------------------------ the Linear node
 struct LinearBackward : public Node {
   std::shared_ptr<CastPlan> grad_plan;  // dY (M, N): transposed copy when dW is needed, dbias when db is
@@ -334,13 +385,13 @@ void launch(const Launch& l, int device, const std::optional<at::Tensor>& x, con
 // The forward of fp8train.Linear's FP8 path (modules/linear.py `_LinearFn.forward`) for a
 // plain input tensor. The weight's FP8 workspace (w_data, w_scale_inv, w_t: its transposed
 // copy, needed when x requires grad) is re-cast first by `w_cast` (the weight quantizer's
-// prepared launch) when given, else it holds what Python cast or kept. The grad plan is used
+// cast plan, see recast) when given, else it holds what Python cast or kept. The grad plan is used
 // only when anything needs a gradient.
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const at::Tensor& w_data, const at::Tensor& w_scale_inv, const std::optional<at::Tensor>& w_t,
                           const std::shared_ptr<CastPlan>& x_plan, const std::shared_ptr<CastPlan>& grad_plan,
                           bool fast_fprop, bool fast_dgrad, bool fast_wgrad, int64_t act_code, bool need_wgrad,
-                          const Launch* w_cast) {
+                          const CastPlan* w_cast) {
   FP8_STAGE_START(t_all);
   const c10::ScalarType act_dtype = float_dtype(act_code);
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
@@ -353,7 +404,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     FP8_STAGE_START(t_wcast);
-    if (w_cast != nullptr) launch(*w_cast, x_plan->device, weight, w_data, w_t, w_scale_inv);
+    if (w_cast != nullptr) recast(*w_cast, weight, w_data, w_t, w_scale_inv);
     FP8_STAGE_STOP(kFwdWeightCast, t_wcast);
     FP8_STAGE_START(t_rows);
     at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
@@ -560,15 +611,15 @@ struct LayerNormMLPBackward : public Node {
 };
 
 // The forward; w*_data / w*_si: the FP8 weight workspaces, w*_t their transposed copies (None
-// where no dgrad needs them). w*_cast: the weight's re-cast launch into its workspace
-// (WeightWorkspace.for_native), run first; nullptr where the workspace holds what Python cast
+// where no dgrad needs them). w*_cast: the weight's re-cast plan into its workspace
+// (WeightWorkspace.for_native, see recast), run first; nullptr where the workspace holds what Python cast
 // or kept.
 at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x, const at::Tensor& ln_w,
                        const std::optional<at::Tensor>& ln_b, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
                        const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& w1_data,
                        const at::Tensor& w1_si, const std::optional<at::Tensor>& w1_t, const at::Tensor& w2_data,
-                       const at::Tensor& w2_si, const std::optional<at::Tensor>& w2_t, const Launch* w1_cast,
-                       const Launch* w2_cast) {
+                       const at::Tensor& w2_si, const std::optional<at::Tensor>& w2_t, const CastPlan* w1_cast,
+                       const CastPlan* w2_cast) {
   const MlpPlan& p = *plan;
   TORCH_CHECK(x.is_cuda() && x.get_device() == p.device && x.size(-1) == p.hidden && x.numel() == p.rows * p.hidden,
               "fp8train native: LayerNormMLP plan for ", p.rows, " x ", p.hidden, " rows on cuda:", p.device,
@@ -579,8 +630,8 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
   at::Tensor x2, mean, rstd, xq, x_t, x_si, h, aq, a_t, a_si, y;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    if (w1_cast != nullptr) launch(*w1_cast, p.device, w1, w1_data, w1_t, w1_si);
-    if (w2_cast != nullptr) launch(*w2_cast, p.device, w2, w2_data, w2_t, w2_si);
+    if (w1_cast != nullptr) recast(*w1_cast, w1, w1_data, w1_t, w1_si);
+    if (w2_cast != nullptr) recast(*w2_cast, w2, w2_data, w2_t, w2_si);
     x2 = rows_of(x, p.hidden);
     // what the backward keeps in one allocation each (x's and a's scale_inv, transposed
     // copies, the norm's statistics); the payloads, dropped after their GEMM, apart
@@ -762,6 +813,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 #endif
   m.def("cast_with", &cast_with, py::arg("plan"), py::arg("x"), py::arg("together") = false);
+  m.def("recast_with", &recast, py::arg("plan"), py::arg("w"), py::arg("data"), py::arg("data_t"),
+        py::arg("scale_inv"));
+  m.def("recast_refusal", &recast_refusal, py::arg("plan"), py::arg("w"), py::arg("data"), py::arg("data_t"),
+        py::arg("scale_inv"));
   m.def("scaled_mm", [](const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
                         const at::Tensor& b_scale_inv, bool fast_accum, int64_t out_code,
                         std::optional<at::Tensor> bias, std::optional<at::Tensor> out) {

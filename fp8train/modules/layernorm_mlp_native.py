@@ -137,7 +137,7 @@ def plan_for(layer, entry: NodeEntry, x: torch.Tensor, act_dtype: torch.dtype, n
 def forward(plan, x, ln_weight, ln_bias, w1, b1, w2, b2, w1_fp8: Float8Tensor, w2_fp8: Float8Tensor,
             needs: Tuple[bool, ...], w1_cast=None, w2_cast=None) -> torch.Tensor:
     """The node's forward: y, with the node as its grad_fn where anything needs a gradient.
-    w1_cast / w2_cast: the weights' re-cast launches into their workspaces
+    w1_cast / w2_cast: the weights' re-cast plans into their workspaces
     (WeightWorkspace.for_native), which the node runs before its GEMMs, or None (the
     workspace holds what Python cast or kept)."""
     grad = any(needs)

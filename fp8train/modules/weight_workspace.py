@@ -46,14 +46,15 @@ class WeightWorkspace:
 
     def for_native(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
                    need_transpose: bool, skip: Optional[torch.Tensor] = None):
-        """(workspace, launch) for a C++ node: where this call re-casts the weight in its
-        steady state, the quantizer's C++ launch of that re-cast (bookkeeping done, the node
-        launches it before its GEMMs) and the workspace it writes; else (get(...)'s result,
-        None), the weight cast or kept here in Python."""
+        """(workspace, plan) for a C++ node: where this call re-casts the weight in its
+        steady state, the quantizer's C++ cast plan of that re-cast (Quantizer.native_recast:
+        bookkeeping done, the node runs it into the workspace before its GEMMs) and the
+        workspace it writes; else (get(...)'s result, None), the weight cast or kept here in
+        Python."""
         if is_first_microbatch is not False and skip is None and self.fits(weight, quantizer):
-            launch = quantizer.native_recast(weight, self.fp8, need_transpose)
-            if launch is not None:
-                return self.fp8, launch
+            plan = quantizer.native_recast(weight, self.fp8, need_transpose)
+            if plan is not None:
+                return self.fp8, plan
         return self.get(weight, quantizer, is_first_microbatch, need_transpose=need_transpose, skip=skip), None
 
     def fits(self, weight: torch.Tensor, quantizer: Quantizer) -> bool:

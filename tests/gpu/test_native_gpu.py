@@ -126,6 +126,115 @@ def test_plans_wait_for_the_python_preparation_and_are_dropped_with_it():
     assert q.native_plan((64, 256), torch.bfloat16, True, None) is None
 
 
+@pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("shape, dtype, transpose", [
+    ((512, 1024), torch.bfloat16, True),
+    ((333, 64), torch.bfloat16, True),  # odd rows: the transposed buffer is padded to 336 columns
+    ((256, 96), torch.float16, False),
+], ids=str)
+def test_weight_recast_plan_matches_requantize(recipe, shape, dtype, transpose):
+    """A weight quantizer's re-cast plan (native_recast), run by the C++ side into the
+    workspace as the nodes run it, against the Python requantize of the same weight into the
+    same workspace: payload, transposed copy, scale_inv and the quantizer's state after, byte
+    for byte (current scaling: the memset, the amax pass and the cast). A weight or a
+    workspace the plan was not made for is refused."""
+    q = make_quantizer(recipe, TensorRole.WEIGHT, device=CUDA)
+    w = (torch.randn(shape, device=CUDA) * 3).to(dtype)
+    ws = q.quantize(w, transpose=transpose)  # delayed: calibrates; current: prepares
+    q.requantize(w, ws, transpose=transpose)  # delayed: prepares the steady-state launch
+    w = (torch.randn(shape, device=CUDA) * 5).to(dtype)
+    w[1, 2] = -70.0  # the amax
+    state = [b.clone() for b in q.buffers()]
+    q.requantize(w, ws, transpose=transpose)
+    want = [ws._data.clone(), ws._scale_inv.clone()] + ([ws.transpose_data(padded=True).clone()] if transpose else [])
+    want_state = [b.clone() for b in q.buffers()]
+    with torch.no_grad():
+        for b, v in zip(q.buffers(), state):
+            b.copy_(v)
+        for t in [ws._data, ws._scale_inv] + ([ws._transpose] if transpose else []):
+            if t.dtype == torch.float32:  # scale_inv (a 0-d tensor: no byte view)
+                t.fill_(float("nan"))
+            else:
+                t.view(torch.uint8).fill_(0x55)  # garbage the plan must overwrite
+    plan = q.native_recast(w, ws, transpose)
+    assert plan is not None
+    assert ws.transpose_is_cached() == transpose  # the bookkeeping: the buffer is the valid copy again
+    data_t = ws._transpose if transpose else None
+    native.extension().recast_with(plan, w, ws._data, data_t, ws._scale_inv)
+    got = [ws._data, ws._scale_inv] + ([ws.transpose_data(padded=True)] if transpose else [])
+    for name, g, v in zip(("payload", "scale_inv", "transposed copy"), got, want):
+        assert_bitwise(g, v, name)
+    for g, v in zip(q.buffers(), want_state):
+        assert_bitwise(g, v, "quantizer state")
+    # the check recast runs before any launch (a refusal raises there), called on its own
+    refusal = native.extension().recast_refusal
+    assert refusal(plan, w, ws._data, data_t, ws._scale_inv) is None
+    assert "weight is not of the plan's shape" in refusal(plan, w[1:].contiguous(), ws._data, data_t, ws._scale_inv)
+    assert "weight is not contiguous" in refusal(plan, w.t().contiguous().t(), ws._data, data_t, ws._scale_inv)
+    assert "payload" in refusal(plan, w, ws._data.view(-1)[: ws._data.numel() - shape[1]].view(-1, shape[1]), data_t,
+                                ws._scale_inv)
+    assert "scale_inv" in refusal(plan, w, ws._data, data_t, ws._data.view(-1)[:1])
+    assert "transposed buffer" in refusal(plan, w, ws._data, None if transpose else ws._data, ws._scale_inv)
+    if transpose:  # a transposed copy whose row pitch is not the plan's
+        assert "row pitch" in refusal(plan, w, ws._data, data_t[:, :16].contiguous(), ws._scale_inv)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
+def test_linear_node_recasts_its_weight_itself(recipe, monkeypatch):
+    """Once the C++ node runs, the weight's steady-state re-cast is its own launches (no Python
+    requantize), with either recipe; it follows in-place weight updates between steps, and
+    is_first_microbatch=False re-casts nothing: the Python node's bytes, step after step."""
+    quantizer_type = type(make_quantizer(recipe, TensorRole.WEIGHT, device=CUDA))
+    python_casts = [0]
+    requantize = quantizer_type.requantize
+
+    def counted(self, *args, **kwargs):
+        if self.role == TensorRole.WEIGHT:
+            python_casts[0] += 1
+        return requantize(self, *args, **kwargs)
+    monkeypatch.setattr(quantizer_type, "requantize", counted)
+    torch.manual_seed(11)
+    layer = fp8train.Linear(256, 512, params_dtype=torch.bfloat16, device=CUDA)
+    twin = copy.deepcopy(layer)
+    flags = [None, None, None, None, True, False, None]
+    xs = [torch.randn(3, 7, 256, device=CUDA, dtype=torch.bfloat16) for _ in flags]
+    dys = [torch.randn(3, 7, 512, device=CUDA, dtype=torch.bfloat16) for _ in flags]
+    updates = [0.01 * torch.randn_like(layer.weight) for _ in flags]
+
+    def steps(m, enabled):
+        native.ENABLED = enabled
+        out, casts = [], []
+        try:
+            for i, flag in enumerate(flags):
+                x = xs[i].clone().requires_grad_(True)
+                before = python_casts[0]
+                with fp8train.autocast(recipe=recipe):
+                    y = m(x, is_first_microbatch=flag)
+                casts.append(python_casts[0] - before)
+                y.backward(dys[i])
+                out.append((node_name(y), y.detach(), x.grad, m.weight.grad.clone(), m.bias.grad.clone()))
+                m.zero_grad(set_to_none=True)
+                if i + 1 < len(flags) and flags[i + 1] is not False:
+                    with torch.no_grad():
+                        m.weight.add_(updates[i])
+            return out, casts
+        finally:
+            native.ENABLED = True
+    got, got_casts = steps(layer, True)
+    want, want_casts = steps(twin, False)
+    native_from = 2 if isinstance(recipe, DelayedScaling) else 1  # delayed: calibration, then preparation
+    assert [g[0] for g in got][native_from:] == [NATIVE_NODE] * (len(flags) - native_from)
+    assert got_casts[native_from:] == [0] * (len(flags) - native_from), got_casts
+    # the Python node: the first step makes the workspace (quantize), then one re-cast a step but False's
+    assert want_casts == [0, 1, 1, 1, 1, 0, 1], want_casts
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name, a, b in zip(("output", "dx", "dw", "db"), g[1:], w[1:]):
+            assert_bitwise(a, b, f"step {step} {name}")
+    for name, a, b in (("payload", layer.weight_fp8.fp8_data, twin.weight_fp8.fp8_data),
+                       ("scale_inv", layer.weight_fp8.scale_inv, twin.weight_fp8.scale_inv)):
+        assert_bitwise(a, b, f"weight workspace {name}")
+
+
 CASES = [
     # in, out, bias, params dtype, input shape, input dtype, recipe
     (1024, 1024, True, torch.bfloat16, (256, 1024), torch.bfloat16, DelayedScaling()),
