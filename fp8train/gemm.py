@@ -12,7 +12,9 @@ Accumulation precision comes from GemmConfig per role, never from the FP8 dtypes
 
 On the GPU the GEMM runs through the C++ extension's `scaled_mm` (csrc/lt_gemm.cpp: cuBLASLt
 with its algorithm cached, the bytes torch._scaled_mm gives, less host time), the one the C++
-nodes call; torch._scaled_mm itself on the CPU, in traced code and without the extension.
+nodes call; torch._scaled_mm itself in traced code and without the extension. On the CPU it
+runs as `emulated_scaled_mm`, a float32 matmul of the FP8 values (torch's own CPU
+_scaled_mm runs at ~0.04 GFLOP/s through oneDNN on some CPUs, AVX-512 + AMX Xeons among them).
 """
 from __future__ import annotations
 
@@ -66,7 +68,9 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
               bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(a * a_scale_inv) @ (b * b_scale_inv) [+ bias]; a (M, K) row-major, b (K, N) column-major.
     `out` (M, N) contiguous, of out_dtype: written in place (a row block of a larger output)."""
-    ext = native.gemm() if a.is_cuda else None
+    if not a.is_cuda:
+        return emulated_scaled_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, out)
+    ext = native.gemm()
     if ext is not None and out_dtype in native.DTYPE_CODES:
         return ext.scaled_mm(a, a_scale_inv, b, b_scale_inv, config.fast_accum(role), native.DTYPE_CODES[out_dtype],
                              bias, out)
@@ -81,6 +85,42 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
     if not fuse_bias:
         out += bias
     return out
+
+
+def emulated_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                       out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The FP8 GEMM in float32 torch ops: the CPU's path and the math the GPU's must match.
+
+    Every FP8 value (e4m3 or e5m2) and every product of two is exact in float32 (4 and 8
+    significant bits), so `a.float() @ b.float()` rounds only in its float32 sums, as the
+    GPU's full-precision accumulation does. The result is multiplied by a_scale_inv *
+    b_scale_inv (0-d, or broadcasting (M, 1) and (1, N) row and column scales), the bias
+    (first rounded to out_dtype, as the GPU path passes it) is added in float32 and the sum
+    rounded once to out_dtype: what cuBLASLt's epilogue does.
+    Layouts and alignment are not checked (the GPU checks them); fast accumulation has no
+    CPU meaning. Runs at the speed of the CPU's float32 matmul, whatever its FP8 support.
+    """
+    y = torch.ops.fp8train.emulated_scaled_mm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    return y if out is None else out.copy_(y)
+
+
+# A custom op, so that Inductor calls it as it is: traced, its bias rounding would be dropped
+# (Inductor keeps float32 through a cast to bf16 that feeds float32 math), and compiled code
+# would no longer give eager's bits.
+@torch.library.custom_op("fp8train::emulated_scaled_mm", mutates_args=())
+def _emulated_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                        out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    y = torch.mm(a.float(), b.float())  # (M, N) float32
+    y.mul_(a_scale_inv * b_scale_inv)
+    if bias is not None:
+        y.add_(bias.to(out_dtype))
+    return y.to(out_dtype)
+
+
+@_emulated_scaled_mm.register_fake
+def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 def fprop(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,

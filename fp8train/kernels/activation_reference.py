@@ -48,7 +48,9 @@ difference stays a difference of a few float32 ulps in the result:
     flushes to zero and torch's does not; cutting at 12 makes them zero on both sides, so
     that da = +-inf gives the same NaN / inf on both sides.
 
-Special inputs: torch's float32 results (F.gelu, F.silu, autograd), with one exception.
+Special inputs: the IEEE evaluation of the formulas, which torch's scalar float32 results
+(F.gelu, F.silu, autograd) agree with, with one exception below. (Torch's vectorized CPU
+F.gelu is no specification: on some machines it returns NaN for +inf inside a row.)
   x = NaN           act NaN, dh NaN (relu: dh = da, torch's threshold_backward)
   x = +inf          gelu, gelu_tanh, silu: +inf; gelu', gelu_tanh', silu': NaN (inf * 0)
   x = -inf          gelu, gelu_tanh, silu: NaN (-inf * 0); their derivatives NaN
