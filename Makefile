@@ -6,8 +6,16 @@ STAMP  := $(VENV)/.installed-stamp
 # torch==2.13.0 is the CPU build that lies on the CI machines' disk; a bare `torch` would
 # pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
+# pytest-xdist workers: the CPU suite is mostly Python, one worker per core of CI's two, one
+# torch thread each; a test file goes to one worker (its costly fixtures run once there).
+WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+XDIST  := -n $(WORKERS) --dist loadscope
+# Tests that start process groups (`launch`) run after, one at a time: gloo ranks that wait
+# for each other on cores that other tests hold ran 2-5x slower. Only their files are collected.
+LAUNCH_FILES := $(shell grep -l -e mark.launch -e world_params tests/test_*.py)
 
-.PHONY: demo test test-gpu bench-gpu clean
+.PHONY: demo test test-all test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,10 +26,19 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) -m fp8train demo
 
+# make test: the CPU suite without its `slow` tests (tests/tiers.py: sweeps run as pairwise
+# covers; launches of 4 ranks, torchrun launches and a few repeats wait for make test-all).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PYTEST) $(XDIST) -m "not gpu and not slow and not launch" --ignore=tests/interpret tests
+	$(PYTEST) -m "launch and not slow" $(LAUNCH_FILES)
 	# Triton kernels' structure under the Triton interpreter (CPU); bitwise checks are GPU tests.
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests/interpret
+	TRITON_INTERPRET=1 $(PYTEST) -n $(WORKERS) -m "not slow" tests/interpret
+
+# make test-all: make test, then the slow tests (what CI runs).
+test-all: test
+	$(PYTEST) $(XDIST) -m "not gpu and slow and not launch" --ignore=tests/interpret tests
+	$(PYTEST) -m "launch and slow" $(LAUNCH_FILES)
+	TRITON_INTERPRET=1 $(PYTEST) -n $(WORKERS) -m slow tests/interpret
 
 test-gpu:
 	PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu tests

@@ -3,6 +3,8 @@ import zlib
 import pytest
 import torch
 
+pytest_plugins = ["tiers"]  # the make test / make test-all tiers
+
 
 def fp8_gpu_reason():
     """Why GPU tests cannot run here, or None when they can (one capability check)."""
@@ -37,3 +39,4 @@ def _seeded(request):
 def device(request):
     """Run a test on CPU (reference kernels, emulated GEMMs) and, as a `gpu` test, on CUDA."""
     return torch.device(request.param)
+

@@ -153,10 +153,14 @@ def case(fn, worlds, **kwargs):
 
 
 def world_params(cases, worlds):
-    """pytest params (world, case_id) of every case at every world size it runs at."""
+    """pytest params (world, case_id) of every case at every world size it runs at, marked
+    `launch`; worlds over 2 are also `slow` (make test-all): 4 ranks on a 2-core machine cost
+    more than the rest of a file, and the ring steps that N > 2 adds run there and on GPUs."""
     import pytest
 
-    return [pytest.param(w, c[0], id=f"world{w}-{c[0]}") for w in worlds for c in cases if w in c[3]]
+    return [pytest.param(w, c[0], id=f"world{w}-{c[0]}",
+                         marks=(pytest.mark.launch, pytest.mark.slow) if w > 2 else pytest.mark.launch)
+            for w in worlds for c in cases if w in c[3]]
 
 
 def check(results: dict, case_id: str) -> None:

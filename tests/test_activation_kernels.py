@@ -236,6 +236,7 @@ def test_infinite_gradients_follow_the_cut(act):
 # --------------------------------------------------------------------------- FP8 outputs
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("x_dtype", INPUTS)
@@ -268,6 +269,7 @@ def test_fwd_fp8_is_cast_transpose_of_the_activation(shape, act, x_dtype, fp8, m
     assert np.array_equal(ours[~nan], theirs[~nan]) and np.isnan(out.float().numpy()[nan]).all()
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("x_dtype", INPUTS)

@@ -7,6 +7,8 @@ import pytest
 
 import gloo_harness
 
+pytestmark = [pytest.mark.slow, pytest.mark.launch]  # checks of the harness, not of fp8train: make test-all
+
 
 def test_a_stuck_rank_ends_a_gloo_launch(tmp_path, capfd):
     start = time.monotonic()

@@ -147,6 +147,7 @@ def test_stats_of_large_offsets_use_two_passes():
 # --------------------------------------------------------------------------- fp8 outputs
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("fp8", FP8)

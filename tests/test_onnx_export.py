@@ -72,9 +72,9 @@ MODULES = [
     ("lnlinear-qkv-lnout", _ln_linear_parts, 1),
 ]
 # Every module case in bf16 (the training dtype: the graph casts around Q/DQ); three in
-# float32 as well (no casts), which keeps the suite's time within CI's budget.
+# float32 as well (no casts), in make test-all only (slow).
 FP32_CASES = ("linear-3d", "lnlinear-RMSNorm-lnout", "mlp-swiglu-RMSNorm")
-MODULE_CASES = [pytest.param(*m, dtype, id=f"{m[0]}-{tag}")
+MODULE_CASES = [pytest.param(*m, dtype, id=f"{m[0]}-{tag}", marks=pytest.mark.slow if tag == "fp32" else ())
                 for m in MODULES for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32"))
                 if dtype == torch.bfloat16 or m[0] in FP32_CASES]
 
@@ -195,8 +195,10 @@ def test_module_matches_onnxruntime(tmp_path, errors, name, factory, gemms, dtyp
     export_and_compare(tmp_path, model, shape, dtype, DELAYED, gemms, errors, f"{name}-{str(dtype)[6:]}-delayed")
 
 
-@pytest.mark.parametrize("name,factory,gemms", [MODULES[0], MODULES[3], MODULES[7]],
-                         ids=[MODULES[i][0] for i in (0, 3, 7)])
+# make test runs the MLP (two GEMMs); the Linear and LayerNormLinear in make test-all.
+@pytest.mark.parametrize("name,factory,gemms", [pytest.param(*MODULES[i], id=MODULES[i][0],
+                                                             marks=pytest.mark.slow if i != 7 else ())
+                                                for i in (0, 3, 7)])
 def test_current_scaling_quantizes_activations_in_the_graph(tmp_path, errors, name, factory, gemms):
     model, shape = factory()
     proto = export_and_compare(tmp_path, model, shape, torch.bfloat16, CurrentScaling(), gemms, errors,
@@ -207,7 +209,8 @@ def test_current_scaling_quantizes_activations_in_the_graph(tmp_path, errors, na
     assert sum(n.op_type == "ReduceMax" for n in proto.graph.node) == gemms
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(DELAYED, id="delayed"), pytest.param(CurrentScaling(), id="current")])
+@pytest.mark.parametrize("recipe", [pytest.param(DELAYED, id="delayed"),
+                                    pytest.param(CurrentScaling(), id="current", marks=pytest.mark.slow)])
 def test_gpt_matches_onnxruntime(tmp_path, errors, recipe):
     cfg = GPTConfig.named("tiny", seq_len=32)
     model = GPT(cfg)
@@ -242,7 +245,7 @@ def test_gpt_bf16_exports(tmp_path):
     assert len(qdq_pairs(proto)) == 8
 
 
-@pytest.mark.parametrize("opset", [19, 20])
+@pytest.mark.parametrize("opset", [19, pytest.param(20, marks=pytest.mark.slow)])
 def test_older_opsets(tmp_path, opset):
     model = fp8train.Linear(32, 48)
     train(model, lambda: torch.randn(3, 32, dtype=torch.bfloat16), DELAYED)

@@ -19,6 +19,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a GPU benchmark's CPU smoke run under torchrun: make test-all
+@pytest.mark.launch
 @pytest.mark.parametrize("world", [1, 2])
 def test_tp_benchmark_runs_under_torchrun(world, tmp_path):
     out = tmp_path / "tp.json"

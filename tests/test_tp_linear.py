@@ -338,6 +338,8 @@ def test_case(launches, world, case_id):
     gloo_harness.check(launches(world)[0], case_id)
 
 
+@pytest.mark.slow  # the world-2 cases again, under torchrun: make test-all
+@pytest.mark.launch
 def test_torchrun_launch(tmp_path):
     """The torchrun path that runs these cases on GPUs with NCCL (tests/gpu/test_tp_nccl_gpu.py),
     here with gloo: every case of world 2 reports, and none fails."""

@@ -174,6 +174,7 @@ def test_fwd_dtypes(act, x_dtype, fp8, exact_conversions):
         run_fwd(make_h(21, 70, act, x_dtype), act, fp8, "delayed", mp=32)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("shape", [(1, 16), (15, 48), (37, 130)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("mode", ["delayed", "current"])
@@ -199,6 +200,7 @@ def test_bwd_dtypes(act, x_dtype, fp8, exact_conversions):
         run_bwd(da, h, act, fp8, "delayed", mp=40, dbias_dtype=x_dtype)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("shape", [(1, 16), (15, 48), (37, 130)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("mode", ["delayed", "current"])

@@ -167,6 +167,7 @@ def run_cast_transpose_amax(x, fp8_dtype, mode, mp, amax_start=scaling.UNRECORDE
 # --------------------------------------------------------------------------- casts
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", [(1,), (1, 1), (3, 17), (200,), (2, 7, 33)], ids=str)
 @pytest.mark.parametrize("x_dtype", INPUT_DTYPES)
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
@@ -184,6 +185,7 @@ def test_cast_amax_row_slices(fp8_dtype, mode, config):
     run_cast_amax(big[1, 2:9, :37], fp8_dtype, mode)    # 2-D row slice
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", [(1, 1), (5, 33), (37, 20), (64, 70)], ids=str)
 @pytest.mark.parametrize("pad", [0, "to16", 21], ids=lambda p: f"pad-{p}")
 @pytest.mark.parametrize("x_dtype", INPUT_DTYPES)
@@ -195,6 +197,7 @@ def test_cast_transpose_amax(shape, pad, x_dtype, fp8_dtype, mode, config):
     run_cast_transpose_amax(make_input(shape, x_dtype), fp8_dtype, mode, mp)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", [(1, 1), (5, 33), (37, 20), (64, 70), (3, 4, 18)], ids=str)
 @pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transpose"])
 @pytest.mark.parametrize("x_dtype", INPUT_DTYPES)

@@ -177,6 +177,7 @@ def test_norm_stats(shape, layer, config):
     assert_bits_equal(rstd_only, got[1], "rstd without amax")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("shape", SHAPES[:2])
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("fp8", FP8)
