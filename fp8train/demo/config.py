@@ -74,9 +74,8 @@ class DemoConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
 
 
-# CPU: the tiny model; 0.2-0.45 s per step and run on 2 idle cores (the FP8 GEMMs
-# run as torch's float32 emulation; bf16 matmuls are slow on CPUs without bf16 units), so
-# `make demo` took 2 min in all (docs/benchmarks.md).
+# CPU: the tiny model; 120 steps per run, 28 s for the three runs on 2 idle cores (AMD EPYC,
+# 2026-12-01; the FP8 GEMMs are float32 matmuls of the FP8 values, gemm.emulated_scaled_mm).
 # CUDA: GPT-2 small's shape on bytes (86M parameters), 16 x 1024 tokens per step, graphed:
 # eager FP8 is host-bound at d_model 768 (0.47x BF16's tokens/s, docs/benchmarks.md).
 PRESETS = {

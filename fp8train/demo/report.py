@@ -123,8 +123,8 @@ def print_table(results: List[RunResult], device: torch.device, cfg: DemoConfig)
           "batches; gaps: relative to bf16; tokens/s: training steps only, without warmup (and graph capture), "
           "evaluation and inspection steps)")
     if device.type == "cpu":
-        print("(on CPU the FP8 GEMMs run as torch's float32 emulation and casts as pure-torch reference "
-              "kernels: tokens/s and speedup say nothing about FP8 on a GPU)")
+        print("(on CPU the FP8 GEMMs run as float32 matmuls of the FP8 values (gemm.emulated_scaled_mm) and casts as "
+              "pure-torch reference kernels: tokens/s and speedup say nothing about FP8 on a GPU)")
 
 
 __all__ = ["SCHEMA", "build_report", "check_report", "config_dict", "write_report", "print_table", "gaps"]
