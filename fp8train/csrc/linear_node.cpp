@@ -620,6 +620,7 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
                        const at::Tensor& w1_si, const std::optional<at::Tensor>& w1_t, const at::Tensor& w2_data,
                        const at::Tensor& w2_si, const std::optional<at::Tensor>& w2_t, const CastPlan* w1_cast,
                        const CastPlan* w2_cast) {
+  TORCH_CHECK(plan != nullptr, "fp8train native: mlp_forward without a plan");
   const MlpPlan& p = *plan;
   TORCH_CHECK(x.is_cuda() && x.get_device() == p.device && x.size(-1) == p.hidden && x.numel() == p.rows * p.hidden,
               "fp8train native: LayerNormMLP plan for ", p.rows, " x ", p.hidden, " rows on cuda:", p.device,
@@ -682,6 +683,8 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
 // (data, data_t or None, scale_inv, dbias or None); together: the grad-output cast's one buffer.
 std::vector<std::optional<at::Tensor>> cast_with(const std::shared_ptr<CastPlan>& plan, const at::Tensor& x,
                                                  bool together) {
+  TORCH_CHECK(plan != nullptr && x.is_cuda() && x.get_device() == plan->device,
+              "fp8train native: cast_with needs a plan and a tensor on its device, got ", x.device());
   c10::DeviceGuard device(x.device());
   CastOut o = cast(*plan, x, current_stream(plan->device), together ? Outputs::kTogether : Outputs::kSaved);
   auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };

@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import sys
+import time
 import warnings
 from typing import Optional, Sequence
 
@@ -34,6 +36,16 @@ ENABLED = True
 
 _CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [str(_CSRC / "linear_node.cpp"), str(_CSRC / "lt_gemm.cpp"), str(_CSRC / "high_mlp.cpp")]
+NAME = "fp8train_linear_node"
+# -O1: the node's own code is a few loops around ATen and driver calls; -O2 only lengthens the
+# build (30 s against 23 s on a 2-core machine).
+CFLAGS = ["-O1"]
+# -l:libstdc++.so.6: the process's C++ runtime, by name. Where the compiler finds no
+# libstdc++.so to link (the GPU machine's image: only libstdc++.a beside its g++ 13), g++ links
+# the static archive into the extension, and that private copy's locale is never set up: the
+# first number streamed into a message (every TORCH_CHECK with a value) ended the process with
+# a segmentation fault instead of raising (docs/design.md, "The extension's errors").
+LDFLAGS = ["-ldl", "-l:libstdc++.so.6"] if sys.platform.startswith("linux") else ["-ldl"]
 _ext = None
 _failure: Optional[str] = None
 
@@ -50,10 +62,13 @@ def extension():
     try:
         from torch.utils.cpp_extension import load
         _find_ninja()
-        # -O1: the node's own code is a few loops around ATen and driver calls; -O2 only
-        # lengthens the build (30 s against 23 s on a 2-core machine)
-        _ext = load(name="fp8train_linear_node", sources=SOURCES, extra_cflags=["-O1"],
-                    extra_ldflags=["-ldl"], verbose=False)
+        start, building = time.perf_counter(), _needs_build()
+        if building:  # tens of seconds with nothing on the screen otherwise
+            print("fp8train: building the C++ extension (once per machine and torch version)...", end=" ",
+                  file=sys.stderr, flush=True)
+        _ext = load(name=NAME, sources=SOURCES, extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+        if building:
+            print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     except Exception as e:  # no compiler, no ninja, headers that differ: the Python node runs
         lines = str(e).strip().splitlines()
         errors = [line.strip() for line in lines if "error" in line.lower()]
@@ -61,6 +76,17 @@ def extension():
         warnings.warn(f"fp8train: the C++ Linear node could not be built ({_failure}); FP8 Linear layers use "
                       "the Python autograd node (more host time per call)", stacklevel=2)
     return _ext
+
+
+def _needs_build() -> bool:
+    """Whether load() will compile: no built library yet, or a source newer than it (torch's
+    own check also hashes flags and versions; this one only decides whether to say so)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        built = pathlib.Path(_get_build_directory(NAME, verbose=False)) / f"{NAME}.so"
+        return not built.exists() or any(pathlib.Path(s).stat().st_mtime > built.stat().st_mtime for s in SOURCES)
+    except Exception:  # a private torch helper: if it moves, say nothing
+        return False
 
 
 def hooks_installed() -> bool:
