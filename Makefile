@@ -29,7 +29,7 @@ demo: $(STAMP)
 # make test: the CPU suite without its `slow` tests (tests/tiers.py: sweeps run as pairwise
 # covers; launches of 4 ranks, torchrun launches and a few repeats wait for make test-all).
 test: $(STAMP)
-	$(PYTEST) $(XDIST) -m "not gpu and not slow and not launch" --ignore=tests/interpret tests
+	$(PYTEST) $(XDIST) --durations=10 -m "not gpu and not slow and not launch" --ignore=tests/interpret tests
 	$(PYTEST) -m "launch and not slow" $(LAUNCH_FILES)
 	# Triton kernels' structure under the Triton interpreter (CPU); bitwise checks are GPU tests.
 	TRITON_INTERPRET=1 $(PYTEST) -n $(WORKERS) -m "not slow" tests/interpret

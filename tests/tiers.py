@@ -50,7 +50,9 @@ def pytest_collection_modifyitems(config, items):
     sweeps: Dict[tuple, list] = collections.defaultdict(list)
     for item in items:
         if item.get_closest_marker("sweep") is not None and hasattr(item, "callspec"):
-            sweeps[(item.path, item.cls, item.originalname)].append(item)
+            # GPU items apart: make test's CPU run must cover every pair among the CPU items
+            gpu = item.get_closest_marker("gpu") is not None
+            sweeps[(item.path, item.cls, item.originalname, gpu)].append(item)
     for group in sweeps.values():
         names = sorted(group[0].callspec.params)
         values: Dict[str, dict] = {n: {} for n in names}  # per parameter: value -> its index
