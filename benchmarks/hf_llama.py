@@ -1,0 +1,227 @@
+"""A model users bring: Hugging Face `LlamaForCausalLM`, trained as people train it (GPU machine).
+
+Built from a `transformers.LlamaConfig` (random initialisation, nothing downloaded) over a byte
+vocabulary (256) and trained on bytes of the Python standard library (fp8train.data): FP32
+master weights, `torch.autocast(bfloat16)`, fused AdamW (lr 3e-4), 8 x 1024 = 8192 tokens per
+step, HF's own loss. Shapes (`--shapes`, issue 24):
+
+  h1024  hidden 1024, ffn 2816, 4 layers, 16 heads / 4 KV heads
+  h2048  hidden 2048, ffn 5632, 8 layers, 16 / 4
+  h4096  hidden 4096, ffn 14336, 2 layers, 32 / 8
+  tiny   hidden 64, ffn 128, 2 layers, 4 / 2, 2 x 64 tokens (a smoke run, CPU included)
+
+Variants (`--variants`, all by default; every one from the same initial weights and batches):
+
+  bf16 eager / bf16 compile / bf16 compile-ro  the model as it is; compile-ro: mode="reduce-overhead"
+  fp8 eager {delayed,current}                  fp8train.convert(model, recipe, not lm_head), the
+                                               step under fp8train.autocast inside torch.autocast
+  fp8 compile {delayed,current}, fp8 compile-ro delayed
+                                               the same, torch.compile(model) after one eager step
+  torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
+                                               (tensorwise, not lm_head) + torch.compile, when
+                                               torchao imports (TARGETS.md: carry its wheel)
+
+Per variant: wall ms per step (`--steps` steps back to back, one sync at each end), device ms
+per step (the kernels' time under torch.profiler over `--profile-steps` more steps), their
+ratio (T7: wall <= 1.10x device), peak memory, the last steps' mean loss, and the ratios of
+the wall time to BF16 eager's and to torchao's (T7: fp8train <= 0.85x torchao). A variant
+that fails prints its error in the table instead of ending the run. Writes JSON; never
+asserts on time.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import fp8train
+from fp8train.data import ByteCorpus
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    batch: int = 8
+    seq: int = 1024
+
+
+SHAPES = {
+    "h1024": Shape(1024, 2816, 4, 16, 4),
+    "h2048": Shape(2048, 5632, 8, 16, 4),
+    "h4096": Shape(4096, 14336, 2, 32, 8),
+    "tiny": Shape(64, 128, 2, 4, 2, batch=2, seq=64),
+}
+RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling}
+VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
+            "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "torchao compile",
+            "torchao compile-ro"]
+
+
+def build_llama(shape: Shape, device: torch.device, seed: int = 0):
+    """A randomly initialised LlamaForCausalLM over bytes, FP32 parameters, no dropout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.seq,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(device)
+
+
+def not_lm_head(name: str, *_) -> bool:
+    return not name.endswith("lm_head")
+
+
+def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]):
+    """Convert and compile `model` as `variant` says; returns (model, fp8 recipe or None).
+    first_step runs one eager step (fp8train compiles after one, as the issue's user did)."""
+    kind, mode = variant.split()[0], variant.split()[1]
+    recipe = None
+    if kind == "fp8":
+        recipe = RECIPES[variant.split()[2]]()
+        fp8train.convert(model, recipe, filter_fn=not_lm_head)
+    elif kind == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                                   module_filter_fn=lambda m, fqn: not_lm_head(fqn))
+    if mode.startswith("compile"):
+        if kind == "fp8":
+            first_step(model, recipe)
+        model = torch.compile(model, mode="reduce-overhead" if mode == "compile-ro" else None)
+    return model, recipe
+
+
+def run_variant(variant: str, shape: Shape, device: torch.device, batches, steps: int, profile_steps: int) -> Dict:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = build_llama(shape, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    losses: List[float] = []
+    count = [0]
+    ro = variant.endswith("compile-ro") or " compile-ro " in variant
+
+    def step(m, recipe):
+        x, y = batches[count[0] % len(batches)]
+        count[0] += 1
+        if ro:
+            torch.compiler.cudagraph_mark_step_begin()
+        fp8 = fp8train.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+        with torch.autocast(device.type, dtype=torch.bfloat16), fp8:
+            loss = m(input_ids=x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    model, recipe = prepare(variant, model, step)
+    for _ in range(3):  # warm-up (compiles)
+        step(model, recipe)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = [step(model, recipe) for _ in range(steps)]
+    sync()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    losses = [float(v) for v in out[-max(1, steps // 4):]]
+    device_ms = None
+    if device.type == "cuda" and profile_steps > 0:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(profile_steps):
+                step(model, recipe)
+            sync()
+        kernels_us = sum(e.self_device_time_total for e in prof.key_averages())
+        device_ms = kernels_us / 1e3 / profile_steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    fp8_layers = sum(isinstance(m, fp8train.Linear) for m in model.modules())
+    return {"variant": variant, "wall_ms": wall, "device_ms": device_ms,
+            "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": peak,
+            "loss": statistics.fmean(losses), "fp8train_layers": fp8_layers}
+
+
+def print_table(name: str, rows: List[Dict]) -> None:
+    by = {r["variant"]: r for r in rows if "wall_ms" in r}
+    base = by.get("bf16 eager", {}).get("wall_ms")
+    ao = by.get("torchao compile", {}).get("wall_ms")
+    print(f"\n{name}: {SHAPES[name]}")
+    print(f"{'variant':<24}{'wall ms':>9}{'device ms':>10}{'wall/dev':>9}{'vs bf16 eager':>14}"
+          f"{'vs torchao':>11}{'peak GiB':>9}{'loss':>8}")
+
+    def cell(v: Optional[float], width: int, spec: str, unit: str = "") -> str:
+        return " " * width if v is None else f"{format(v, spec) + unit:>{width}}"
+
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<24}  failed: {r['error'][:150]}")
+            continue
+        print(f"{r['variant']:<24}{cell(r['wall_ms'], 9, '.2f')}{cell(r['device_ms'], 10, '.2f')}"
+              f"{cell(r['wall_over_device'], 9, '.2f')}{cell(base and r['wall_ms'] / base, 14, '.2f', 'x')}"
+              f"{cell(ao and r['wall_ms'] / ao, 11, '.2f', 'x')}{cell(r['peak_gib'], 9, '.1f')}{r['loss']:>8.3f}")
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="h1024,h2048,h4096", help=f"comma-separated, of {sorted(SHAPES)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    p.add_argument("--profile-steps", type=int, default=5, help="profiled steps per variant (device time)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    shapes = args.shapes.split(",")
+    variants = args.variants.split(",")
+    for name in shapes:
+        if name not in SHAPES:
+            p.error(f"unknown shape {name!r}; one of {sorted(SHAPES)}")
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; one of {VARIANTS}")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        variants = [v for v in variants if not v.startswith("torchao")]
+        print("torchao not importable: its variants are skipped")
+    corpus = ByteCorpus.from_stdlib(max_bytes=4_000_000)
+    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shapes": {}}
+    for name in shapes:
+        shape = SHAPES[name]
+        g = torch.Generator().manual_seed(0)
+        batches = [tuple(t.to(device) for t in corpus.batch("train", shape.batch, shape.seq, g)) for _ in range(8)]
+        rows = []
+        for v in variants:
+            try:
+                rows.append(run_variant(v, shape, device, batches, args.steps, args.profile_steps))
+            except Exception as e:  # a benchmark reports what failed and goes on
+                traceback.print_exc()
+                rows.append({"variant": v, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
+            print(f"  {name} {v}: {rows[-1].get('wall_ms', rows[-1].get('error'))}", flush=True)
+        results["shapes"][name] = {"shape": asdict(shape), "rows": rows}
+        print_table(name, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

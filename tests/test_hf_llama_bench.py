@@ -1,0 +1,26 @@
+"""benchmarks/hf_llama.py's code path on the CPU (tiny shape, eager variants): it runs, converts
+the Llama's projections (not lm_head) and writes one row per variant. Times on the CPU mean
+nothing and are not checked (the benchmark runs on the GPU machine)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import hf_llama  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all
+
+
+def test_hf_llama_benchmark_runs_on_cpu(tmp_path):
+    out = tmp_path / "hf_llama.json"
+    hf_llama.main(["--device", "cpu", "--shapes", "tiny", "--variants", "bf16 eager,fp8 eager delayed",
+                   "--steps", "2", "--profile-steps", "0", "--json", str(out)])
+    rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
+    assert [r["variant"] for r in rows] == ["bf16 eager", "fp8 eager delayed"]
+    assert all("error" not in r and r["wall_ms"] > 0 for r in rows), rows
+    # 2 layers x 7 projections (q, k, v, o, gate, up, down); lm_head stays high precision
+    assert rows[0]["fp8train_layers"] == 0 and rows[1]["fp8train_layers"] == 14
+    assert abs(rows[1]["loss"] - rows[0]["loss"]) < 0.05  # same weights and batches, ~log(256)
