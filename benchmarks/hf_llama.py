@@ -148,7 +148,10 @@ def run_variant(variant: str, shape: Shape, device: torch.device, batches, steps
             for _ in range(profile_steps):
                 step(model, recipe)
             sync()
-        kernels_us = sum(e.self_device_time_total for e in prof.key_averages())
+        # the device's own events (kernels, copies, memsets): a CPU op's self device time
+        # counts its kernels a second time
+        kernels_us = sum(e.self_device_time_total for e in prof.key_averages()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
         device_ms = kernels_us / 1e3 / profile_steps
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     fp8_layers = sum(isinstance(m, fp8train.Linear) for m in model.modules())
