@@ -7,17 +7,11 @@
          test that runs (and every single value, for a parameter alone). The other
          combinations are marked slow. The cover is computed from the collected items alone,
          the same on every xdist worker.
-
-Under xdist the controller also builds the C++ extension in a thread while the workers start
-(pytest_sessionstart), and waits for it at the end: a process that ended mid-build would leave
-torch's build lock behind for every later build to wait on.
 """
 from __future__ import annotations
 
 import collections
 import itertools
-import os
-import threading
 from typing import Dict, List, Tuple
 
 import pytest
@@ -69,26 +63,3 @@ def pytest_collection_modifyitems(config, items):
             if k not in keep:
                 item.add_marker(pytest.mark.slow)
 
-
-_builder: List[threading.Thread] = []
-
-
-def _build_extension() -> None:
-    from fp8train.kernels import native
-    native.extension()
-
-
-def pytest_sessionstart(session):
-    # Under xdist the controller, idle otherwise, builds the C++ extension while the workers
-    # start and collect: the first worker to need it waits less, and a second one no longer
-    # waits on torch's build lock for the whole build. (The interpreter suite needs none.)
-    config = session.config
-    xdist_controller = getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None)
-    if xdist_controller and os.environ.get("TRITON_INTERPRET") != "1":
-        _builder.append(threading.Thread(target=_build_extension, name="build-extension", daemon=True))
-        _builder[0].start()
-
-
-def pytest_sessionfinish(session):
-    for thread in _builder:
-        thread.join()
