@@ -15,7 +15,7 @@ XDIST  := -n $(WORKERS) --dist loadscope
 # for each other on cores that other tests hold ran 2-5x slower. Only their files are collected.
 LAUNCH_FILES := $(shell grep -l -e mark.launch -e world_params tests/test_*.py)
 
-.PHONY: demo test test-all test-gpu bench-gpu clean
+.PHONY: demo test test-all test-gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)

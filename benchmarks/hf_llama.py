@@ -90,10 +90,10 @@ def not_lm_head(name: str, *_) -> bool:
 def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]):
     """Convert and compile `model` as `variant` says; returns (model, fp8 recipe or None).
     first_step runs one eager step (fp8train compiles after one, as the issue's user did)."""
-    kind, mode = variant.split()[0], variant.split()[1]
+    kind, mode, *rest = variant.split()
     recipe = None
     if kind == "fp8":
-        recipe = RECIPES[variant.split()[2]]()
+        recipe = RECIPES[rest[0]]()
         fp8train.convert(model, recipe, filter_fn=not_lm_head)
     elif kind == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -114,9 +114,8 @@ def run_variant(variant: str, shape: Shape, device: torch.device, batches, steps
         torch.cuda.reset_peak_memory_stats()
     model = build_llama(shape, device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
-    losses: List[float] = []
     count = [0]
-    ro = variant.endswith("compile-ro") or " compile-ro " in variant
+    ro = "compile-ro" in variant.split()
 
     def step(m, recipe):
         x, y = batches[count[0] % len(batches)]

@@ -1,7 +1,7 @@
 """DirectKernel's check of its constexprs, on CPU (no launch): the kernel's trailing
 tl.constexpr parameters must be given exactly, whether the kernel's module reads its
 annotations as strings (`from __future__ import annotations`, as fp8train's kernels do) or
-as the tl.constexpr class itself (as tools/probe_small_gemm.py's kernel does)."""
+as the tl.constexpr class itself (as a kernel annotated with it does)."""
 import pytest
 
 triton = pytest.importorskip("triton")

@@ -28,7 +28,7 @@ torch's is its own; and the two reciprocals (the sigmoid's 1 / (1 + e), the erfc
 Triton's float32 `/`, div.full.f32 (within 2 ulps), where the twin divides exactly. The
 IEEE quotient (tl.math.div_rn) is a multi-instruction sequence per element: with it the
 gelu_tanh backward + dbias took 0.358 ms at 8192 x 16384 against 0.235 ms now, the forward
-0.192 against 0.138 (tools/probe_act_math.py, H200, 2026-11-30), and on inputs spread over
+0.192 against 0.138 (a probe since deleted, H200, 2026-11-30; docs/benchmarks.md), and on inputs spread over
 [-8, 8] not one fp8 byte of either differed from the twin's. The twin's Note shows how
 each formula keeps such differences a few ulps in the float32 result, so a byte rarely
 lands on the neighbouring fp8 value; the GPU tests bound that (see tests/gpu).
