@@ -21,12 +21,15 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
 
-Per variant: wall ms per step (`--steps` steps back to back, one sync at each end), device ms
-per step (the kernels' time under torch.profiler over `--profile-steps` more steps), their
-ratio (T7: wall <= 1.10x device), peak memory, the last steps' mean loss, and the ratios of
-the wall time to BF16 eager's and to torchao's (T7: fp8train <= 0.85x torchao). A variant
-that fails prints its error in the table instead of ending the run. Writes JSON; never
-asserts on time.
+Every variant is built and warmed up first; then `--rounds` rounds time `--steps` steps of
+each variant back to back (one sync at each end), the order reversed every other round, so
+that the host's drift between rounds (up to 2x here) falls on every variant alike. Per
+variant: wall ms per step (the median round), device ms per step (the kernels' time under
+torch.profiler over `--profile-steps` more steps), their ratio (T7: wall <= 1.10x device),
+peak memory above what the variants built before it hold, the last round's mean loss, and
+the median over rounds of the within-round ratio to BF16 eager and to torchao compile (T7:
+fp8train <= 0.85x torchao). A variant that fails prints its error in the table instead of
+ending the run. Writes JSON; never asserts on time.
 """
 from __future__ import annotations
 
@@ -106,64 +109,100 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     return model, recipe
 
 
-def run_variant(variant: str, shape: Shape, device: torch.device, batches, steps: int, profile_steps: int) -> Dict:
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    model = build_llama(shape, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
-    count = [0]
-    ro = "compile-ro" in variant.split()
+class Runner:
+    """One variant, built, converted, compiled and warmed up (3 steps), kept alive so that the
+    variants' timed steps can alternate (`timed`)."""
 
-    def step(m, recipe):
-        x, y = batches[count[0] % len(batches)]
-        count[0] += 1
-        if ro:
+    def __init__(self, variant: str, shape: Shape, device: torch.device, batches):
+        gc.collect()
+        self.variant, self.device, self.batches = variant, device, batches
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        model = build_llama(shape, device)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda)
+        self.count = 0
+        self.ro = "compile-ro" in variant.split()
+        self.model, self.recipe = prepare(variant, model, self.step)
+        self.losses: List[float] = []
+        for _ in range(3):  # warm-up (compiles)
+            self.step(self.model, self.recipe)
+        self.sync()
+        # what this variant allocated at its peak, above what the variants built before it hold
+        self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
+        self.fp8_layers = sum(isinstance(m, fp8train.Linear) for m in self.model.modules())
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step(self, m, recipe):
+        x, y = self.batches[self.count % len(self.batches)]
+        self.count += 1
+        if self.ro:
             torch.compiler.cudagraph_mark_step_begin()
         fp8 = fp8train.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
-        with torch.autocast(device.type, dtype=torch.bfloat16), fp8:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16), fp8:
             loss = m(input_ids=x, labels=y).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    model, recipe = prepare(variant, model, step)
-    for _ in range(3):  # warm-up (compiles)
-        step(model, recipe)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    out = [step(model, recipe) for _ in range(steps)]
-    sync()
-    wall = (time.perf_counter() - t0) * 1e3 / steps
-    losses = [float(v) for v in out[-max(1, steps // 4):]]
-    device_ms = None
-    if device.type == "cuda" and profile_steps > 0:
+    def timed(self, steps: int) -> float:
+        """ms per step over `steps` steps back to back (one sync at each end)."""
+        self.sync()
+        t0 = time.perf_counter()
+        out = [self.step(self.model, self.recipe) for _ in range(steps)]
+        self.sync()
+        self.losses = [float(v) for v in out]
+        return (time.perf_counter() - t0) * 1e3 / steps
+
+    def device_ms(self, steps: int) -> Optional[float]:
+        """The kernels' time per step under torch.profiler (the device's own events only: a
+        CPU op's self device time would count its kernels a second time)."""
+        if self.device.type != "cuda" or steps <= 0:
+            return None
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(profile_steps):
-                step(model, recipe)
-            sync()
-        # the device's own events (kernels, copies, memsets): a CPU op's self device time
-        # counts its kernels a second time
+            for _ in range(steps):
+                self.step(self.model, self.recipe)
+            self.sync()
         kernels_us = sum(e.self_device_time_total for e in prof.key_averages()
                          if e.device_type == torch.autograd.DeviceType.CUDA)
-        device_ms = kernels_us / 1e3 / profile_steps
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    fp8_layers = sum(isinstance(m, fp8train.Linear) for m in model.modules())
-    return {"variant": variant, "wall_ms": wall, "device_ms": device_ms,
-            "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": peak,
-            "loss": statistics.fmean(losses), "fp8train_layers": fp8_layers}
+        return kernels_us / 1e3 / steps
+
+
+def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: int) -> List[Dict]:
+    """Rounds of `steps` timed steps per variant, the order reversed every other round (the
+    host's speed drifts between rounds: every variant sees the same drift). Per variant: the
+    median round, and the median over rounds of its ratio to BF16 eager's and to torchao
+    compile's time in the same round."""
+    times: Dict[str, List[float]] = {v: [] for v in runners}
+    for r in range(rounds):
+        for v in (list(runners) if r % 2 == 0 else list(reversed(runners))):
+            times[v].append(runners[v].timed(steps))
+
+    def paired(v: str, base: str) -> Optional[float]:
+        if base not in times:
+            return None
+        return statistics.median(a / b for a, b in zip(times[v], times[base]))
+
+    rows = []
+    for v, run in runners.items():
+        wall = statistics.median(times[v])
+        device_ms = run.device_ms(profile_steps)
+        rows.append({"variant": v, "wall_ms": wall, "rounds_ms": times[v], "device_ms": device_ms,
+                     "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": run.peak_gib,
+                     "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
+                     "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers})
+    return rows
 
 
 def print_table(name: str, rows: List[Dict]) -> None:
-    by = {r["variant"]: r for r in rows if "wall_ms" in r}
-    base = by.get("bf16 eager", {}).get("wall_ms")
-    ao = by.get("torchao compile", {}).get("wall_ms")
-    print(f"\n{name}: {SHAPES[name]}")
+    print(f"\n{name}: {SHAPES[name]} (vs: the median over rounds of the ratio within a round)")
     print(f"{'variant':<24}{'wall ms':>9}{'device ms':>10}{'wall/dev':>9}{'vs bf16 eager':>14}"
           f"{'vs torchao':>11}{'peak GiB':>9}{'loss':>8}")
 
@@ -175,15 +214,16 @@ def print_table(name: str, rows: List[Dict]) -> None:
             print(f"{r['variant']:<24}  failed: {r['error'][:150]}")
             continue
         print(f"{r['variant']:<24}{cell(r['wall_ms'], 9, '.2f')}{cell(r['device_ms'], 10, '.2f')}"
-              f"{cell(r['wall_over_device'], 9, '.2f')}{cell(base and r['wall_ms'] / base, 14, '.2f', 'x')}"
-              f"{cell(ao and r['wall_ms'] / ao, 11, '.2f', 'x')}{cell(r['peak_gib'], 9, '.1f')}{r['loss']:>8.3f}")
+              f"{cell(r['wall_over_device'], 9, '.2f')}{cell(r['vs_bf16_eager'], 14, '.2f', 'x')}"
+              f"{cell(r['vs_torchao'], 11, '.2f', 'x')}{cell(r['peak_gib'], 9, '.1f')}{r['loss']:>8.3f}")
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="h1024,h2048,h4096", help=f"comma-separated, of {sorted(SHAPES)}")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
-    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds (variants alternate)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     p.add_argument("--profile-steps", type=int, default=5, help="profiled steps per variant (device time)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the results here")
@@ -205,20 +245,30 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     corpus = ByteCorpus.from_stdlib(max_bytes=4_000_000)
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shapes": {}}
+    # every variant's compiled model stays alive: one cache entry each for Dynamo
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(variants))
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
+                                                            64 * len(variants))
     for name in shapes:
         shape = SHAPES[name]
         g = torch.Generator().manual_seed(0)
         batches = [tuple(t.to(device) for t in corpus.batch("train", shape.batch, shape.seq, g)) for _ in range(8)]
-        rows = []
+        runners, failed = {}, []
         for v in variants:
             try:
-                rows.append(run_variant(v, shape, device, batches, args.steps, args.profile_steps))
+                runners[v] = Runner(v, shape, device, batches)
             except Exception as e:  # a benchmark reports what failed and goes on
                 traceback.print_exc()
-                rows.append({"variant": v, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
-            print(f"  {name} {v}: {rows[-1].get('wall_ms', rows[-1].get('error'))}", flush=True)
-        results["shapes"][name] = {"shape": asdict(shape), "rows": rows}
+                failed.append({"variant": v, "error": f"{type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
+            print(f"  {name} {v}: {'ready' if v in runners else failed[-1]['error']}", flush=True)
+        rows = measure(runners, args.rounds, args.steps, args.profile_steps) + failed
+        results["shapes"][name] = {"shape": asdict(shape), "rounds": args.rounds, "steps_per_round": args.steps,
+                                   "rows": rows}
         print_table(name, rows)
+        del runners
+        torch._dynamo.reset()
+        gc.collect()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -12,7 +12,8 @@ Accumulation precision comes from GemmConfig per role, never from the FP8 dtypes
 
 On the GPU the GEMM runs through the C++ extension's `scaled_mm` (csrc/lt_gemm.cpp: cuBLASLt
 with its algorithm cached, the bytes torch._scaled_mm gives, less host time), the one the C++
-nodes call; torch._scaled_mm itself in traced code and without the extension. On the CPU it
+nodes call; traced code calls the same GEMM as the operator torch.ops.fp8train_lt.scaled_mm,
+and torch._scaled_mm runs only without the extension (or into a given `out`). On the CPU it
 runs as `emulated_scaled_mm`, a float32 matmul of the FP8 values (torch's own CPU
 _scaled_mm runs at ~0.04 GFLOP/s through oneDNN on some CPUs, AVX-512 + AMX Xeons among them).
 """
@@ -74,6 +75,9 @@ def scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_sca
     if ext is not None and out_dtype in native.DTYPE_CODES:
         return ext.scaled_mm(a, a_scale_inv, b, b_scale_inv, config.fast_accum(role), native.DTYPE_CODES[out_dtype],
                              bias, out)
+    if out is None and out_dtype in native.DTYPE_CODES and native.gemm_op_loaded():  # traced code
+        return torch.ops.fp8train_lt.scaled_mm(a, a_scale_inv, b, b_scale_inv, config.fast_accum(role), out_dtype,
+                                               bias)
     if bias is None:
         return torch._scaled_mm(a, b, scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=out_dtype,
                                 use_fast_accum=config.fast_accum(role), out=out)
@@ -111,7 +115,10 @@ def emulated_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
 @torch.library.custom_op("fp8train::emulated_scaled_mm", mutates_args=())
 def _emulated_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
                         out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    y = torch.mm(a.float(), b.float())  # (M, N) float32
+    # Autocast would run this mm in bf16 (a custom op's body runs under the caller's autocast
+    # in eager code, not in compiled code): the float32 sums are the specification.
+    with torch.autocast(a.device.type, enabled=False):
+        y = torch.mm(a.float(), b.float())  # (M, N) float32
     y.mul_(a_scale_inv * b_scale_inv)
     if bias is not None:
         y.add_(bias.to(out_dtype))

@@ -1,12 +1,13 @@
-"""The memory-bound kernels as `torch.library` custom ops, for code traced by torch.compile.
+"""The memory-bound kernels in code traced by torch.compile.
 
 Eager layers launch kernels through prepared launches that write into buffers they allocate
 (kernels/__init__.py, Quantizer._launch): fast on the host, but opaque to Dynamo. Under
-`torch.compiler.is_compiling()` the quantizer and producer helpers call these ops instead
-(one branch each: Quantizer.cast, norm_fp8/norm_backward, activation_fp8/activation_backward).
-Each op's implementation calls the same `fp8train.kernels` function as the eager path
-(Triton on CUDA, the pure-torch twin elsewhere), in the same order, so compiled and eager
-results are identical; Inductor calls the op as an opaque kernel instead of tracing into it.
+`torch.compiler.is_compiling()` the quantizer and producer helpers call this module instead
+(one branch each: Quantizer.cast, norm_fp8/norm_backward, activation_fp8/activation_backward):
+  * the cast is the twin's torch ops (`cast`), which Inductor fuses and launches itself;
+  * the fused norm and activation kernels are `torch.library` custom ops, whose
+    implementation calls the same `fp8train.kernels` function as the eager path (Triton on
+    CUDA, the twin elsewhere) in the same order; Inductor calls each as an opaque kernel.
 
 Scaling state travels as four tensors, `scaling_state()` of the quantizer (see
 Quantizer.scaling_state):
@@ -15,7 +16,7 @@ Quantizer.scaling_state):
   first_amax       () float32 or None; when given, zeroed and filled by the producer's first
                    pass (amax only), and the cast's scale comes from it
   nonfinite_count  () int32 or None; counts a non-finite first_amax
-Every op declares all four as mutated, so functionalization keeps their updates (a mutation
+Every custom op declares all four as mutated, so functionalization keeps their updates (a mutation
 declared but not performed only costs a copy of a scalar).
 
 Ops return plain tensors; a result that does not exist (no transposed copy, no bias
@@ -26,9 +27,11 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from . import kernels
+from . import kernels, scaling
+from .kernels import reference
 from .kernels.activation_reference import out_features
 from .tensor import padded_rows
 
@@ -66,39 +69,37 @@ def _none_if_empty(t: Tensor) -> Optional[Tensor]:
 
 # ------------------------------------------------------------------------------------ cast
 
-def _cast_outputs(x: Tensor, fp8_dtype: torch.dtype, transpose: bool, dbias: bool):
-    cols = x.shape[-1] if x.dim() else 1
-    rows = x.numel() // cols if cols else 0
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)  # x's shape, fp8
-    data_t = _transposed_empty(rows, cols, fp8_dtype, x.device, transpose)  # (cols, Mp) fp8
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-    db = torch.empty(cols if dbias else 0, dtype=torch.float32, device=x.device)  # (cols,) float32
-    return data, data_t, scale_inv, db
-
-
-@torch.library.custom_op("fp8train::cast", mutates_args=_STATE)
-def _cast(x: Tensor, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Optional[Tensor],
-          first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor], transpose: bool,
-          dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Quantizer.cast: (data, data_t, scale_inv, dbias) of a contiguous x."""
-    data, data_t, scale_inv, db = _cast_outputs(x, fp8_dtype, transpose, dbias)
-    _scaled(lambda amax_out: kernels.amax(x, amax_out),
-            lambda s, amax_out, from_amax, count: kernels.cast_trusted(
-                x, data, data_t if transpose else None, s, scale_inv, amax_out, from_amax, count,
-                db if dbias else None),
-            scale, amax_history, first_amax, nonfinite_count)
-    return data, data_t, scale_inv, db
-
-
-@_cast.register_fake
-def _(x, fp8_dtype, scale, amax_history, first_amax, nonfinite_count, transpose, dbias):
-    return _cast_outputs(x, fp8_dtype, transpose, dbias)
-
-
 def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool, dbias: bool):
-    """(data, data_t or None, scale_inv, dbias or None): what Quantizer.cast returns."""
-    data, data_t, scale_inv, db = torch.ops.fp8train.cast(x.detach(), fp8_dtype, *state, transpose, dbias)
-    return data, (data_t if transpose else None), scale_inv, (db if dbias else None)
+    """Quantizer.cast in traced code: (data, data_t or None, scale_inv (1,), dbias or None).
+
+    Not a custom op: the cast kernels' twin (kernels/reference.py, cast_transpose_amax) as
+    plain torch ops, so Inductor generates the kernels, fuses the cast into x's producer (a
+    norm, an activation, a residual add) and launches them from its own code. As a custom op
+    every cast was a Python call of ~0.3 ms of host time inside the compiled step (issue 24).
+    The values are the twin's, which the eager Triton kernels match bit for bit; the divisions
+    of the scale math run in float64 (scaling.py says why that is IEEE float32 exactly).
+    The padding columns of data_t are +0.0 (byte 0), cast like the rest.
+    """
+    x = x.detach()
+    scale, amax_history, first_amax, nonfinite_count = state
+    m = scaling.fp8_max(fp8_dtype)
+    if first_amax is not None:  # current scaling, or a delayed quantizer's calibration
+        first_amax.copy_(reference.abs_max(x))
+        scale.copy_(scaling.compute_scale(first_amax, scale, m))
+        if nonfinite_count is not None:
+            nonfinite_count.add_((~torch.isfinite(first_amax)).to(nonfinite_count.dtype))
+    if amax_history is not None:
+        reference.amax(x, amax_history[0])
+    data = reference.saturating_cast(x, scale, fp8_dtype)
+    cols = x.shape[-1] if x.dim() else 1
+    rows = x.reshape(-1, cols)  # (M, N)
+    data_t = None
+    if transpose:  # (N, Mp): x's rows transposed, zero columns up to Mp
+        pad = padded_rows(rows.shape[0]) - rows.shape[0]
+        # contiguous: the GEMMs take it row-major (F.pad keeps the transposed view's strides)
+        data_t = reference.saturating_cast(F.pad(rows.t(), (0, pad)), scale, fp8_dtype).contiguous()
+    db = rows.float().sum(0) if dbias else None
+    return data, data_t, scaling.scale_inverse(scale).reshape(1), db
 
 
 # ------------------------------------------------------------------------------- normalization

@@ -46,14 +46,23 @@ def compute_scale(amax: torch.Tensor, prev_scale: torch.Tensor, fp8_max: float, 
     amax inf or NaN     `prev_scale`: a non-finite amax never reaches a scale. Callers count
                         these events (quantizer `nonfinite_count`).
     """
-    scale = torch.div(fp8_max, amax) / 2.0**margin
+    scale = _div(fp8_max, amax) / 2.0**margin
     scale = scale.clamp(SCALE_MIN, SCALE_MAX)
     usable = (amax > 0) & torch.isfinite(amax)
     return torch.where(usable, scale, prev_scale)
 
 
 def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
-    return torch.reciprocal(scale)
+    """1 / scale, IEEE float32 (see _div)."""
+    return _div(1.0, scale)
+
+
+def _div(a: float, b: torch.Tensor) -> torch.Tensor:
+    """a / b (float32 b) rounded as IEEE float32 division rounds, also where torch.compile
+    generates the code: Triton's float32 `/` is approximate (within 2 ulps), float64's is
+    exact, and a float64 quotient of float32 operands rounded to float32 is the float32
+    quotient (53 >= 2 * 24 + 2 bits: double rounding cannot occur for a division)."""
+    return torch.div(a, b.double()).float()
 
 
 def amax_from_history(history: torch.Tensor, algo: str) -> torch.Tensor:

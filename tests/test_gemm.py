@@ -160,6 +160,18 @@ def test_emulation_is_the_exact_product_within_float32_sums(k):
     assert ((y.double() - exact).abs() <= bound).all()
 
 
+def test_emulation_sums_in_float32_under_torch_autocast():
+    """Inside torch.autocast(bfloat16) (how FP32-master-weight models train) the sums stay
+    float32: autocast reached into the op's mm in eager code (not in compiled code) and
+    rounded it to bf16 before the scaling, so eager and compiled steps differed."""
+    a, b = _fp8((33, 64), torch.float8_e4m3fn), _fp8((64, 24), torch.float8_e4m3fn)
+    sa, sb = torch.tensor(0.37), torch.tensor(1.9)
+    want = gemm.emulated_scaled_mm(a, sa, b, sb, torch.bfloat16)  # the float32 math (tests above)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gemm.emulated_scaled_mm(a, sa, b, sb, torch.bfloat16)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_emulation_adds_the_bias_rounded_to_the_output_dtype(out_dtype):
     """The GPU passes the bias in out_dtype (cuBLASLt's epilogue) and rounds the float32 sum

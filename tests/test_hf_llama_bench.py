@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all
 def test_hf_llama_benchmark_runs_on_cpu(tmp_path):
     out = tmp_path / "hf_llama.json"
     hf_llama.main(["--device", "cpu", "--shapes", "tiny", "--variants", "bf16 eager,fp8 eager delayed",
-                   "--steps", "2", "--profile-steps", "0", "--json", str(out)])
+                   "--rounds", "2", "--steps", "1", "--profile-steps", "0", "--json", str(out)])
     rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
     assert [r["variant"] for r in rows] == ["bf16 eager", "fp8 eager delayed"]
     assert all("error" not in r and r["wall_ms"] > 0 for r in rows), rows

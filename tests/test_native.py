@@ -147,6 +147,21 @@ def test_gemm_on_cpu_does_not_take_the_extension(ext):
     assert ext.lt_counts() == before
 
 
+def test_gemm_operator_for_traced_code_has_its_shape_function(ext):
+    # torch.ops.fp8train_lt.scaled_mm: what compiled CUDA code calls (gemm.py). Its fake gives
+    # the (M, N) row-major output of out_dtype; it has no CPU kernel (the CPU's GEMM is the
+    # emulation), so a CPU call is refused by the dispatcher.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    assert native.gemm_op_loaded()
+    a, a_si, b, b_si = _fp8_operands(17, 64, 48, seed=4)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (a, a_si, b, b_si)]
+        y = torch.ops.fp8train_lt.scaled_mm(*fake, True, torch.bfloat16, None)
+    assert y.shape == (17, 48) and y.dtype == torch.bfloat16 and y.stride() == (48, 1)
+    with pytest.raises(NotImplementedError, match="fp8train_lt::scaled_mm"):
+        torch.ops.fp8train_lt.scaled_mm(a, a_si, b, b_si, True, torch.bfloat16, None)
+
+
 def test_cast_plan_with_dbias_needs_its_colsum_launch(ext):
     """A plan with dbias partial sums takes their colsum launch too, with one hole (the call's
     dbias), and neither without the other."""

@@ -27,6 +27,7 @@
 
 #include <ATen/ops/_scaled_mm.h>
 #include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 namespace fp8train_native {
 namespace {
@@ -333,3 +334,22 @@ std::tuple<int64_t, int64_t, int64_t> lt_counts() {
 }
 
 }  // namespace fp8train_native
+
+// ------------------------------------------------------------------- the GEMM as an operator
+// For code that torch.compile generates (gemm.py): Inductor calls a registered operator from
+// its wrapper through the dispatcher, with no Python in between, where torch._scaled_mm would
+// ask cuBLASLt's heuristic on every call. Its shape function (the fake) is registered from
+// Python (kernels/native.py). CUDA only: the CPU's GEMM is gemm.emulated_scaled_mm.
+TORCH_LIBRARY(fp8train_lt, m) {
+  m.def("scaled_mm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, bool fast_accum, "
+        "ScalarType out_dtype, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fp8train_lt, CUDA, m) {
+  m.impl("scaled_mm", [](const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                         const at::Tensor& b_scale_inv, bool fast_accum, c10::ScalarType out_dtype,
+                         const std::optional<at::Tensor>& bias) {
+    return fp8train_native::scaled_mm(a, a_scale_inv, b, b_scale_inv, fast_accum, out_dtype,
+                                      bias.value_or(at::Tensor()));
+  });
+}

@@ -7,8 +7,8 @@ Two kernels serve the three wrappers:
   _flat_kernel   contiguous x as one flat range: a persistent grid-stride loop over
                  blocks, 16-byte vector loads, one atomic amax per program.
   _tile_kernel   x as (rows, cols) with any row stride: a persistent loop over 2-D tiles;
-                 with TRANSPOSE it also writes each tile transposed (through shared memory)
-                 into out_t and fills out_t's padding columns with zeros; with DBIAS it
+                 with TRANSPOSE it also writes each tile transposed (through shared memory;
+                 a float32 tile from its stored bytes, see _plan) into out_t and fills out_t's padding columns with zeros; with DBIAS it
                  writes each tile's column sums (float32) into a partial-sum buffer that one
                  colsum launch reduces (kernels/colsum.py): the bias gradient of a grad-output
                  cast, from the same read.
@@ -37,7 +37,7 @@ from .checks import FP8_DTYPES, check_dbias, check_fp8_out, check_fp8_outputs, c
 from .launcher import DirectKernel, hooks_installed
 from .launcher import device_guard as _device_guard
 from .scale_update import compute_scale
-from .transpose import transpose_into
+from .transpose import store_transposed_tile
 
 _INF: tl.constexpr = tl.constexpr(float("inf"))
 _INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # float32 +inf as int32
@@ -233,7 +233,7 @@ def _tile_kernel(
     M, N, Mp, stride_xm,
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
     FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, DBIAS: tl.constexpr, SKIP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FROM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     if SKIP:
         if tl.load(skip_ptr) != 0:
@@ -272,7 +272,11 @@ def _tile_kernel(
             q = y.to(out_ptr.dtype.element_ty)
             out_tile = out_ptr + tl.cast(row0, tl.int64) * N + col0
             tl.store(out_tile + r[:, None] * N + c[None, :], q, mask=in_x)
-            if TRANSPOSE:
+            if TRANSPOSE and FROM_OUT:
+                # The tile's bytes reloaded from out (L2) in transposed order: see _plan.
+                store_transposed_tile(out_tile, out_t_ptr + tl.cast(col0, tl.int64) * Mp + row0, N, Mp, r, c,
+                                      rows < M, cols < N, rows < Mp)
+            elif TRANSPOSE:
                 # Transpose the bytes (a plain integer layout change through shared memory).
                 q_t = tl.trans(q.to(tl.uint8, bitcast=True)).to(out_t_ptr.dtype.element_ty, bitcast=True)
                 in_t = (cols < N)[:, None] & (rows < Mp)[None, :]
@@ -350,18 +354,8 @@ def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfin
             reference.cast_transpose_amax(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
                                           dbias_out)
         return
-    fp8_max = _FP8_MAX[out.dtype]
-    if out_t is not None and x.dtype == torch.float32 and x.is_cuda:
-        # triton 3.6 on sm_90 writes wrong bytes into out_t for tiles loaded as float32, whether
-        # the tile is transposed as bytes or as floats (GPU tests, 2026-11-29; bf16/fp16 are
-        # exact). Until that is understood: the row-major cast in Triton, then a byte transpose of
-        # its transposed bytes by kernels/transpose.py (one more read and write of 1-byte data).
-        n = x.shape[-1]
-        m = x.numel() // n
-        _launch(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, fp8_max, skip)
-        transpose_into(out.view(m, n), out_t, skip=skip)
-        return
-    _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, fp8_max, skip)
+    _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
+            _FP8_MAX[out.dtype], skip)
 
 
 def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
@@ -413,7 +407,12 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
         out_p = out if cast else x
         return (x, out_p, out_t if out_t is not None else out_p, scale_p, scale_inv_out if cast else dummy,
                 amax_p, from_p, count_p, partial if partial is not None else dummy, skip_p, m, n, mp, row_stride)
-    return _tile(tile_cfg, out_t is not None, *flags, dbias, skip is not None), grid, tile_args, row_tiles
+    # A float32 tile's transposed copy is reloaded from out's bytes (store_transposed_tile):
+    # tl.trans of the register tile wrote wrong bytes into out_t for tiles loaded as float32
+    # on sm_90 with triton 3.6 (GPU tests, 2026-11-29; bf16/fp16 are exact and keep it).
+    from_out = out_t is not None and x.dtype == torch.float32
+    return (_tile(tile_cfg, out_t is not None, *flags, dbias, skip is not None, from_out), grid, tile_args,
+            row_tiles)
 
 
 class PreparedCast:
@@ -421,8 +420,8 @@ class PreparedCast:
     steady state): the plan and the compiled binary come from the first call's tensors, and
     each call only rebuilds the argument tuple and launches, about a third of the host time
     of planning every time. Calls that do not match the prepared case (another device
-    current, x at a different 16-byte alignment, launch hooks installed, the float32
-    transpose fallback, empty x) go through launch_cast.
+    current, x at a different 16-byte alignment, launch hooks installed, empty x) go
+    through launch_cast.
 
     scale, amax_out, from_amax, nonfinite_count  as for launch_cast, fixed for all calls
     out None (and scale None): the amax kernel alone, max-accumulating x's amax into amax_out
@@ -437,7 +436,7 @@ class PreparedCast:
         self._fixed = (scale, amax_out, from_amax, nonfinite_count, skip)
         self._binary = None
         self._native = None  # the C++ launch (below); none where the cast goes through launch_cast
-        if x.numel() == 0 or (out_t is not None and x.dtype == torch.float32):
+        if x.numel() == 0:
             return
         fp8_max = _FP8_MAX[out.dtype] if out is not None else 0.0
         kernel, self._grid, self._make_args, rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
@@ -523,10 +522,10 @@ def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bo
 
 @functools.lru_cache(maxsize=None)
 def _tile(cfg: TileConfig, transpose: bool, fp8_max: float, cast: bool, amax: bool, from_amax: bool,
-          count: bool, dbias: bool, skip: bool) -> DirectKernel:
+          count: bool, dbias: bool, skip: bool, from_out: bool) -> DirectKernel:
     return DirectKernel(_tile_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, TRANSPOSE=transpose,
-                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, DBIAS=dbias, SKIP=skip, BLOCK_M=cfg.block_m,
-                        BLOCK_N=cfg.block_n)
+                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, DBIAS=dbias, SKIP=skip, FROM_OUT=from_out,
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
 
 
 def _row_layout(x: torch.Tensor) -> Tuple[int, int, int]:

@@ -67,6 +67,7 @@ def extension():
             print("fp8train: building the C++ extension (once per machine and torch version)...", end=" ",
                   file=sys.stderr, flush=True)
         _ext = load(name=NAME, sources=SOURCES, extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+        _register_gemm_fake()
         if building:
             print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     except Exception as e:  # no compiler, no ninja, headers that differ: the Python node runs
@@ -76,6 +77,20 @@ def extension():
         warnings.warn(f"fp8train: the C++ Linear node could not be built ({_failure}); FP8 Linear layers use "
                       "the Python autograd node (more host time per call)", stacklevel=2)
     return _ext
+
+
+def _register_gemm_fake() -> None:
+    """The shape function of the extension's GEMM operator (lt_gemm.cpp), for tracing."""
+    @torch.library.register_fake("fp8train_lt::scaled_mm")
+    def _(a, a_scale_inv, b, b_scale_inv, fast_accum, out_dtype, bias):
+        return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)  # (M, N) row-major
+
+
+def gemm_op_loaded() -> bool:
+    """Whether torch.ops.fp8train_lt.scaled_mm exists: the extension is loaded (layers load
+    it when they make their quantizers, before any trace). Traced code calls it for CUDA
+    GEMMs (gemm.py); Dynamo reads this as a constant of the trace."""
+    return _ext is not None
 
 
 def _needs_build() -> bool:
@@ -194,7 +209,7 @@ def cast_plan(launches: Sequence, device: int, x_dtype: torch.dtype, fp8_dtype: 
 
 def gemm():
     """The extension, for an FP8 GEMM on the GPU (its `scaled_mm`), or None: traced code
-    (torch.compile takes torch._scaled_mm), or no extension."""
+    (which calls the same GEMM as an operator: gemm_op_loaded), or no extension."""
     if torch.compiler.is_compiling():
         return None
     return _ext if _ext is not None else extension()
@@ -208,4 +223,4 @@ def set_lt_gemm(enabled: bool) -> None:
         ext.set_lt_gemm(bool(enabled))
 
 
-__all__ = ["DTYPE_CODES", "ENABLED", "SOURCES", "gemm", "set_lt_gemm", "cast_plan", "fixed_launch", "launch_for", "launch_spec", "extension", "failure", "hooks_installed"]
+__all__ = ["DTYPE_CODES", "ENABLED", "SOURCES", "gemm", "gemm_op_loaded", "set_lt_gemm", "cast_plan", "fixed_launch", "launch_for", "launch_spec", "extension", "failure", "hooks_installed"]

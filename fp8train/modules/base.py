@@ -10,6 +10,7 @@ from torch import nn
 
 from .. import gemm, precision
 from ..autocast import active_recipe
+from ..kernels import native
 from ..quantizer import Quantizer, make_quantizer, quantizer_from_state
 from ..recipe import DelayedScaling, Recipe
 from ..roles import TensorRole
@@ -103,6 +104,8 @@ class FP8Module(nn.Module):
                     self.warn_once("recipe", f"recipe changed to {type(recipe).__name__}; its FP8 scaling state was reset")
                 q = make_quantizer(recipe, role, device=device)
                 setattr(self, name, q)
+                if device.type == "cuda" and native.ENABLED:
+                    native.extension()  # loaded before any trace: compiled GEMMs call its operator (gemm.py)
             elif isinstance(recipe, DelayedScaling):
                 q.configure(recipe)
             out.append(q)

@@ -1,10 +1,10 @@
-"""torch.compile(fullgraph=True) with Inductor on the GPU: compiled modules match eager, and
-the Triton kernels run as fp8train:: custom ops (Inductor calls them, it does not trace or
-regenerate them).
+"""torch.compile(fullgraph=True) with Inductor on the GPU: compiled modules match eager.
 
-The custom ops launch the same Triton kernels as eager and the GEMMs stay torch._scaled_mm,
-so the results are expected to be equal bit for bit (as on CPU, tests/test_compile.py). The
-checks leave room for Inductor's own code around them (reshapes, casts): outputs and
+The casts trace as torch ops, which Inductor turns into its own Triton kernels (fused with
+their producers); the fused norm and activation kernels stay fp8train:: custom ops that
+launch eager's Triton kernels; the GEMMs stay torch._scaled_mm. The cast's math is the
+eager kernels' (the twin's), but Inductor computes a producer's values in its own order
+(bf16 roundings of intermediates it fuses away), so the checks leave room: outputs and
 gradients within 40 dB SQNR of eager, scaling state within 1%.
 """
 import copy
@@ -69,5 +69,7 @@ def test_inductor_compiled_matches_eager(make, k, recipe):
             assert sqnr_db(p.grad, q.grad) >= 40, f"step {step}: {name}.grad"
         for (name, b), c in zip(module.named_buffers(), eager.buffers()):
             assert torch.allclose(b.float(), c.float(), rtol=1e-2, atol=0), f"step {step}: {name}"
-    # The forward's memory-bound kernels are calls of the custom ops in Inductor's code.
-    assert any("torch.ops.fp8train." in c for c in code), "no fp8train custom op in Inductor's generated code"
+    # The casts are Inductor's own kernels; the fused norm / activation ones are custom ops.
+    assert any("tl.float8e4nv" in c for c in code), "no FP8 cast in Inductor's generated Triton code"
+    fused = not isinstance(module, fp8train.Linear)
+    assert any("torch.ops.fp8train." in c for c in code) == fused
