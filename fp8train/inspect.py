@@ -37,6 +37,7 @@ from .kernels.reference import abs_max, saturating_cast
 from .modules.base import QUANTIZER_NAMES, FP8Module
 from .modules.layernorm_linear import LayerNormLinear
 from .modules.layernorm_mlp import LayerNormMLP, activation_high_precision
+from .modules.linear import Linear
 from .modules.norm import norm_high_precision
 from .quantizer import CurrentScalingQuantizer, Quantizer
 from .roles import TensorRole
@@ -292,10 +293,20 @@ def activation_grad(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch
     return torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1)
 
 
+def execution_paths(model: nn.Module) -> Dict[str, str]:
+    """Which autograd node each fp8train.Linear of `model` ran its last eager FP8 call with:
+    "C++ node", or "Python node: <why>" (a float8 input, a profiler's launch hook, a dtype
+    or device the C++ node does not take, the first call of a shape, no extension, ...);
+    "no eager FP8 call yet" for layers that have not run one (compiled calls are not noted:
+    Inductor runs them). By module name, for users who want to know why a layer is slow."""
+    return {name: m._path[0] or "no eager FP8 call yet" for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
 def load(path) -> List[dict]:
     """The records of an Inspector's JSON-lines file."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-__all__ = ["FIELDS", "Inspector", "quantization_stats", "applied_scale", "activation_grad", "load"]
+__all__ = ["FIELDS", "Inspector", "quantization_stats", "applied_scale", "activation_grad", "execution_paths",
+           "load"]

@@ -159,3 +159,16 @@ def test_cli_inspect_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "blocks.0.mlp.fc2" in out and "SQNR" in out
     assert cli.main(["inspect", str(tmp_path / "missing.jsonl")]) == 1
+
+
+def test_execution_paths_say_which_node_ran_and_why():
+    # On the CPU every eager FP8 call runs the Python node; the GPU side (the C++ node for
+    # every Linear of a converted HF Llama) is tests/gpu/test_hf_llama_gpu.py.
+    model = torch.nn.Sequential(fp8train.Linear(32, 16), torch.nn.ReLU(), fp8train.Linear(16, 32))
+    assert fp8train.inspect.execution_paths(model) == {"0": "no eager FP8 call yet", "2": "no eager FP8 call yet"}
+    with fp8train.autocast():
+        model(torch.randn(4, 32)).sum().backward()
+    paths = fp8train.inspect.execution_paths(model)
+    assert paths == {"0": "Python node: the C++ node runs on CUDA tensors only",
+                     "2": "Python node: the C++ node runs on CUDA tensors only"}
+

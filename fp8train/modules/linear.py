@@ -59,6 +59,10 @@ class Linear(FP8Module, TPCheckpoints):
                                              **factory)) if bias else None
         self.reset_parameters()
         self._workspace = WeightWorkspace()
+        # How the last eager FP8 call ran: CPP_NODE, or why the Python node ran instead
+        # (fp8train.inspect.execution_paths). A list: an item store is cheaper than a
+        # Module attribute store on this per-call path.
+        self._path = [None]
         self._fp8_dims = gemm.dims_ok(local_in, local_out)
 
     def reset_parameters(self) -> None:
@@ -116,6 +120,8 @@ class Linear(FP8Module, TPCheckpoints):
                                 is_first_microbatch)
             if y is not None:
                 return y
+        elif not torch.compiler.is_compiling():
+            self._path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
         if isinstance(x, Float8Tensor):
             self.check_fp8_input(x, q_input)
         w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad,
@@ -176,6 +182,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
+CPP_NODE = "C++ node"
+_OFF_CUDA = "Python node: the C++ node runs on CUDA tensors only"
+_SWITCHED_OFF = "Python node: the C++ node is switched off (kernels.native.ENABLED = False)"
+
+
 def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
                     config: GemmConfig, act_dtype: torch.dtype, grad: bool,
                     is_first_microbatch: Optional[bool]) -> Optional[torch.Tensor]:
@@ -183,11 +194,20 @@ def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight
     done) where the Python node must run: a Float8Tensor input, traced code, launch hooks (a
     profiler), x off the current device, an activation dtype or cast the C++ side does not
     take, and the first calls of each input shape (the Python path prepares the launches the
-    C++ plans reuse). The weight's steady-state re-cast runs inside the C++ call too."""
-    if isinstance(x, Float8Tensor) or torch.compiler.is_compiling() or native.hooks_installed():
+    C++ plans reuse). The weight's steady-state re-cast runs inside the C++ call too.
+    Eager calls note which node ran, or why not, in layer._path."""
+    if torch.compiler.is_compiling():
+        return None
+    path = layer._path
+    if isinstance(x, Float8Tensor) or native.hooks_installed():
+        path[0] = ("Python node: a Float8Tensor input" if isinstance(x, Float8Tensor) else
+                   "Python node: a Triton launch hook is installed (a profiler)")
         return None
     code = native.DTYPE_CODES.get(act_dtype)
     if code is None or x.dtype not in native.DTYPE_CODES or x.get_device() != torch._C._cuda_getDevice():
+        path[0] = (f"Python node: input on cuda:{x.get_device()}, not the current device"
+                   if code is not None and x.dtype in native.DTYPE_CODES else
+                   f"Python node: no C++ path for a {x.dtype} input with {act_dtype} activations")
         return None
     k = x.shape[-1]
     m = x.numel() // k
@@ -195,19 +215,29 @@ def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight
     need_wgrad = grad and weight.requires_grad
     need_dbias = grad and bias is not None and bias.requires_grad
     x_plan = q_input.native_plan((m, k), x.dtype, need_wgrad, None)
-    if x_plan is None:
-        return None
     grad_plan = None
-    if need_dgrad or need_wgrad or need_dbias:
+    if x_plan is not None and (need_dgrad or need_wgrad or need_dbias):
         grad_plan = q_grad.native_plan((m, weight.shape[0]), act_dtype, need_wgrad, bias.dtype if need_dbias else None)
-        if grad_plan is None:
-            return None
+    if x_plan is None or (grad_plan is None and (need_dgrad or need_wgrad or need_dbias)):
+        path[0] = _no_plan_reason(q_input if x_plan is None else q_grad, m)
+        return None
+    path[0] = CPP_NODE
     w_fp8, w_cast = layer._workspace.for_native(weight, q_weight, is_first_microbatch, need_dgrad,
                                                 layer.weight_cast_skip)
     w_t = w_fp8.transpose_data() if need_dgrad else None
     return native.extension().linear_forward(
         x, weight, bias, w_fp8._data, w_fp8._scale_inv, w_t, x_plan, grad_plan, config.fprop_fast_accum,
         config.dgrad_fast_accum, config.wgrad_fast_accum, code, need_wgrad, w_cast)
+
+
+def _no_plan_reason(q: Quantizer, rows: int) -> str:
+    """Why a quantizer has no C++ cast plan for this call (Quantizer.native_plan is None)."""
+    if native.extension() is None:
+        return f"Python node: the C++ extension could not be built ({native.failure()})"
+    if not q.calibrated:
+        return f"Python node: the {q.role.name} quantizer calibrates on this call (delayed scaling's first)"
+    return (f"Python node: no C++ cast plan yet for {rows} rows ({q.role.name}): the Python node prepares the "
+            "launches on its first call of a shape, the C++ node reuses them from the next")
 
 
 class _LinearFn(torch.autograd.Function):

@@ -72,6 +72,7 @@ def test_every_linear_takes_the_cpp_node(recipe):
         h.remove()
     # the last step's nodes (delayed scaling: step 1 calibrates, step 2 prepares the launches)
     assert set(nodes.values()) == {"fp8train::LinearBackward"}, nodes
+    assert set(fp8train.inspect.execution_paths(model).values()) == {"C++ node"}
     assert dtypes["model.layers.0.self_attn.q_proj"] == torch.float32  # HF's RMSNorm output
     assert dtypes["model.layers.0.mlp.down_proj"] == torch.bfloat16
 
