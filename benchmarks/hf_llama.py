@@ -17,6 +17,8 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                step under fp8train.autocast inside torch.autocast
   fp8 compile {delayed,current}, fp8 compile-ro delayed
                                                the same, torch.compile(model) after one eager step
+  fp8 compile delayed aten-mm                  the same, compiled GEMMs through torch._scaled_mm
+                                               instead of the extension's operator (an A/B of it)
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -48,6 +50,7 @@ import torch
 
 import fp8train
 from fp8train.data import ByteCorpus
+from fp8train.kernels import native
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,8 @@ SHAPES = {
 }
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
-            "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "torchao compile",
+            "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
+            "torchao compile",
             "torchao compile-ro"]
 
 
@@ -125,6 +129,7 @@ class Runner:
         self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda)
         self.count = 0
         self.ro = "compile-ro" in variant.split()
+        self.aten_mm = "aten-mm" in variant.split()
         self.model, self.recipe = prepare(variant, model, self.step)
         self.losses: List[float] = []
         for _ in range(3):  # warm-up (compiles)
@@ -139,6 +144,14 @@ class Runner:
             torch.cuda.synchronize()
 
     def step(self, m, recipe):
+        # the A/B switch is set around each of this variant's steps: Dynamo guards on it
+        native.GEMM_OP = not self.aten_mm
+        try:
+            return self._step(m, recipe)
+        finally:
+            native.GEMM_OP = True
+
+    def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]
         self.count += 1
         if self.ro:

@@ -15,9 +15,12 @@
 #   high   the high-precision C++ node (csrc/high_mlp.cpp): its GPU tests beside the native,
 #          precision, compile, fused-module, graph, MLP-node and replay tests (two shards where
 #          there are two GPUs), then tools/probe_high_mlp.py
+#   hf     the HF Llama GPU tests (tests/gpu/test_hf_llama_gpu.py), then benchmarks/hf_llama.py
+#          at h1024 with every variant (about 5 minutes: one compile per compiled variant)
+#   hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape, every variant
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -71,6 +74,15 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         tests/gpu/test_linear_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tail -12
       timeout 80 python3 benchmarks/linear.py --sizes 1024 --json "$OUT/linear_host.json" 2>&1 | tail -6
       timeout 120 python3 tools/probe_host_state.py 2>&1 | grep -v "Warn\|warn\|run_backward" | tail -22 ;;
+    hf)
+      timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_hf_llama_gpu.py \
+        2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
+      timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --json "$OUT/hf_h1024.json" 2>&1 \
+        | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao)|failed" ;;
+    hf-h2048|hf-h4096)
+      shape=${step#hf-}
+      timeout 560 python3 benchmarks/hf_llama.py --shapes "$shape" --json "$OUT/hf_$shape.json" 2>&1 \
+        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao)|failed" ;;
     replay)
       python3 -c "from fp8train.kernels import native; print('C++ extension:', 'built' if native.extension() else native.failure())"
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_replay_gpu.py \

@@ -11,7 +11,9 @@ and the fallback: on the CPU, under the interpreter or torch.compile, with launc
 and wherever the extension could not be built (one warning says why).
 
 `ENABLED = False` turns the C++ node off for the process (an A/B switch for benchmarks and
-tests; tools/run_with_flags.py sets it from the command line).
+tests; tools/run_with_flags.py sets it from the command line). `GEMM_OP = False` makes code
+traced from then on call torch._scaled_mm instead of the extension's GEMM operator (an A/B
+switch: benchmarks/hf_llama.py's "aten-mm" variant; Dynamo guards on it).
 
 The extension's FP8 GEMM (`scaled_mm`, lt_gemm.cpp: cuBLASLt with the algorithm cached per
 problem, torch._scaled_mm's bytes at a fraction of its host time) serves the C++ nodes and
@@ -33,6 +35,7 @@ import torch
 from ..tensor import padded_rows
 
 ENABLED = True
+GEMM_OP = True
 
 _CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [str(_CSRC / "linear_node.cpp"), str(_CSRC / "lt_gemm.cpp"), str(_CSRC / "high_mlp.cpp")]
@@ -89,8 +92,8 @@ def _register_gemm_fake() -> None:
 def gemm_op_loaded() -> bool:
     """Whether torch.ops.fp8train_lt.scaled_mm exists: the extension is loaded (layers load
     it when they make their quantizers, before any trace). Traced code calls it for CUDA
-    GEMMs (gemm.py); Dynamo reads this as a constant of the trace."""
-    return _ext is not None
+    GEMMs (gemm.py) unless GEMM_OP is off; Dynamo reads this as a constant of the trace."""
+    return GEMM_OP and _ext is not None
 
 
 def _needs_build() -> bool:
@@ -223,4 +226,4 @@ def set_lt_gemm(enabled: bool) -> None:
         ext.set_lt_gemm(bool(enabled))
 
 
-__all__ = ["DTYPE_CODES", "ENABLED", "SOURCES", "gemm", "gemm_op_loaded", "set_lt_gemm", "cast_plan", "fixed_launch", "launch_for", "launch_spec", "extension", "failure", "hooks_installed"]
+__all__ = ["DTYPE_CODES", "ENABLED", "GEMM_OP", "SOURCES", "gemm", "gemm_op_loaded", "set_lt_gemm", "cast_plan", "fixed_launch", "launch_for", "launch_spec", "extension", "failure", "hooks_installed"]
