@@ -5,6 +5,7 @@ from .convert import convert
 from .export import export_onnx
 from .graphs import make_graphed_callables
 from .modules import LayerNormLinear, LayerNormMLP, Linear
+from . import inspect  # fp8train.inspect: Inspector, execution_paths
 from .quantize import quantize
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
 from .recipe import CurrentScaling, DelayedScaling, Format, GemmConfig

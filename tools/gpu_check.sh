@@ -18,9 +18,12 @@
 #   hf     the HF Llama GPU tests (tests/gpu/test_hf_llama_gpu.py), then benchmarks/hf_llama.py
 #          at h1024 with every variant (about 5 minutes: one compile per compiled variant)
 #   hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape, every variant
+#   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: one seed (SEED, default 0),
+#          every recipe (torchao's with its wheel), loss PNG and JSON into $OUT; one call per seed
+#          (~3 minutes each), then `python benchmarks/numerics.py --merge <the JSON files>`
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -83,6 +86,12 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       shape=${step#hf-}
       timeout 560 python3 benchmarks/hf_llama.py --shapes "$shape" --json "$OUT/hf_$shape.json" 2>&1 \
         | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao)|failed" ;;
+    numerics-h1024|numerics-h2048)
+      shape=${step#numerics-}
+      seed=${SEED:-0}
+      timeout 570 python3 benchmarks/numerics.py --shapes "$shape" --seeds 1 --first-seed "$seed" \
+        --png "$OUT/numerics_s$seed" --json "$OUT/numerics_${shape}_s$seed.json" 2>&1 \
+        | tee "$OUT/numerics_${shape}_s$seed.log" | grep -v "Warn\|warn" | tail -14 ;;
     replay)
       python3 -c "from fp8train.kernels import native; print('C++ extension:', 'built' if native.extension() else native.failure())"
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_replay_gpu.py \
