@@ -8,10 +8,10 @@ Two kernels serve the three wrappers:
                  blocks, 16-byte vector loads, one atomic amax per program.
   _tile_kernel   x as (rows, cols) with any row stride: a persistent loop over 2-D tiles;
                  with TRANSPOSE it also writes each tile transposed (through shared memory;
-                 a float32 tile from its stored bytes, see _plan) into out_t and fills out_t's padding columns with zeros; with DBIAS it
-                 writes each tile's column sums (float32) into a partial-sum buffer that one
-                 colsum launch reduces (kernels/colsum.py): the bias gradient of a grad-output
-                 cast, from the same read.
+                 a float32 tile from its stored bytes, see _plan) into out_t and fills
+                 out_t's padding columns with zeros; with DBIAS it writes each tile's column
+                 sums (float32) into a partial-sum buffer that one colsum launch reduces
+                 (kernels/colsum.py): the bias gradient of a grad-output cast, from the same read.
 Every program takes part in the amax with a single `atomic_max` at its end, so a cast
 costs (programs) atomics, a small multiple of the SM count, not one per block.
 

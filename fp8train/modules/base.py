@@ -105,7 +105,7 @@ class FP8Module(nn.Module):
                 q = make_quantizer(recipe, role, device=device)
                 setattr(self, name, q)
                 if device.type == "cuda" and native.ENABLED:
-                    native.extension()  # loaded before any trace: compiled GEMMs call its operator (gemm.py)
+                    native.extension()  # loaded before any trace: compiled GEMMs call its operator
             elif isinstance(recipe, DelayedScaling):
                 q.configure(recipe)
             out.append(q)
