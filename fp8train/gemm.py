@@ -20,7 +20,7 @@ _scaled_mm runs at ~0.04 GFLOP/s through oneDNN on some CPUs, AVX-512 + AMX Xeon
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -128,6 +128,39 @@ def _emulated_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Ten
 @_emulated_scaled_mm.register_fake
 def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def emulated_block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block: Tuple[int, int], b: torch.Tensor,
+                             b_scale_inv: torch.Tensor, b_block: Tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """The block-scaled FP8 GEMM (kernels/block_reference.py's layouts) in float32 torch ops.
+
+    a (M, K) with a_block (1, 128) or (128, 128), b (K, N) with b_block (128, 1) or
+    (128, 128): blocks along the reduction dim K are 128 long on both sides, so each 128-wide
+    slice kb of K has one scale per row of a (or per 128 rows) and one per column of b (or
+    per 128 columns). As the GPU's blockwise GEMMs do (FP32 promotion): each slice's products
+    are summed in float32 (exact products, as in emulated_scaled_mm), the partial sum is
+    multiplied by its a and b scales, and the slices are accumulated in float32 in order of
+    kb; the total is rounded once to out_dtype.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    if a_block not in ((1, 128), (128, 128)) or b_block not in ((128, 1), (128, 128)):
+        raise ValueError(f"emulated_block_scaled_mm: blocks {a_block} x {b_block}; a takes (1, 128) or (128, 128), "
+                         "b (128, 1) or (128, 128)")
+    if b.shape[0] != k:
+        raise ValueError(f"emulated_block_scaled_mm: a {tuple(a.shape)} and b {tuple(b.shape)} do not chain")
+    kb = -(-k // 128)
+    sa = a_scale_inv.repeat_interleave(a_block[0], dim=0)[:m]  # (M, Kb)
+    sb = b_scale_inv.repeat_interleave(b_block[1], dim=1)[:, :n]  # (Kb, N)
+    if sa.shape != (m, kb) or sb.shape != (kb, n):
+        raise ValueError(f"emulated_block_scaled_mm: scale_inv shapes {tuple(a_scale_inv.shape)} / "
+                         f"{tuple(b_scale_inv.shape)} do not fit a {tuple(a.shape)} / b {tuple(b.shape)}")
+    with torch.autocast(a.device.type, enabled=False):  # float32 sums (see emulated_scaled_mm)
+        acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+        for i in range(kb):
+            part = torch.mm(a[:, i * 128:(i + 1) * 128].float(), b[i * 128:(i + 1) * 128].float())
+            acc += part * (sa[:, i:i + 1] * sb[i:i + 1, :])
+    return acc.to(out_dtype)
 
 
 def fprop(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,

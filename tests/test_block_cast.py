@@ -1,0 +1,152 @@
+"""Block-scaled FP8 casts (kernels/block_reference.py) against an independent reference
+(numpy float32 for the per-block scale, ml_dtypes for the rounding), bit for bit, and the
+block-scaled GEMM emulation (gemm.emulated_block_scaled_mm) against float64."""
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from fp8train import gemm, scaling
+from fp8train.kernels import block_reference as br
+from helpers import all_bf16_values
+
+FORMATS = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.float8_e5m2: ml_dtypes.float8_e5m2}
+BLOCKS = [pytest.param(b, id=f"{b[0]}x{b[1]}") for b in br.BLOCKS]
+
+
+def numpy_block_cast(x: torch.Tensor, dtype, block, power_of_two):
+    """The specification written again in numpy, block by block: (bytes, scale_inv)."""
+    xf = x.float().numpy()
+    m = np.float32(scaling.fp8_max(dtype))
+    rows, cols = xf.shape
+    nr, nc = -(-rows // block[0]), -(-cols // block[1])
+    out = np.empty(xf.shape, dtype=np.uint8)
+    scale_inv = np.empty((nr, nc), dtype=np.float32)
+    for i in range(nr):
+        for j in range(nc):
+            sl = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+            with np.errstate(invalid="ignore"):
+                a = np.abs(xf[sl]).astype(np.float64)
+            amax = np.inf if np.isnan(a).any() else a.max()
+            if 0 < amax < np.inf:
+                with np.errstate(over="ignore"):
+                    s = np.float32(m / np.float32(amax))  # IEEE float32 division
+                s = np.float32(min(max(s, np.float32(2.0**-126)), np.float32(2.0**126)))
+                if power_of_two:
+                    s = np.float32(2.0 ** (np.frexp(s)[1] - 1))
+            else:
+                s = np.float32(1.0)
+            with np.errstate(all="ignore"):
+                y = np.clip(xf[sl] * s, -m, m)
+            out[sl] = y.astype(FORMATS[dtype]).view(np.uint8)
+            scale_inv[i, j] = np.float32(1.0) / s
+    return out, scale_inv
+
+
+def assert_same_fp8(ours: torch.Tensor, ref: np.ndarray, dtype) -> None:
+    """Bytes equal; a NaN may use another NaN encoding (ml_dtypes' e5m2 NaN is 0x7E), same sign."""
+    o = ours.view(torch.uint8).numpy()
+    nan_o = np.isnan(o.view(FORMATS[dtype]).astype(np.float32))
+    nan_r = np.isnan(ref.view(FORMATS[dtype]).astype(np.float32))
+    assert np.array_equal(nan_o, nan_r)
+    assert np.array_equal(o[~nan_o], ref[~nan_r])
+    assert np.array_equal(o[nan_o] >> 7, ref[nan_r] >> 7)
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("dtype", FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("order", ["by-pattern", "shuffled"])
+def test_all_bf16_patterns_in_odd_shapes_match_the_independent_reference(order, block, dtype, power_of_two):
+    # Every bf16 bit pattern once: in pattern order (a block holds neighbouring magnitudes, so
+    # scales span the whole range) or the finite ones shuffled (blocks mix magnitudes and
+    # flush their small values); NaN and inf gathered at the end (a block holding one has
+    # scale 1); in a shape whose dims are not multiples of 128 (tail blocks both ways).
+    v = all_bf16_values()
+    finite = v[torch.isfinite(v)]
+    if order == "shuffled":
+        finite = finite[torch.randperm(finite.numel(), generator=torch.Generator().manual_seed(0))]
+    x = torch.cat([finite, v[~torch.isfinite(v)]])
+    x = torch.cat([x, torch.zeros(259 * 255 - x.numel(), dtype=x.dtype)]).reshape(259, 255)
+    data, scale_inv = br.block_cast(x, dtype, block, power_of_two)
+    want, want_si = numpy_block_cast(x, dtype, block, power_of_two)
+    assert data.dtype == dtype and data.shape == x.shape
+    assert scale_inv.dtype == torch.float32 and scale_inv.shape == br.blocks_of(x.shape, block)
+    assert np.array_equal(scale_inv.numpy(), want_si)
+    assert_same_fp8(data, want, dtype)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_special_blocks(block):
+    # a zero block, a block with a NaN, a block with an inf: scale 1 (NaN kept, inf saturated);
+    # a tiny block (amax 2^-130, subnormal): the scale is clamped at 2^126
+    x = torch.zeros(256, 256)
+    x[:128, :128] = 0.0
+    x[:128, 128:] = torch.randn(128, 128)
+    x[0, 130] = float("nan")
+    x[128:, :128] = torch.randn(128, 128)
+    x[129, 1] = float("inf")
+    x[128:, 128:] = 2.0**-130
+    data, scale_inv = br.block_cast(x, torch.float8_e4m3fn, block)
+    si = br.expand(scale_inv, x.shape, block)
+    assert torch.isnan(data[0, 130].float()) and si[0, 130] == 1.0
+    assert data[129, 1].float() == 448.0 and si[129, 1] == 1.0
+    assert (data[:128, :128].float() == 0).all() and si[0, 0] == 1.0
+    assert si[255, 255] == 2.0**-126  # 1 / 2^126
+    assert (data[128:, 128:].float() * 2.0**-126 == 2.0**-130).all()  # 2^-130 * 2^126 = 2^-4: exact in e4m3
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_power_of_two_scales_are_exact_powers_and_lose_no_range(block):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 260, generator=g) * torch.logspace(-8, 8, 260)
+    data, scale_inv = br.block_cast(x, torch.float8_e4m3fn, block, power_of_two=True)
+    mant, _ = torch.frexp(scale_inv)
+    assert (mant == 0.5).all()  # powers of two
+    amax = br.block_amax(x, block)
+    assert (amax / scale_inv <= 448).all() and (amax / scale_inv > 224).all()  # within a factor 2 of the top
+    back = br.block_dequantize(data, scale_inv, block)
+    rel = ((back - x).abs() / x.abs().clamp_min(1e-30))[x.abs() * br.expand(1 / scale_inv, x.shape, block) >= 2**-6]
+    assert rel.max() <= 2.0**-4  # e4m3: half an ulp of 3 mantissa bits, normal values
+
+
+def test_block_cast_refuses_what_it_does_not_define():
+    with pytest.raises(ValueError, match="2-D"):
+        br.block_cast(torch.zeros(2, 3, 128), torch.float8_e4m3fn, (1, 128))
+    with pytest.raises(ValueError, match="block must be one of"):
+        br.block_cast(torch.zeros(4, 128), torch.float8_e4m3fn, (1, 64))
+
+
+@pytest.mark.parametrize("a_block, b_block", [((1, 128), (128, 128)), ((1, 128), (128, 1)), ((128, 128), (128, 1))])
+@pytest.mark.parametrize("k", [128, 384, 300])
+def test_block_scaled_gemm_emulation_against_float64(a_block, b_block, k):
+    # y = sum over 128-wide slices of K of (slice products) x (a's and b's slice scales):
+    # against the float64 product of the dequantized operands, within float32 summation's
+    # bound (K roundings of the slice sums, one per slice for the scaling and the accumulation)
+    g = torch.Generator().manual_seed(k)
+    m, n = 70, 200
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)
+    w = torch.randn(k, n, generator=g)
+    a, sa = br.block_cast(x, torch.float8_e4m3fn, a_block)
+    # b (K, N): blocks of (128, 1) are W's columns cut along K; (128, 128) tiles
+    bt, sbt = br.block_cast(w.t().contiguous(), torch.float8_e4m3fn, (b_block[1], b_block[0]))
+    b, sb = bt.t(), sbt.t()
+    y = gemm.emulated_block_scaled_mm(a, sa, a_block, b, sb, b_block, torch.float32)
+    da = br.block_dequantize(a, sa, a_block).double()
+    db = br.block_dequantize(bt, sbt, (b_block[1], b_block[0])).double().t()
+    exact = da @ db
+    slices = -(-k // 128)
+    bound = (k + 2 * slices + 2) * 2.0**-24 * (da.abs() @ db.abs())
+    assert ((y.double() - exact).abs() <= bound).all()
+    # bf16 output: the float32 total rounded once
+    y16 = gemm.emulated_block_scaled_mm(a, sa, a_block, b, sb, b_block, torch.bfloat16)
+    assert torch.equal(y16, y.to(torch.bfloat16))
+
+
+def test_block_scaled_gemm_emulation_checks_its_operands():
+    a = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(256, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="blocks"):
+        gemm.emulated_block_scaled_mm(a, torch.ones(4, 2), (1, 64), b, torch.ones(2, 8), (128, 1), torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        gemm.emulated_block_scaled_mm(a, torch.ones(4, 3), (1, 128), b, torch.ones(2, 8), (128, 1), torch.float32)
