@@ -150,3 +150,14 @@ def test_block_scaled_gemm_emulation_checks_its_operands():
         gemm.emulated_block_scaled_mm(a, torch.ones(4, 2), (1, 64), b, torch.ones(2, 8), (128, 1), torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
         gemm.emulated_block_scaled_mm(a, torch.ones(4, 3), (1, 128), b, torch.ones(2, 8), (128, 1), torch.float32)
+
+
+def test_kernels_block_cast_on_the_cpu_is_the_twin():
+    from fp8train import kernels
+    x = torch.randn(130, 257) * 100
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty(br.blocks_of(x.shape, (1, 128)))
+    kernels.block_cast(x, out, scale_inv, (1, 128), power_of_two=True)
+    data, si = br.block_cast(x, torch.float8_e4m3fn, (1, 128), power_of_two=True)
+    assert torch.equal(out.view(torch.uint8), data.view(torch.uint8)) and torch.equal(scale_inv, si)
+

@@ -33,6 +33,20 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
     impl(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
 
 
+def block_cast(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, block, power_of_two: bool = False
+               ) -> None:
+    """block_reference.block_cast of a 2-D x into out (fp8, x's shape) and scale_inv_out
+    (float32, one per block): the Triton kernel on CUDA (kernels/block_cast.py), the twin elsewhere."""
+    if x.is_cuda:
+        from .block_cast import block_cast_into
+        block_cast_into(x, out, scale_inv_out, block, power_of_two)
+        return
+    from .block_reference import block_cast as twin
+    data, scale_inv = twin(x, out.dtype, tuple(block), power_of_two)
+    out.copy_(data)
+    scale_inv_out.copy_(scale_inv)
+
+
 def cast_trusted(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tensor], scale: torch.Tensor,
                  scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                  from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,

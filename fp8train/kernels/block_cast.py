@@ -1,0 +1,117 @@
+"""Triton block-scaled FP8 cast: one pass over x, each block's amax, scale and FP8 values.
+
+Twin: block_reference.block_cast (the specification; blocks, tails, scales and edge cases are
+documented there). One program casts one tile that holds whole blocks, so the amax, the
+scale and the cast come from a single read of the tile:
+
+  (1, 128)    tile ROWS x 128: one scale per row of the tile
+  (128, 1)    tile 128 x COLS: one scale per column of the tile
+  (128, 128)  tile 128 x 128: one scale for the tile
+
+The amax is taken on |x|'s bit patterns as integers (cast.py's _abs_bits: NaN orders above
+inf and is then counted as inf), so a NaN can never hide in a block's amax. Where x's dims
+are not multiples of the tile, masked lanes load 0, which no amax picks. Not GPU-run yet:
+checked against the twin under the Triton interpreter (tests/interpret); the GPU bytes, and
+the launch shapes' speed, are the next step (issue 25).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import block_reference
+from .cast import _INF_BITS, _abs_bits
+from .launcher import DirectKernel, device_guard
+from .scale_update import compute_scale
+
+_ROWS, _COLS, _TILE = 0, 1, 2
+_MODES = {(1, 128): _ROWS, (128, 1): _COLS, (128, 128): _TILE}
+# (tile rows, tile cols, warps) per mode: whole blocks per tile
+_SHAPES = {_ROWS: (32, 128, 4), _COLS: (128, 32, 4), _TILE: (128, 128, 8)}
+
+
+@triton.jit
+def _scale_of(bits, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """block_reference.block_scale from an amax held as |x| bits (NaN counted as inf)."""
+    amax = tl.minimum(bits, _INF_BITS).to(tl.float32, bitcast=True)
+    scale = compute_scale(amax, 1.0, FP8_MAX, 1.0)  # 1 where the amax is 0 or not finite
+    if POW2:  # the power of two at or below: the mantissa cleared (scale is a positive normal)
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _block_cast_kernel(
+    x_ptr,      # (M, K) bf16/fp16/fp32, row stride stride_xm, unit column stride
+    out_ptr,    # (M, K) fp8, row-major
+    sinv_ptr,   # (blocks of M, blocks of K) float32 scale_inv, row-major
+    M, K, stride_xm, sinv_cols,
+    MODE: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    TILE_M: tl.constexpr, TILE_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, TILE_K)
+    row0 = (pid // tiles_k) * TILE_M
+    col0 = (pid % tiles_k) * TILE_K
+    r = row0 + tl.arange(0, TILE_M)
+    c = col0 + tl.arange(0, TILE_K)
+    inside = (r < M)[:, None] & (c < K)[None, :]
+    x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
+                other=0.0).to(tl.float32)
+    bits = _abs_bits(x)
+    if MODE == 0:  # (1, 128): a scale per row; the tile is one block wide
+        scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (TILE_M,)
+        y = x * scale[:, None]
+        tl.store(sinv_ptr + tl.cast(r, tl.int64) * sinv_cols + col0 // 128, tl.math.div_rn(1.0, scale), mask=r < M)
+    elif MODE == 1:  # (128, 1): a scale per column; the tile is one block tall
+        scale = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (TILE_K,)
+        y = x * scale[None, :]
+        tl.store(sinv_ptr + (row0 // 128) * sinv_cols + c, tl.math.div_rn(1.0, scale), mask=c < K)
+    else:  # (128, 128): the tile is the block
+        scale = _scale_of(tl.max(tl.max(bits, axis=1), axis=0), FP8_MAX, POW2)
+        y = x * scale
+        tl.store(sinv_ptr + (row0 // 128) * sinv_cols + col0 // 128, tl.math.div_rn(1.0, scale))
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))  # saturate, NaN kept
+    tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(mode: int, fp8_max: float, pow2: bool) -> DirectKernel:
+    tile_m, tile_k, warps = _SHAPES[mode]
+    return DirectKernel(_block_cast_kernel, num_warps=warps, MODE=mode, FP8_MAX=fp8_max, POW2=pow2, TILE_M=tile_m,
+                        TILE_K=tile_k)
+
+
+def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, block, power_of_two: bool = False
+                    ) -> None:
+    """block_reference.block_cast into given buffers, by the Triton kernel: out (M, K) fp8,
+    scale_inv_out (float32, block_reference.blocks_of(x.shape, block)); x (M, K). Callers
+    dispatch (kernels.block_cast: the twin off CUDA)."""
+    block = tuple(block)
+    if x.dim() != 2 or block not in _MODES:
+        raise ValueError(f"block_cast_into: x must be 2-D and block one of {tuple(_MODES)}; got "
+                         f"{tuple(x.shape)} and {block}")
+    if out.shape != x.shape or out.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not out.is_contiguous():
+        raise ValueError(f"block_cast_into: out must be a contiguous fp8 tensor of x's shape {tuple(x.shape)}")
+    grid_shape = block_reference.blocks_of(x.shape, block)
+    if (tuple(scale_inv_out.shape) != grid_shape or scale_inv_out.dtype != torch.float32
+            or not scale_inv_out.is_contiguous()):
+        raise ValueError(f"block_cast_into: scale_inv_out must be a contiguous float32 tensor of shape {grid_shape}")
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        x = x.contiguous()
+    if x.numel() == 0:
+        return
+    mode = _MODES[block]
+    tile_m, tile_k, _ = _SHAPES[mode]
+    m, k = x.shape
+    grid = triton.cdiv(m, tile_m) * triton.cdiv(k, tile_k)
+    fp8_max = 448.0 if out.dtype == torch.float8_e4m3fn else 57344.0
+    with device_guard(x.device):
+        _kernel(mode, fp8_max, bool(power_of_two))(grid, x, out, scale_inv_out, m, k, x.stride(0) if m > 1 else k,
+                                                   grid_shape[1])
+
+
+__all__ = ["block_cast_into"]

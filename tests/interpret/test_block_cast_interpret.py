@@ -1,0 +1,73 @@
+"""The block-scaled cast kernel (kernels/block_cast.py) under the Triton interpreter against
+its twin (kernels/block_reference.py), bit for bit: payload, every block's scale_inv, tails
+in both dims, NaN / inf / zero blocks, power-of-two scales, strided rows. The fp32 -> fp8
+conversion is swapped for an exact one (conftest `exact_conversions`: the interpreter's own
+rounds wrongly; it writes e5m2 NaN as ml_dtypes does, 0x7E, so NaN bytes are compared as
+NaN); the hardware's conversion is the GPU tests' to check."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "on"):
+    pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
+pytest.importorskip("triton")
+
+from fp8train.kernels import block_reference as br  # noqa: E402
+from fp8train.kernels.block_cast import block_cast_into  # noqa: E402
+
+BLOCKS = [pytest.param(b, id=f"{b[0]}x{b[1]}") for b in br.BLOCKS]
+
+
+def assert_fp8_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bytewise, except that any NaN encoding matches any other."""
+    nan = want.float().isnan()
+    assert torch.equal(got.float().isnan(), nan)
+    assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
+
+
+def _input(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-20, 20, shape[1])  # blocks of very different amax
+    x[0, 3] = float("nan")
+    x[min(shape[0] - 1, 130), 0] = float("inf")
+    x[:, -5:] = 0.0  # zero columns: a zero block where a block is one column wide
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("block", BLOCKS)
+def test_block_cast_kernel_matches_the_twin(block, dtype, fp8, power_of_two, exact_conversions):
+    x = _input((200, 300), dtype, seed=7)  # tails: 200 = 128 + 72 rows, 300 = 2 x 128 + 44 columns
+    out = torch.empty(x.shape, dtype=fp8)
+    scale_inv = torch.full(br.blocks_of(x.shape, block), -1.0)
+    block_cast_into(x, out, scale_inv, block, power_of_two)
+    want, want_si = br.block_cast(x, fp8, block, power_of_two)
+    assert torch.equal(scale_inv, want_si)
+    assert_fp8_equal(out, want)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_block_cast_kernel_reads_strided_rows(block, exact_conversions):
+    base = _input((150, 400), torch.bfloat16, seed=3)
+    x = base[:, 50:350]  # row stride 400, 300 columns
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty(br.blocks_of(x.shape, block))
+    block_cast_into(x, out, scale_inv, block)
+    want, want_si = br.block_cast(x, torch.float8_e4m3fn, block)
+    assert torch.equal(scale_inv, want_si)
+    assert_fp8_equal(out, want)
+
+
+def test_block_cast_into_checks_its_buffers():
+    x = torch.zeros(64, 256)
+    with pytest.raises(ValueError, match="scale_inv_out must be"):
+        block_cast_into(x, torch.empty(64, 256, dtype=torch.float8_e4m3fn), torch.empty(64, 1), (1, 128))
+    with pytest.raises(ValueError, match="out must be"):
+        block_cast_into(x, torch.empty(64, 255, dtype=torch.float8_e4m3fn), torch.empty(64, 2), (1, 128))
+    with pytest.raises(ValueError, match="block one of"):
+        block_cast_into(x, torch.empty(64, 256, dtype=torch.float8_e4m3fn), torch.empty(64, 2), (1, 64))
