@@ -300,3 +300,29 @@ def test_bad_constructor_arguments():
         fp8train.Linear(0, 16)
     with pytest.raises(ValueError, match="out_features"):
         fp8train.Linear(16, 2.5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "layernorm_mlp"])
+def test_outputs_of_3d_inputs_can_be_modified_in_place(kind):
+    # As with nn.Linear: `y += residual` on a layer's output is legal and its gradient is the
+    # out-of-place one's. A view returned by an autograd.Function made autograd raise on it
+    # (and FSDP2 warn that such an op would drop its pre-backward hook).
+    make = {"linear": lambda: fp8train.Linear(32, 32), "layernorm_linear": lambda: fp8train.LayerNormLinear(32, 32),
+            "layernorm_mlp": lambda: fp8train.LayerNormMLP(32, 64)}[kind]
+    torch.manual_seed(0)
+    layer = make()
+    x = torch.randn(2, 5, 32)
+    r = torch.randn(2, 5, 32)
+    grads = []
+    for inplace in (False, True):
+        xi = x.clone().requires_grad_()
+        with fp8train.autocast():
+            y = layer(xi)
+        assert not y._is_view()
+        if inplace:
+            y += r
+        else:
+            y = y + r
+        y.square().sum().backward()
+        grads.append(xi.grad)
+    assert torch.equal(grads[0], grads[1])

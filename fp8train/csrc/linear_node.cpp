@@ -21,6 +21,7 @@
 // Per-operator ATen headers and torch's pybind casters only, not <torch/extension.h>: the
 // build is in the first call's (and CI's) time.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_unsafe_view.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
@@ -420,7 +421,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
     if (x.dim() != 2) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
       shape.push_back(y.size(1));
-      y = y.view(shape);
+      y = at::_unsafe_view(y, shape);  // not a view: in-place ops on the output stay legal (modules/base.py)
     }
     x_t = xc.data_t;
     x_scale_inv = xc.scale_inv;
@@ -647,7 +648,7 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
     aq = at::empty({p.rows, p.act_cols}, x.options().dtype(p.a_fp8));
     run_group(*p.act_fwd, {h, aq, opt(a_t), a_si});
     y = scaled_mm(aq, a_si, w2_data.t(), w2_si, p.fast_fprop, p.act_dtype, bias2);  // (M, K)
-    if (x.dim() != 2) y = y.view(x.sizes());
+    if (x.dim() != 2) y = at::_unsafe_view(y, x.sizes());  // not a view (see linear_forward)
   }
   const bool any_need = std::any_of(p.needs.begin(), p.needs.end(), [](bool b) { return b; });
   if (!p.grad || !any_need || !torch::autograd::GradMode::is_enabled()) return y;

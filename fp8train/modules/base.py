@@ -229,6 +229,19 @@ def mark_calibrated(*quantizers: Quantizer) -> None:
                 q.calibrated = True
 
 
+def unsafe_view(t: torch.Tensor, shape) -> torch.Tensor:
+    """t reshaped without being a view for autograd (what F.linear returns for 3-D inputs):
+    an output of an autograd.Function that is a view cannot be modified in place (autograd
+    raises), and FSDP2 warns that in-place ops on it would drop its pre-backward hook. A
+    2-D t of that shape comes back as it is."""
+    if t.dim() == len(shape) and tuple(t.shape) == tuple(shape):
+        return t
+    return _UNSAFE_VIEW(t, shape)
+
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
 def in_dtype(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """t in dtype (None stays None). The high-precision paths call it per parameter per step,
     and most calls change nothing: a same-dtype `.to()` still costs a dispatch."""
@@ -248,4 +261,4 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-__all__ = ["FP8Module", "QUANTIZER_NAMES", "activation_dtype", "mark_calibrated"]
+__all__ = ["FP8Module", "QUANTIZER_NAMES", "activation_dtype", "mark_calibrated", "unsafe_view"]

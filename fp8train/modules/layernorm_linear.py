@@ -14,7 +14,7 @@ from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
 from . import high_node
-from .base import FP8Module, in_dtype, mark_calibrated
+from .base import FP8Module, in_dtype, mark_calibrated, unsafe_view
 from .linear import _rows, init_linear_params, linear_parts
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision, \
     norm_high_precision_in
@@ -220,11 +220,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
         ctx.w_fp8, ctx.q_grad, ctx.config, ctx.act_dtype = w_fp8, q_grad, config, act_dtype
         ctx.in_shape, ctx.need_wgrad = x.shape, need_wgrad
         ctx.weight_dtype = weight.dtype
-        lead = x.shape[:-1]
-        y = y.view(*lead, y.shape[-1])
+        y = unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
         # Only outputs that exist: a None output would get a None gradient, which torch.compile's
         # tracing of the backward cannot handle.
-        return y if ln_out is None else (y, ln_out.view(*x.shape))
+        return y if ln_out is None else (y, unsafe_view(ln_out, x.shape))
 
     @staticmethod
     def backward(ctx, dy, d_ln_out=None):

@@ -18,7 +18,7 @@ from ..recipe import GemmConfig
 from . import high_node
 from . import layernorm_mlp_native as mlp_native
 from .activation import ACTIVATIONS, activation_backward_fp8, activation_fp8, activation_high_precision
-from .base import FP8Module, in_dtype, mark_calibrated
+from .base import FP8Module, in_dtype, mark_calibrated, unsafe_view
 from .linear import _rows, init_linear_params
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision, \
     norm_high_precision_in
@@ -237,7 +237,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         ctx.q_grad = (q1_grad, q2_grad)
         ctx.config, ctx.act_dtype, ctx.activation, ctx.in_shape = config, act_dtype, activation, x.shape
         ctx.dtypes = (w1.dtype, b1.dtype if b1 is not None else None, w2.dtype)
-        return y.view(*x.shape[:-1], y.shape[-1])  # ints, not a torch.Size: parsed ~2 us faster
+        return unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, dy):

@@ -16,7 +16,7 @@ from ..quantizer import Quantizer
 from ..kernels import native
 from ..recipe import GemmConfig
 from ..tensor import Float8Tensor
-from .base import FP8Module, in_dtype, mark_calibrated
+from .base import FP8Module, in_dtype, mark_calibrated, unsafe_view
 from .tp_checkpoint import TPCheckpoints
 from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
 
@@ -263,7 +263,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
         ctx.in_shape, ctx.act_dtype, ctx.need_wgrad = in_shape, act_dtype, need_wgrad
         ctx.weight_dtype = weight.dtype
-        return y if len(in_shape) == 2 else y.view(*in_shape[:-1], y.shape[-1])
+        return y if len(in_shape) == 2 else unsafe_view(y, (*in_shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -416,3 +416,27 @@ def test_linear_node_in_a_cuda_graph(python_node):
     for step_i, (g, w) in enumerate(zip(got, want)):
         for what, a, b in zip(("y", "dx", "dw"), g, w):
             assert_bitwise(a, b, f"step {step_i} {what}")
+
+
+def test_cpp_node_output_can_be_modified_in_place():
+    # The node returns a 3-D output that is not a view (at::_unsafe_view), as F.linear does:
+    # `y += residual` is legal and its gradient is the out-of-place one's.
+    torch.manual_seed(0)
+    layer = fp8train.Linear(256, 256, params_dtype=torch.bfloat16, device=CUDA)
+    x = torch.randn(4, 33, 256, device=CUDA, dtype=torch.bfloat16)
+    r = torch.randn(4, 33, 256, device=CUDA, dtype=torch.bfloat16)
+    grads = []
+    for step in range(4):  # steps 0-1 prepare the launches (delayed scaling); 2 and 3 run the node
+        inplace = step == 3
+        xi = x.clone().requires_grad_()
+        with fp8train.autocast(recipe=DelayedScaling()):
+            y = layer(xi)
+        if step >= 2:
+            assert node_name(y) == NATIVE_NODE and not y._is_view()
+        if inplace:
+            y += r
+        else:
+            y = y + r
+        y.float().square().sum().backward()
+        grads.append(xi.grad)
+    assert torch.equal(grads[2], grads[3])
