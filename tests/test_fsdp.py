@@ -1,0 +1,114 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) around fp8train models on CPU with gloo, 2 ranks
+(issue 26, item 1: what works today, before FP8 all-gather).
+
+Every rank builds the same model from one seed and wraps it as torchtitan does: each fp8train
+module, then the root. Each rank trains on its half of every batch; an unsharded twin trains
+on the whole batch on every rank. Compared per step: the FSDP loss (the mean of the ranks'
+losses) with the twin's, relative difference <= 2e-3. Why not bit for bit: each rank sums its
+half of the wgrad over tokens and FSDP's reduce-scatter adds the halves (another float32
+order), and under current scaling each rank scales its half of the activations by that
+half's amax. Under delayed scaling the ranks reduce their pending amaxes over the group before
+each step's update (`reduce_delayed_amaxes`), so every rank holds the same scales (checked).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fp8train
+from fp8train.distributed import delayed_quantizers, reduce_delayed_amaxes
+
+import gloo_harness
+
+RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling}
+STEPS = 6
+LOSS_RTOL = 2e-3
+
+
+def _model(kind: str, device) -> nn.Module:
+    """Two blocks of fp8train modules (`fused`), or plain nn.Linear layers converted by
+    fp8train.convert (`converted`)."""
+    if kind == "converted":
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Linear(64, 64))
+        return fp8train.convert(model).to(device)
+    blocks = [nn.Sequential(fp8train.LayerNormLinear(64, 128), nn.GELU(), fp8train.Linear(128, 64),
+                            fp8train.LayerNormMLP(64, 128)) for _ in range(2)]
+    return nn.Sequential(*blocks).to(device)
+
+
+def _same_everywhere(t: torch.Tensor) -> bool:
+    flat = t.detach().reshape(-1).float().clone()
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(flat, g) for g in gathered)
+
+
+def case_trains_like_unsharded(ctx, kind: str, recipe: str, reshard: bool, mixed: bool = False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(ctx.seed)
+    model = _model(kind, ctx.device)
+    twin = copy.deepcopy(model)
+    options = {"reshard_after_forward": reshard}
+    if mixed:  # bf16 compute copies of the FP32 master shards, gradients reduced in FP32
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in model.modules():
+        if isinstance(m, fp8train.modules.base.FP8Module):
+            fully_shard(m, **options)
+    fully_shard(model, **options)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin)]
+    r = RECIPES[recipe]()
+    g = torch.Generator().manual_seed(ctx.seed)
+    for step in range(STEPS):
+        x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)
+        if recipe == "delayed" and step > 0:  # every rank's pending amax the group's maximum
+            reduce_delayed_amaxes(delayed_quantizers(model))
+        # the twin computes as FSDP's bf16 copies do: in bf16 (torch.autocast), master weights FP32
+        twin_precision = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+        with fp8train.autocast(recipe=r):
+            mine = x.chunk(ctx.world)[ctx.rank]
+            loss = (model(mine).float() - y.chunk(ctx.world)[ctx.rank]).square().mean()
+            with twin_precision:
+                want = (twin(x).float() - y).square().mean()
+        for lo, opt in zip((loss, want), opts):
+            lo.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        got = loss.detach().clone()
+        dist.all_reduce(got)
+        got = float(got) / ctx.world
+        rtol = LOSS_RTOL if not mixed else 2e-2  # bf16 weights against the twin's per-op autocast casts
+        assert abs(got - float(want)) <= rtol * float(want), f"step {step}: FSDP loss {got} vs unsharded {float(want)}"
+        if recipe == "delayed" and step > 0:  # the scales this step cast with, and the past amaxes
+            for i, q in enumerate(delayed_quantizers(model)):  # (entry 0 is this step's own, not yet reduced)
+                assert _same_everywhere(q.scale) and _same_everywhere(q.amax_history[1:]), f"quantizer {i} differs"
+    for p in model.parameters():  # sharded FP32 masters, gradients reduced in FP32 also under bf16 compute
+        assert type(p).__name__ == "DTensor" and p.dtype == torch.float32
+
+
+def _cases():
+    out = []
+    for kind in ("fused", "converted"):
+        for recipe in RECIPES:
+            out.append(gloo_harness.case(case_trains_like_unsharded, (2,), kind=kind, recipe=recipe, reshard=True))
+    out.append(gloo_harness.case(case_trains_like_unsharded, (2,), kind="fused", recipe="delayed", reshard=False))
+    out.append(gloo_harness.case(case_trains_like_unsharded, (2,), kind="converted", recipe="delayed", reshard=True,
+                                 mixed=True))
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return gloo_harness.cached_launcher(tmp_path_factory, __name__, "FSDP")
+
+
+@pytest.mark.parametrize("world, case_id", gloo_harness.world_params(CASES, (2,)))
+def test_case(launches, world, case_id):
+    gloo_harness.check(launches(world)[0], case_id)
