@@ -7,8 +7,11 @@ on the whole batch on every rank. Compared per step: the FSDP loss (the mean of 
 losses) with the twin's, relative difference <= 2e-3. Why not bit for bit: each rank sums its
 half of the wgrad over tokens and FSDP's reduce-scatter adds the halves (another float32
 order), and under current scaling each rank scales its half of the activations by that
-half's amax. Under delayed scaling the ranks reduce their pending amaxes over the group before
-each step's update (`reduce_delayed_amaxes`), so every rank holds the same scales (checked).
+half's amax. Under delayed scaling the ranks reduce their model's pending amaxes over the group before
+each step's update (`reduce_delayed_amaxes(delayed_quantizers(model), group)`), so every rank
+holds the same scales (checked). Not `fp8train.autocast(amax_reduction=group)`, which reduces
+every live delayed quantizer of the process: a model of an earlier case, deleted but not yet
+garbage-collected on one rank only, made the ranks' all-reduces differ in size (gloo aborted).
 """
 from __future__ import annotations
 
@@ -65,10 +68,10 @@ def case_trains_like_unsharded(ctx, kind: str, recipe: str, reshard: bool, mixed
     g = torch.Generator().manual_seed(ctx.seed)
     for step in range(STEPS):
         x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)
-        if recipe == "delayed" and step > 0:  # every rank's pending amax the group's maximum
-            reduce_delayed_amaxes(delayed_quantizers(model))
         # the twin computes as FSDP's bf16 copies do: in bf16 (torch.autocast), master weights FP32
         twin_precision = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
+        if recipe == "delayed":  # every rank's pending amaxes become the group's maximum
+            reduce_delayed_amaxes(delayed_quantizers(model), dist.group.WORLD)
         with fp8train.autocast(recipe=r):
             mine = x.chunk(ctx.world)[ctx.rank]
             loss = (model(mine).float() - y.chunk(ctx.world)[ctx.rank]).square().mean()
@@ -90,6 +93,75 @@ def case_trains_like_unsharded(ctx, kind: str, recipe: str, reshard: bool, mixed
         assert type(p).__name__ == "DTensor" and p.dtype == torch.float32
 
 
+def _train(model, opt, recipe, steps, ctx, g):
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)
+        if isinstance(recipe, fp8train.DelayedScaling):
+            reduce_delayed_amaxes(delayed_quantizers(model), dist.group.WORLD)
+        with fp8train.autocast(recipe=recipe):
+            loss = (model(x.chunk(ctx.world)[ctx.rank]) - y.chunk(ctx.world)[ctx.rank]).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def case_checkpoint_resumes_bit_for_bit(ctx, recipe: str):
+    """torch.distributed.checkpoint of a sharded converted model and its optimizer after 2
+    steps, loaded into a fresh sharded model (quantizers made by convert(recipe=...)), then 2
+    more steps: the losses, parameters and quantizer state of an uninterrupted 4-step run,
+    bit for bit. The full state dict holds plain full-size weights and the quantizers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
+    from torch.distributed.fsdp import fully_shard
+    r = RECIPES[recipe]()
+
+    def fresh():
+        torch.manual_seed(ctx.seed)
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        model = fp8train.convert(model, r).to(ctx.device)
+        for m in model:
+            if isinstance(m, fp8train.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    whole, whole_opt = fresh()
+    want = _train(whole, whole_opt, r, 4, ctx, torch.Generator().manual_seed(ctx.seed))
+    want_state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+                  for k, v in whole.state_dict().items()}
+    del whole, whole_opt
+
+    first, first_opt = fresh()
+    g = torch.Generator().manual_seed(ctx.seed)
+    got = [_train(first, first_opt, r, 2, ctx, g)]
+    # DCP writes one copy of a replicated buffer (rank 0's): each rank's own pending amax
+    # becomes the group's first, as the next step's entry would make it (no-op for current scaling)
+    reduce_delayed_amaxes(delayed_quantizers(first), dist.group.WORLD)
+    model_sd, optim_sd = get_state_dict(first, first_opt)
+    path = f"{ctx.tmp}/dcp-{recipe}"
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    full = get_model_state_dict(first, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    del first, first_opt
+
+    second, second_opt = fresh()
+    model_sd, optim_sd = get_state_dict(second, second_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(second, second_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got.append(_train(second, second_opt, r, 2, ctx, g))
+    assert torch.equal(torch.cat(got), want), (torch.cat(got), want)
+    for k, v in second.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        assert torch.equal(v, want_state[k]), k
+    if ctx.rank == 0:  # rank 0 holds the full state dict (cpu_offload)
+        assert full["0.weight"].shape == (128, 64) and type(full["0.weight"]) is torch.Tensor
+        assert "0.input_quantizer.scale" in full and "2.grad_output_quantizer.fp8_max" in full
+
+
 def _cases():
     out = []
     for kind in ("fused", "converted"):
@@ -98,6 +170,8 @@ def _cases():
     out.append(gloo_harness.case(case_trains_like_unsharded, (2,), kind="fused", recipe="delayed", reshard=False))
     out.append(gloo_harness.case(case_trains_like_unsharded, (2,), kind="converted", recipe="delayed", reshard=True,
                                  mixed=True))
+    for recipe in RECIPES:
+        out.append(gloo_harness.case(case_checkpoint_resumes_bit_for_bit, (2,), recipe=recipe))
     return out
 
 
