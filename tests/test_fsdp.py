@@ -162,6 +162,54 @@ def case_checkpoint_resumes_bit_for_bit(ctx, recipe: str):
         assert "0.input_quantizer.scale" in full and "2.grad_output_quantizer.fp8_max" in full
 
 
+def case_gradient_accumulation_keeps_the_fp8_weight(ctx, recipe: str):
+    """Two microbatches per step under FSDP (reshard_after_forward=False, the gradient sync
+    only on the last microbatch): is_first_microbatch=True casts each weight and keeps it,
+    False reuses it (no weight cast: the delayed weight quantizers record no amax on the
+    second microbatch). Losses against an unsharded twin accumulating the same microbatches
+    of the whole batch, within the file's tolerance."""
+    from torch.distributed.fsdp import fully_shard
+    r = RECIPES[recipe]()
+    torch.manual_seed(ctx.seed)
+    model = _model("converted", ctx.device)
+    twin = copy.deepcopy(model)
+    for m in model:
+        if isinstance(m, fp8train.Linear):
+            fully_shard(m, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin)]
+    g = torch.Generator().manual_seed(ctx.seed)
+
+    def run(m, x, y, first):
+        h = x
+        for layer in m:
+            h = layer(h, is_first_microbatch=first) if isinstance(layer, fp8train.Linear) else layer(h)
+        return (h - y).square().mean() / 2  # two microbatches: the mean over both
+    for step in range(4):
+        got = want = 0.0
+        for micro in range(2):
+            if recipe == "delayed":  # before every autocast entry: each one runs the scale update
+                reduce_delayed_amaxes(delayed_quantizers(model), dist.group.WORLD)
+            x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)
+            model.set_requires_gradient_sync(micro == 1)
+            with fp8train.autocast(recipe=r):
+                loss = run(model, x.chunk(ctx.world)[ctx.rank], y.chunk(ctx.world)[ctx.rank], micro == 0)
+                twin_loss = run(twin, x, y, micro == 0)
+            if micro == 1 and recipe == "delayed":  # the kept weights were not cast again
+                assert all(float(m.weight_quantizer.amax_history[0]) == -1.0 for m in model
+                           if isinstance(m, fp8train.Linear))
+            loss.backward()
+            twin_loss.backward()
+            got, want = got + float(loss), want + float(twin_loss)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        total = torch.tensor(got)
+        dist.all_reduce(total)
+        got = float(total) / ctx.world
+        assert abs(got - want) <= LOSS_RTOL * want, f"step {step}: FSDP loss {got} vs unsharded {want}"
+
+
 def _cases():
     out = []
     for kind in ("fused", "converted"):
@@ -172,6 +220,7 @@ def _cases():
                                  mixed=True))
     for recipe in RECIPES:
         out.append(gloo_harness.case(case_checkpoint_resumes_bit_for_bit, (2,), recipe=recipe))
+        out.append(gloo_harness.case(case_gradient_accumulation_keeps_the_fp8_weight, (2,), recipe=recipe))
     return out
 
 
