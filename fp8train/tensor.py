@@ -189,6 +189,14 @@ def _view(func, args, kwargs):
     return out
 
 
+@_handles(aten.as_strided)
+def _as_strided(func, args, kwargs):
+    # FSDP2 views each gathered weight with its own size and contiguous strides (a no-op view
+    # of a contiguous payload); any as_strided is a layout op on the bytes.
+    src = args[0]
+    return _like(src, func(src._data, *args[1:], **kwargs))
+
+
 @_handles(aten.t, aten.transpose)
 def _t(func, args, kwargs):
     src = args[0]

@@ -210,6 +210,61 @@ def case_gradient_accumulation_keeps_the_fp8_weight(ctx, recipe: str):
         assert abs(got - want) <= LOSS_RTOL * want, f"step {step}: FSDP loss {got} vs unsharded {want}"
 
 
+def case_fp8_all_gather_is_the_master_gather_in_fp8(ctx, recipe: str):
+    """fp8_all_gather(model, recipe) before fully_shard: every weight all-gather moves FP8
+    bytes (uint8, a quarter of the FP32 master's), and training is bit for bit that of the
+    same model whose
+    FSDP gathers the FP32 master and casts it whole: the shards are cast with the scale the
+    whole weight's cast uses (current scaling: the shards' amaxes all-reduced; delayed: the
+    reduced history), so the gathered bytes are the whole weight's FP8 bytes."""
+    from torch.distributed.fsdp import fully_shard
+    from fp8train.distributed import fp8_all_gather
+    r = RECIPES[recipe]()
+    models = []
+    for fp8_gather in (False, True):
+        torch.manual_seed(ctx.seed)
+        model = _model("converted", ctx.device)
+        if fp8_gather:
+            assert fp8_all_gather(model, r) == 3
+        for m in model:
+            if isinstance(m, fp8train.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    gathered = []  # (dtype, numel) of every all-gather, per model and step
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # FSDP2's
+    original = getattr(dist, name)
+
+    def recording(out, inp, *args, **kwargs):
+        gathered.append((inp.dtype, inp.numel()))
+        return original(out, inp, *args, **kwargs)
+    g = torch.Generator().manual_seed(ctx.seed)
+    for step in range(4):
+        x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)
+        losses, dtypes = [], []
+        if recipe == "delayed":  # both models' pending amaxes, before the one update of the step
+            reduce_delayed_amaxes([q for m, _ in models for q in delayed_quantizers(m)], dist.group.WORLD)
+        with fp8train.autocast(recipe=r):  # one region: each entry rolls every live quantizer
+            for model, _ in models:
+                gathered.clear()
+                setattr(dist, name, recording)
+                try:
+                    loss = (model(x.chunk(ctx.world)[ctx.rank]) - y.chunk(ctx.world)[ctx.rank]).square().mean()
+                    loss.backward()
+                finally:
+                    setattr(dist, name, original)
+                losses.append(loss.detach())
+                dtypes.append({d for d, _ in gathered})
+        for _, opt in models:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert torch.equal(losses[0], losses[1]), f"step {step}: {losses}"
+        assert dtypes[0] == {torch.float32}, dtypes
+        assert dtypes[1] == {torch.uint8}, (step, dtypes)
+    for pa, pb in zip(models[0][0].parameters(), models[1][0].parameters()):
+        assert torch.equal(pa.full_tensor(), pb.full_tensor())
+
+
 def _cases():
     out = []
     for kind in ("fused", "converted"):
@@ -221,6 +276,7 @@ def _cases():
     for recipe in RECIPES:
         out.append(gloo_harness.case(case_checkpoint_resumes_bit_for_bit, (2,), recipe=recipe))
         out.append(gloo_harness.case(case_gradient_accumulation_keeps_the_fp8_weight, (2,), recipe=recipe))
+        out.append(gloo_harness.case(case_fp8_all_gather_is_the_master_gather_in_fp8, (2,), recipe=recipe))
     return out
 
 
@@ -235,3 +291,24 @@ def launches(tmp_path_factory):
 @pytest.mark.parametrize("world, case_id", gloo_harness.world_params(CASES, (2,)))
 def test_case(launches, world, case_id):
     gloo_harness.check(launches(world)[0], case_id)
+
+
+def test_fp8_gather_weight_is_its_master_to_every_op():
+    # FSDP2 shards and moves the weight with layout ops, which keep the wrapper (and its
+    # extension points); everything else (an optimizer's arithmetic) runs on the master.
+    from fp8train.distributed import FP8GatherWeight, fp8_all_gather
+    model = nn.Sequential(fp8train.Linear(64, 32), fp8train.Linear(32, 48, bias=False), fp8train.Linear(48, 24))
+    assert fp8_all_gather(model, fp8train.DelayedScaling()) == 2  # 24 is not a multiple of 16: left alone
+    w = model[0].weight
+    assert isinstance(w, FP8GatherWeight) and isinstance(w, nn.Parameter) and w.requires_grad
+    assert model[0].weight_quantizer is not None  # made now: the first gather is FP8 too
+    master = w._master
+    for part in (w.detach(), w.view(-1), w.split(16)[1], w.clone()):
+        part = part[0] if isinstance(part, tuple) else part
+        assert isinstance(part, FP8GatherWeight)
+    doubled = w * 2
+    assert type(doubled) is torch.Tensor and torch.equal(doubled, master * 2)
+    with torch.no_grad():
+        w.add_(1.0)
+    assert w._master is master and torch.equal(master, (doubled / 2 + 1).detach())  # in place, on the master
+    assert not isinstance(model[2].weight, FP8GatherWeight)

@@ -148,3 +148,13 @@ def test_constructor_validation():
 
 def test_repr(q):
     assert "Float8Tensor(shape=(6, 48)" in repr(q) and "role=INPUT" in repr(q)
+
+
+def test_as_strided_is_a_layout_op_on_the_payload():
+    # FSDP2 views each gathered weight with torch.as_strided (its size, contiguous strides)
+    q = fp8train.quantize(torch.randn(8, 32), torch.float8_e4m3fn)
+    v = torch.as_strided(q, (8, 32), (32, 1), storage_offset=0)
+    assert isinstance(v, Float8Tensor) and torch.equal(v.scale_inv, q.scale_inv)
+    assert torch.equal(v.fp8_data.view(torch.uint8), q.fp8_data.view(torch.uint8))
+    w = torch.as_strided(q, (4, 32), (32, 1), storage_offset=32)  # rows 1..4 of the bytes
+    assert torch.equal(w.fp8_data.view(torch.uint8), q.fp8_data[1:5].view(torch.uint8))

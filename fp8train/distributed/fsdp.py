@@ -1,0 +1,138 @@
+"""FSDP2 (`fully_shard`) gathering fp8train.Linear weights in FP8 (issue 26, item 2).
+
+FSDP2 all-gathers each sharded weight before its module's forward, in the master dtype: 4
+bytes per element with FP32 master weights, after which every rank casts the whole weight to
+FP8 itself. `fp8_all_gather(model)` (before `fully_shard`) makes each eligible Linear's weight
+an `FP8GatherWeight`: the master weight, wrapped (every op runs on the master, so optimizers,
+state dicts and FSDP's sharding see it), with FSDP2's two all-gather extension points:
+
+  fsdp_pre_all_gather   the local shard cast to FP8 by the layer's weight quantizer with a
+                        scale every rank agrees on (distributed.fp8_comm.cast_consistent: current
+                        scaling all-reduces the shards' amaxes; delayed scaling reads the
+                        scale, and its amax history must be reduced over the group each step,
+                        as the FSDP tests do), handed to FSDP as uint8 bytes.
+  fsdp_post_all_gather  the gathered bytes and the shared scale_inv as the Float8Tensor that
+                        the layer's forward takes as its FP8 weight (no workspace cast); its
+                        transposed copy for dgrad is made from the gathered bytes on demand.
+
+Layers left as they are: tensor-parallel ones, and ones whose dims do not take FP8. The C++
+node does not take a gathered Float8Tensor weight yet: such layers run the Python node
+(`fp8train.inspect.execution_paths` says so). Not GPU-run yet.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from ..recipe import Recipe
+from ..roles import TensorRole
+from ..tensor import Float8Tensor
+from .fp8_comm import cast_consistent
+
+_aten = torch.ops.aten
+# Ops whose results are (views or copies of) the weight itself: FSDP2 shards, pads, copies and
+# moves the parameter with them, and the results must keep the extension points.
+_KEEP = {_aten.detach.default, _aten.alias.default, _aten.view.default, _aten.as_strided.default,
+         _aten.slice.Tensor, _aten.split.Tensor, _aten.split_with_sizes.default, _aten.clone.default,
+         _aten._to_copy.default, _aten.empty_like.default, _aten.new_zeros.default, _aten.new_empty.default,
+         _aten.copy_.default, _aten._pin_memory.default}
+
+
+class FP8GatherWeight(torch.Tensor):
+    """A Linear's master weight (any op runs on `_master`) that FSDP2 all-gathers in FP8."""
+
+    _master: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, master: torch.Tensor, layer_ref):
+        t = torch.Tensor._make_wrapper_subclass(cls, master.size(), strides=master.stride(),
+                                                storage_offset=master.storage_offset(), dtype=master.dtype,
+                                                layout=master.layout, device=master.device,
+                                                requires_grad=master.requires_grad)
+        t._master = master
+        t._layer_ref = layer_ref
+        return t
+
+    def __repr__(self) -> str:
+        return f"FP8GatherWeight({self._master!r})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        ref = None
+
+        def unwrap(t):
+            nonlocal ref
+            ref = t._layer_ref
+            return t._master
+        args, kwargs = tree_map_only(cls, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEP:
+            return out
+        return tree_map_only(torch.Tensor, lambda t: cls(t, ref), out)
+
+    def __tensor_flatten__(self):
+        return ["_master"], self._layer_ref
+
+    @staticmethod
+    def __tensor_unflatten__(inner, layer_ref, outer_size, outer_stride):
+        return FP8GatherWeight(inner["_master"], layer_ref)
+
+    # ---------------------------------------------------------------- FSDP2's extension points
+    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+        layer = self._layer_ref()
+        q = getattr(layer, "weight_quantizer", None) if layer is not None else None
+        if q is None:  # a layer freed, or its quantizers removed: as plain FSDP (policy dtype)
+            dtype = getattr(mp_policy, "param_dtype", None) or self._master.dtype
+            return (self._master.to(dtype),), None
+        cast = cast_consistent(self._master, q, mesh.get_group())
+        return (cast.data.view(torch.uint8),), (cast.scale_inv, q.dtype)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (gathered,) = all_gather_outputs
+        if metadata is None:  # the master path
+            if out is not None:
+                return None
+            return gathered, (gathered,)
+        scale_inv, fp8_dtype = metadata
+        data = gathered.view(fp8_dtype)
+        if out is not None:  # FSDP reuses the unsharded weight: new bytes landed in its buffer
+            if isinstance(out, Float8Tensor) and out._data.data_ptr() == data.data_ptr():
+                out._scale_inv.copy_(scale_inv.reshape(()))
+                out._mark_rewritten()
+                return None
+            raise RuntimeError("fp8train FSDP: the all-gather output changed form between steps (FP8 and master "
+                               "gathers alternate); call every step inside fp8train.autocast or none")
+        weight = Float8Tensor(data, scale_inv.reshape(()).clone(), self._master.dtype, TensorRole.WEIGHT)
+        return weight, (data,)
+
+
+def fp8_all_gather(model: nn.Module, recipe: Recipe) -> int:
+    """Make every eligible fp8train.Linear of `model` gather its weight in FP8 under FSDP2
+    (call before `fully_shard`, and before building the optimizer). Their quantizers for
+    `recipe` are made now, so the first gather is in FP8 too: FSDP2 keeps one form of each
+    unsharded weight, and every gather is FP8 from then on (outside fp8train.autocast the
+    layer computes with the dequantized FP8 weight, and says so once). Returns how many."""
+    from ..modules.linear import Linear
+    count = 0
+    for m in model.modules():
+        if not isinstance(m, Linear) or m.tp is not None or not m._fp8_dims or isinstance(m.weight, FP8GatherWeight):
+            continue
+        w = m.weight
+        m.quantizers(recipe, w.device)
+        m.weight = nn.Parameter(FP8GatherWeight(w.data, weakref.ref(m)), requires_grad=w.requires_grad)
+        count += 1
+    return count
+
+
+def gathered_fp8(weight: torch.Tensor) -> Optional[Float8Tensor]:
+    """The FP8 weight FSDP2 gathered for this forward (a Float8Tensor unsharded parameter), or None."""
+    return weight if isinstance(weight, Float8Tensor) else None
+
+
+__all__ = ["FP8GatherWeight", "fp8_all_gather", "gathered_fp8"]
