@@ -265,6 +265,57 @@ def case_fp8_all_gather_is_the_master_gather_in_fp8(ctx, recipe: str):
         assert torch.equal(pa.full_tensor(), pb.full_tensor())
 
 
+def case_current_weight_scales_from_one_all_reduce_per_step(ctx):
+    """Current scaling with the FP8 gather: precompute_fp8_weight_scales after each optimizer
+    step gives every weight's scale from one all-reduce of all shards' amaxes, and the
+    forward's gathers then reduce nothing; training is bit for bit that of the per-layer
+    all-reduces (one per weight and gather)."""
+    from torch.distributed.fsdp import fully_shard
+    from fp8train.distributed import fp8_all_gather, precompute_fp8_weight_scales
+    r = fp8train.CurrentScaling()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(ctx.seed)
+        model = _model("converted", ctx.device)
+        fp8_all_gather(model, r)
+        for m in model:
+            if isinstance(m, fp8train.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    reduces = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        reduces.append(1)
+        return original(*args, **kwargs)
+    dist.all_reduce = counting
+    try:
+        reduces.clear()
+        assert precompute_fp8_weight_scales(models[1][0]) == 3 and len(reduces) == 1
+        g = torch.Generator().manual_seed(ctx.seed)
+        for step in range(4):
+            x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)
+            losses, counts = [], []
+            for i, (model, opt) in enumerate(models):
+                reduces.clear()
+                with fp8train.autocast(recipe=r):
+                    loss = (model(x.chunk(ctx.world)[ctx.rank]) - y.chunk(ctx.world)[ctx.rank]).square().mean()
+                counts.append(len(reduces))  # the forward's amax all-reduces (the gathers')
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if i == 1:
+                    reduces.clear()
+                    precompute_fp8_weight_scales(model)
+                    assert len(reduces) == 1
+                losses.append(loss.detach())
+            assert counts == [3, 0], counts
+            assert torch.equal(losses[0], losses[1]), f"step {step}: {losses}"
+    finally:
+        dist.all_reduce = original
+
+
 def _cases():
     out = []
     for kind in ("fused", "converted"):
@@ -277,6 +328,7 @@ def _cases():
         out.append(gloo_harness.case(case_checkpoint_resumes_bit_for_bit, (2,), recipe=recipe))
         out.append(gloo_harness.case(case_gradient_accumulation_keeps_the_fp8_weight, (2,), recipe=recipe))
         out.append(gloo_harness.case(case_fp8_all_gather_is_the_master_gather_in_fp8, (2,), recipe=recipe))
+    out.append(gloo_harness.case(case_current_weight_scales_from_one_all_reduce_per_step, (2,)))
     return out
 
 

@@ -16,7 +16,7 @@ from .amax_sync import delayed_quantizers, reduce_delayed_amaxes
 from .collective_matmul import (all_gather_dgrad, all_gather_fprop, all_gather_matmul, dgrad_reduce_scatter,
                                 fprop_reduce_scatter, matmul_reduce_scatter)
 from .fp8_comm import all_gather_fp8, cast_consistent, gather_cast, reduce_amax, transpose_rows
-from .fsdp import FP8GatherWeight, fp8_all_gather
+from .fsdp import FP8GatherWeight, fp8_all_gather, precompute_fp8_weight_scales
 from .groups import AmaxReduction
 from .tp_config import ParallelMode, TPConfig
 from .tp_state import ShardSpec, TPLayout
@@ -25,5 +25,5 @@ __all__ = [
     "all_gather_dgrad", "all_gather_fprop", "all_gather_matmul", "dgrad_reduce_scatter", "fprop_reduce_scatter",
     "matmul_reduce_scatter", "AmaxReduction", "all_gather_fp8", "cast_consistent", "delayed_quantizers", "gather_cast", "reduce_amax",
     "reduce_delayed_amaxes", "transpose_rows", "ParallelMode", "TPConfig", "ShardSpec", "TPLayout", "FP8GatherWeight",
-    "fp8_all_gather",
+    "fp8_all_gather", "precompute_fp8_weight_scales",
 ]

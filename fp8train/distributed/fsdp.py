@@ -28,10 +28,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from .. import kernels, scaling
 from ..recipe import Recipe
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
-from .fp8_comm import cast_consistent
+from .fp8_comm import cast_consistent, reduce_amax
 
 _aten = torch.ops.aten
 # Ops whose results are (views or copies of) the weight itself: FSDP2 shards, pads, copies and
@@ -55,6 +56,7 @@ class FP8GatherWeight(torch.Tensor):
                                                 requires_grad=master.requires_grad)
         t._master = master
         t._layer_ref = layer_ref
+        t._scale_ready = False  # precompute_fp8_weight_scales wrote the next gather's scale
         return t
 
     def __repr__(self) -> str:
@@ -90,6 +92,12 @@ class FP8GatherWeight(torch.Tensor):
         if q is None:  # a layer freed, or its quantizers removed: as plain FSDP (policy dtype)
             dtype = getattr(mp_policy, "param_dtype", None) or self._master.dtype
             return (self._master.to(dtype),), None
+        if self._scale_ready:  # current scaling: precompute_fp8_weight_scales set q.scale already
+            self._scale_ready = False
+            data = torch.empty(self._master.shape, dtype=q.dtype, device=self._master.device)
+            scale_inv = torch.empty(1, dtype=torch.float32, device=self._master.device)
+            kernels.cast_trusted(self._master, data, None, q.scale, scale_inv)
+            return (data.view(torch.uint8),), (scale_inv, q.dtype)
         cast = cast_consistent(self._master, q, mesh.get_group())
         return (cast.data.view(torch.uint8),), (cast.scale_inv, q.dtype)
 
@@ -130,9 +138,40 @@ def fp8_all_gather(model: nn.Module, recipe: Recipe) -> int:
     return count
 
 
+def precompute_fp8_weight_scales(model: nn.Module, group=None) -> int:
+    """Current scaling with fp8_all_gather: the scales of every FP8-gathered weight of `model`
+    from one all-reduce of all their shards' amaxes, instead of one all-reduce per layer at
+    each gather. Call after the optimizer step (the masters' new values), before the next
+    forward, on every rank of the FSDP group (`group`: its process group; None: the default).
+    Each weight's next gather casts with the scale computed here (bit for bit the per-layer
+    path's). Delayed scaling needs nothing (its scales come from the reduced histories).
+    Returns how many weights it prepared."""
+    from ..modules.linear import Linear
+    from ..quantizer import CurrentScalingQuantizer
+    todo = []
+    for m in model.modules():
+        if not isinstance(m, Linear) or not isinstance(m.weight_quantizer, CurrentScalingQuantizer):
+            continue
+        local = getattr(m.weight, "_local_tensor", m.weight)  # the sharded DTensor's shard
+        if isinstance(local, FP8GatherWeight):
+            todo.append((local, m.weight_quantizer))
+    if not todo:
+        return 0
+    amax = torch.zeros(len(todo), dtype=torch.float32, device=todo[0][0]._master.device)
+    for i, (local, _) in enumerate(todo):
+        kernels.amax(local._master, amax[i])
+    reduce_amax(amax, group)  # the whole weights' amaxes, one collective for all
+    for i, (local, q) in enumerate(todo):
+        q.amax.copy_(amax[i])
+        q.scale.copy_(scaling.compute_scale(amax[i], q.scale, scaling.fp8_max(q.dtype)))
+        q.nonfinite_count.add_((~torch.isfinite(amax[i])).to(q.nonfinite_count.dtype))
+        local._scale_ready = True
+    return len(todo)
+
+
 def gathered_fp8(weight: torch.Tensor) -> Optional[Float8Tensor]:
     """The FP8 weight FSDP2 gathered for this forward (a Float8Tensor unsharded parameter), or None."""
     return weight if isinstance(weight, Float8Tensor) else None
 
 
-__all__ = ["FP8GatherWeight", "fp8_all_gather", "gathered_fp8"]
+__all__ = ["FP8GatherWeight", "fp8_all_gather", "gathered_fp8", "precompute_fp8_weight_scales"]
