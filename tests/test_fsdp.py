@@ -316,6 +316,54 @@ def case_current_weight_scales_from_one_all_reduce_per_step(ctx):
         dist.all_reduce = original
 
 
+def case_2d_mesh_fsdp_over_tp(ctx, recipe: str):
+    """A 2 x 2 mesh (dp, tp) on 4 ranks: a column-parallel then a row-parallel fp8train.Linear
+    (sequence parallel off) over the mesh's tp groups, fully_shard over its dp groups. Each dp
+    replica trains on half of every batch; the losses follow a single-process twin holding the
+    full weights on the whole batch (the file's tolerance), and the delayed scales agree over
+    the whole grid (amaxes reduced over tp, then dp). (Sequence parallelism, whose FP8
+    activation gathers run over tp, is not in this case yet.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from fp8train.distributed import AmaxReduction, reduce_delayed_amaxes
+    mesh = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"].get_group(), mesh["dp"].get_group()
+    r = RECIPES[recipe]()
+
+    def build(tp_group=None):
+        torch.manual_seed(ctx.seed)  # the TP layers keep their shards of the unsharded draws
+        kw = [{}, {}] if tp_group is None else [{"tp_group": tp_group, "parallel_mode": "column"},
+                                                  {"tp_group": tp_group, "parallel_mode": "row"}]
+        return nn.Sequential(fp8train.Linear(64, 128, **kw[0]), nn.GELU(), fp8train.Linear(128, 64, **kw[1]))
+    model, twin = build(tp), build()
+    for m in model:
+        if isinstance(m, fp8train.Linear):
+            fully_shard(m, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin)]
+    dp_rank = mesh["dp"].get_local_rank()
+    grid = AmaxReduction.tensor_and_data_parallel(tp, dp)
+    g = torch.Generator().manual_seed(ctx.seed)
+    for step in range(5):
+        x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)
+        if recipe == "delayed":
+            reduce_delayed_amaxes(delayed_quantizers(model), grid)
+        with fp8train.autocast(recipe=r):
+            loss = (model(x.chunk(2)[dp_rank]) - y.chunk(2)[dp_rank]).square().mean()
+            want = (twin(x) - y).square().mean()
+        for lo, opt in zip((loss, want), opts):
+            lo.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        got = loss.detach().clone()
+        dist.all_reduce(got, group=dp)
+        got = float(got) / 2
+        assert abs(got - float(want)) <= LOSS_RTOL * float(want), f"step {step}: {got} vs unsharded {float(want)}"
+        if recipe == "delayed" and step > 0:
+            for i, q in enumerate(delayed_quantizers(model)):
+                assert _same_everywhere(q.scale), f"quantizer {i}: scales differ over the grid"
+
+
 def _cases():
     out = []
     for kind in ("fused", "converted"):
@@ -329,6 +377,8 @@ def _cases():
         out.append(gloo_harness.case(case_gradient_accumulation_keeps_the_fp8_weight, (2,), recipe=recipe))
         out.append(gloo_harness.case(case_fp8_all_gather_is_the_master_gather_in_fp8, (2,), recipe=recipe))
     out.append(gloo_harness.case(case_current_weight_scales_from_one_all_reduce_per_step, (2,)))
+    for recipe in RECIPES:
+        out.append(gloo_harness.case(case_2d_mesh_fsdp_over_tp, (4,), recipe=recipe))
     return out
 
 
@@ -340,7 +390,7 @@ def launches(tmp_path_factory):
     return gloo_harness.cached_launcher(tmp_path_factory, __name__, "FSDP")
 
 
-@pytest.mark.parametrize("world, case_id", gloo_harness.world_params(CASES, (2,)))
+@pytest.mark.parametrize("world, case_id", gloo_harness.world_params(CASES, (2, 4)))
 def test_case(launches, world, case_id):
     gloo_harness.check(launches(world)[0], case_id)
 
