@@ -97,9 +97,13 @@ class FP8GatherWeight(torch.Tensor):
             data = torch.empty(self._master.shape, dtype=q.dtype, device=self._master.device)
             scale_inv = torch.empty(1, dtype=torch.float32, device=self._master.device)
             kernels.cast_trusted(self._master, data, None, q.scale, scale_inv)
-            return (data.view(torch.uint8),), (scale_inv, q.dtype)
-        cast = cast_consistent(self._master, q, mesh.get_group())
-        return (cast.data.view(torch.uint8),), (cast.scale_inv, q.dtype)
+        else:
+            data, _, scale_inv, _ = cast_consistent(self._master, q, mesh.get_group())
+        rows = outer_size[0] if outer_size is not None else data.shape[0] * mesh.size()
+        padded = -(-rows // mesh.size())  # FSDP pads every shard to this many rows
+        if data.shape[0] < padded:  # the last ranks' shards when the rows do not split evenly
+            data = torch.cat([data, data.new_zeros(padded - data.shape[0], *data.shape[1:])])
+        return (data.view(torch.uint8),), (scale_inv, q.dtype, rows)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (gathered,) = all_gather_outputs
@@ -107,8 +111,8 @@ class FP8GatherWeight(torch.Tensor):
             if out is not None:
                 return None
             return gathered, (gathered,)
-        scale_inv, fp8_dtype = metadata
-        data = gathered.view(fp8_dtype)
+        scale_inv, fp8_dtype, rows = metadata
+        data = gathered.view(fp8_dtype)[:rows]  # the padding rows of uneven shards dropped
         if out is not None:  # FSDP reuses the unsharded weight: new bytes landed in its buffer
             if isinstance(out, Float8Tensor) and out._data.data_ptr() == data.data_ptr():
                 out._scale_inv.copy_(scale_inv.reshape(()))
