@@ -51,11 +51,15 @@ def _same_everywhere(t: torch.Tensor) -> bool:
     return all(torch.equal(flat, g) for g in gathered)
 
 
-def case_trains_like_unsharded(ctx, kind: str, recipe: str, reshard: bool, mixed: bool = False):
+def case_trains_like_unsharded(ctx, kind: str, recipe: str, reshard: bool, mixed: bool = False,
+                               fp8_gather: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from fp8train.distributed import fp8_all_gather
     torch.manual_seed(ctx.seed)
     model = _model(kind, ctx.device)
     twin = copy.deepcopy(model)
+    if fp8_gather:  # the weights gathered in FP8, cast from the FP32 master shards
+        assert fp8_all_gather(model, RECIPES[recipe]()) > 0
     options = {"reshard_after_forward": reshard}
     if mixed:  # bf16 compute copies of the FP32 master shards, gradients reduced in FP32
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -372,6 +376,9 @@ def _cases():
     out.append(gloo_harness.case(case_trains_like_unsharded, (2,), kind="fused", recipe="delayed", reshard=False))
     out.append(gloo_harness.case(case_trains_like_unsharded, (2,), kind="converted", recipe="delayed", reshard=True,
                                  mixed=True))
+    for recipe in RECIPES:  # the FP8 gather under a bf16 compute policy
+        out.append(gloo_harness.case(case_trains_like_unsharded, (2,), kind="converted", recipe=recipe, reshard=True,
+                                     mixed=True, fp8_gather=True))
     for recipe in RECIPES:
         out.append(gloo_harness.case(case_checkpoint_resumes_bit_for_bit, (2,), recipe=recipe))
         out.append(gloo_harness.case(case_gradient_accumulation_keeps_the_fp8_weight, (2,), recipe=recipe))

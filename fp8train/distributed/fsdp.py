@@ -120,7 +120,9 @@ class FP8GatherWeight(torch.Tensor):
                 return None
             raise RuntimeError("fp8train FSDP: the all-gather output changed form between steps (FP8 and master "
                                "gathers alternate); call every step inside fp8train.autocast or none")
-        weight = Float8Tensor(data, scale_inv.reshape(()).clone(), self._master.dtype, TensorRole.WEIGHT)
+        # param_dtype: the policy's compute dtype (the master's without one): the weight gradient
+        # comes in it, as the other parameters' do (FSDP reduce-scatters them together)
+        weight = Float8Tensor(data, scale_inv.reshape(()).clone(), param_dtype, TensorRole.WEIGHT)
         return weight, (data,)
 
 
