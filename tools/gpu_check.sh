@@ -21,9 +21,11 @@
 #   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: one seed (SEED, default 0),
 #          every recipe (torchao's with its wheel), loss PNG and JSON into $OUT; one call per seed
 #          (~3 minutes each), then `python benchmarks/numerics.py --merge <the JSON files>`
+#   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path)
+#          and the FSDP tests (gloo, CPU)
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048] [fsdp]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -92,6 +94,10 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 570 python3 benchmarks/numerics.py --shapes "$shape" --seeds 1 --first-seed "$seed" \
         --png "$OUT/numerics_s$seed" --json "$OUT/numerics_${shape}_s$seed.json" 2>&1 \
         | tee "$OUT/numerics_${shape}_s$seed.log" | grep -v "Warn\|warn" | tail -14 ;;
+    fsdp)
+      timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" 2>&1 \
+        | tee "$OUT/fsdp.log" | grep -v "^W1\|OMP_NUM\|\*\*\*\*\|Warn\|warn" | tail -14
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fsdp.py 2>&1 | tail -2 ;;
     replay)
       python3 -c "from fp8train.kernels import native; print('C++ extension:', 'built' if native.extension() else native.failure())"
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_replay_gpu.py \
