@@ -368,6 +368,43 @@ def case_2d_mesh_fsdp_over_tp(ctx, recipe: str):
                 assert _same_everywhere(q.scale), f"quantizer {i}: scales differ over the grid"
 
 
+def case_compiled_matches_eager(ctx, recipe: str):
+    """The torchtitan order (fp8_all_gather, fully_shard per layer and root, torch.compile,
+    optimizer): after one eager step (which makes the activation quantizers), the compiled
+    model (aot_eager: Dynamo and AOTAutograd, no code generation) trains bit for bit like the
+    same model left eager."""
+    from torch.distributed.fsdp import fully_shard
+    from fp8train.distributed import fp8_all_gather
+    r = RECIPES[recipe]()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(ctx.seed)
+        model = _model("converted", ctx.device)
+        fp8_all_gather(model, r)
+        for m in model:
+            if isinstance(m, fp8train.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        runs.append([model, torch.optim.AdamW(model.parameters(), lr=1e-3)])
+    g = torch.Generator().manual_seed(ctx.seed)
+    for step in range(4):
+        x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)
+        if recipe == "delayed":
+            reduce_delayed_amaxes([q for m, _ in runs for q in delayed_quantizers(m)], dist.group.WORLD)
+        losses = []
+        with fp8train.autocast(recipe=r):
+            for i, (model, _) in enumerate(runs):
+                m = torch.compile(model, backend="aot_eager") if (i == 1 and step == 1) else model
+                runs[i][0] = m
+                loss = (m(x.chunk(ctx.world)[ctx.rank]) - y.chunk(ctx.world)[ctx.rank]).square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+        for _, opt in runs:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert torch.equal(losses[0], losses[1]), f"step {step}: {losses}"
+
+
 def _cases():
     out = []
     for kind in ("fused", "converted"):
@@ -384,6 +421,8 @@ def _cases():
         out.append(gloo_harness.case(case_gradient_accumulation_keeps_the_fp8_weight, (2,), recipe=recipe))
         out.append(gloo_harness.case(case_fp8_all_gather_is_the_master_gather_in_fp8, (2, 3), recipe=recipe))
     out.append(gloo_harness.case(case_current_weight_scales_from_one_all_reduce_per_step, (2,)))
+    for recipe in RECIPES:
+        out.append(gloo_harness.case(case_compiled_matches_eager, (2,), recipe=recipe))
     for recipe in RECIPES:
         out.append(gloo_harness.case(case_2d_mesh_fsdp_over_tp, (4,), recipe=recipe))
     return out
