@@ -405,6 +405,69 @@ def case_compiled_matches_eager(ctx, recipe: str):
         assert torch.equal(losses[0], losses[1]), f"step {step}: {losses}"
 
 
+def case_checkpoint_loads_into_another_world_size(ctx, recipe: str):
+    """A checkpoint saved by a model sharded over 2 of the 4 ranks (trained 2 steps, its
+    pending amaxes reduced first) and loaded by the same model sharded over all 4: the full
+    model state (weights resharded, quantizers) is the saved one, and it trains on."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    r = RECIPES[recipe]()
+    path = f"{ctx.tmp}/dcp-reshard-{recipe}"
+    pair_group = dist.new_group([0, 1])  # every rank makes it (a collective); ranks 0-1 use it
+    pair = DeviceMesh.from_group(pair_group, ctx.device.type) if ctx.rank < 2 else None
+
+    def sharded(mesh, seed):
+        torch.manual_seed(seed)
+        model = fp8train.convert(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)), r).to(ctx.device)
+        for m in model:
+            if isinstance(m, fp8train.Linear):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    full_state = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if ctx.rank < 2:
+        model, opt = sharded(pair, ctx.seed)
+        g = torch.Generator().manual_seed(ctx.seed)
+        for _ in range(2):
+            x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)
+            if recipe == "delayed":
+                reduce_delayed_amaxes(delayed_quantizers(model), pair_group)
+            with fp8train.autocast(recipe=r):
+                loss = (model(x.chunk(2)[ctx.rank]) - y.chunk(2)[ctx.rank]).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        reduce_delayed_amaxes(delayed_quantizers(model), pair_group)  # see the resume case
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=pair_group)
+        want = get_model_state_dict(model, options=full_state)
+        if ctx.rank == 0:
+            torch.save(want, f"{path}-full.pt")
+        del model, opt
+    dist.barrier()
+    model, opt = sharded(None, ctx.seed + 1)  # other initial weights: the load must replace them
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got = get_model_state_dict(model, options=full_state)
+    if ctx.rank == 0:
+        want = torch.load(f"{path}-full.pt", weights_only=True)
+        assert got.keys() == want.keys()
+        for k in want:
+            # current scaling's activation quantizers hold their rank's last scale and amax
+            # (each rank casts its own batch; the next cast recomputes them): DCP keeps one
+            # rank's copy, not necessarily rank 0's
+            local = recipe == "current" and ("input_quantizer" in k or "grad_output_quantizer" in k) and \
+                k.rsplit(".", 1)[1] in ("scale", "amax")
+            assert local or torch.equal(got[k], want[k]), k
+    losses = _train(model, opt, r, 2, ctx, torch.Generator().manual_seed(ctx.seed))
+    assert torch.isfinite(losses).all()
+
+
 def _cases():
     out = []
     for kind in ("fused", "converted"):
@@ -418,6 +481,7 @@ def _cases():
                                      mixed=True, fp8_gather=True))
     for recipe in RECIPES:
         out.append(gloo_harness.case(case_checkpoint_resumes_bit_for_bit, (2,), recipe=recipe))
+        out.append(gloo_harness.case(case_checkpoint_loads_into_another_world_size, (4,), recipe=recipe))
         out.append(gloo_harness.case(case_gradient_accumulation_keeps_the_fp8_weight, (2,), recipe=recipe))
         out.append(gloo_harness.case(case_fp8_all_gather_is_the_master_gather_in_fp8, (2, 3), recipe=recipe))
     out.append(gloo_harness.case(case_current_weight_scales_from_one_all_reduce_per_step, (2,)))
