@@ -22,8 +22,6 @@ node does not take a gathered Float8Tensor weight yet: such layers run the Pytho
 from __future__ import annotations
 
 import weakref
-from typing import Optional
-
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
@@ -175,9 +173,4 @@ def precompute_fp8_weight_scales(model: nn.Module, group=None) -> int:
     return len(todo)
 
 
-def gathered_fp8(weight: torch.Tensor) -> Optional[Float8Tensor]:
-    """The FP8 weight FSDP2 gathered for this forward (a Float8Tensor unsharded parameter), or None."""
-    return weight if isinstance(weight, Float8Tensor) else None
-
-
-__all__ = ["FP8GatherWeight", "fp8_all_gather", "gathered_fp8", "precompute_fp8_weight_scales"]
+__all__ = ["FP8GatherWeight", "fp8_all_gather", "precompute_fp8_weight_scales"]
