@@ -178,14 +178,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    variants = args.variants.split(",")
-    for v in variants:
-        if v not in VARIANTS:
-            p.error(f"unknown variant {v!r}; one of {VARIANTS}")
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        variants = [v for v in variants if not v.startswith("torchao")]
+    variants = hf_llama.checked_variants(p, args.variants.split(","), VARIANTS)
     corpus = ByteCorpus.from_stdlib(max_bytes=2_000_000)
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
                "world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

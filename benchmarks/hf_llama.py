@@ -77,6 +77,21 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "torchao compile-ro"]
 
 
+def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
+    """`variants` checked against `known` (a parser error names an unknown one), less the
+    torchao ones where torchao does not import (said once)."""
+    for v in variants:
+        if v not in known:
+            parser.error(f"unknown variant {v!r}; one of {known}")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        if any(v.startswith("torchao") for v in variants):
+            print("torchao not importable: its variants are skipped")
+        variants = [v for v in variants if not v.startswith("torchao")]
+    return variants
+
+
 def build_llama(shape: Shape, device: torch.device, seed: int = 0):
     """A randomly initialised LlamaForCausalLM over bytes, FP32 parameters, no dropout."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -247,14 +262,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     for name in shapes:
         if name not in SHAPES:
             p.error(f"unknown shape {name!r}; one of {sorted(SHAPES)}")
-    for v in variants:
-        if v not in VARIANTS:
-            p.error(f"unknown variant {v!r}; one of {VARIANTS}")
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        variants = [v for v in variants if not v.startswith("torchao")]
-        print("torchao not importable: its variants are skipped")
+    variants = checked_variants(p, variants, VARIANTS)
     corpus = ByteCorpus.from_stdlib(max_bytes=4_000_000)
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "shapes": {}}

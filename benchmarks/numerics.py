@@ -238,17 +238,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     if args.merge:
         return merge(args.merge, args.json)
     device = torch.device(args.device)
-    recipes = args.recipes.split(",")
-    for r in recipes:
-        if r not in RECIPES:
-            p.error(f"unknown recipe {r!r}; one of {RECIPES}")
+    recipes = hf_llama.checked_variants(p, args.recipes.split(","), RECIPES)
     if "bf16" not in recipes:
         p.error("the gaps are to bf16: include it in --recipes")
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        recipes = [r for r in recipes if not r.startswith("torchao")]
-        print("torchao not importable: its recipes are skipped")
     corpus = ByteCorpus.from_stdlib(max_bytes=4_000_000)
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -231,3 +231,11 @@ def own_precision_table(device, path):
         else:
             precision._TABLES[name] = saved
         precision.refresh()
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a torchrun rendezvous)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

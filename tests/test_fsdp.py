@@ -44,6 +44,21 @@ def _model(kind: str, device) -> nn.Module:
     return nn.Sequential(*blocks).to(device)
 
 
+def _fp8_gathered(ctx, recipe):
+    """(model, optimizer): the converted model from the case's seed, its weights gathered in
+    FP8, each Linear then the root fully_shard-ed."""
+    from torch.distributed.fsdp import fully_shard
+    from fp8train.distributed import fp8_all_gather
+    torch.manual_seed(ctx.seed)
+    model = _model("converted", ctx.device)
+    fp8_all_gather(model, recipe)
+    for m in model:
+        if isinstance(m, fp8train.Linear):
+            fully_shard(m)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def _same_everywhere(t: torch.Tensor) -> bool:
     flat = t.detach().reshape(-1).float().clone()
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -274,19 +289,9 @@ def case_current_weight_scales_from_one_all_reduce_per_step(ctx):
     step gives every weight's scale from one all-reduce of all shards' amaxes, and the
     forward's gathers then reduce nothing; training is bit for bit that of the per-layer
     all-reduces (one per weight and gather)."""
-    from torch.distributed.fsdp import fully_shard
-    from fp8train.distributed import fp8_all_gather, precompute_fp8_weight_scales
+    from fp8train.distributed import precompute_fp8_weight_scales
     r = fp8train.CurrentScaling()
-    models = []
-    for _ in range(2):
-        torch.manual_seed(ctx.seed)
-        model = _model("converted", ctx.device)
-        fp8_all_gather(model, r)
-        for m in model:
-            if isinstance(m, fp8train.Linear):
-                fully_shard(m)
-        fully_shard(model)
-        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    models = [_fp8_gathered(ctx, r) for _ in range(2)]
     reduces = []
     original = dist.all_reduce
 
@@ -373,19 +378,8 @@ def case_compiled_matches_eager(ctx, recipe: str):
     optimizer): after one eager step (which makes the activation quantizers), the compiled
     model (aot_eager: Dynamo and AOTAutograd, no code generation) trains bit for bit like the
     same model left eager."""
-    from torch.distributed.fsdp import fully_shard
-    from fp8train.distributed import fp8_all_gather
     r = RECIPES[recipe]()
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(ctx.seed)
-        model = _model("converted", ctx.device)
-        fp8_all_gather(model, r)
-        for m in model:
-            if isinstance(m, fp8train.Linear):
-                fully_shard(m)
-        fully_shard(model)
-        runs.append([model, torch.optim.AdamW(model.parameters(), lr=1e-3)])
+    runs = [list(_fp8_gathered(ctx, r)) for _ in range(2)]
     g = torch.Generator().manual_seed(ctx.seed)
     for step in range(4):
         x, y = torch.randn(8, 6, 64, generator=g), torch.randn(8, 6, 64, generator=g)

@@ -3,21 +3,16 @@ every fp8train variant and rank 0 writes a row for each. Times on CPU mean nothi
 checked (the benchmark runs on the GPU machine)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import free_port
+
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow  # a GPU benchmark's CPU smoke run under torchrun: make test-all
@@ -26,7 +21,7 @@ def test_fsdp_benchmark_runs_under_torchrun(tmp_path):
     out = tmp_path / "fsdp.json"
     variants = "bf16 fsdp,fp8 master-gather,fp8 fp8-gather,fp8 fp8-gather current"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(ROOT / "benchmarks" / "fsdp.py"), "--device=cpu", "--shapes=tiny",
+           f"--master-port={free_port()}", str(ROOT / "benchmarks" / "fsdp.py"), "--device=cpu", "--shapes=tiny",
            "--rounds=1", "--steps=1", "--profile-steps=0", f"--variants={variants}", f"--json={out}"]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

@@ -3,20 +3,15 @@ rank 0 writes one row per size with the three variants. Times on CPU mean nothin
 not checked (the benchmark itself runs on the GPU machine)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow  # a GPU benchmark's CPU smoke run under torchrun: make test-all
@@ -25,7 +20,7 @@ def _free_port() -> int:
 def test_tp_benchmark_runs_under_torchrun(world, tmp_path):
     out = tmp_path / "tp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(ROOT / "benchmarks" / "tp.py"), "--device=cpu", "--hidden=64",
+           f"--master-port={free_port()}", str(ROOT / "benchmarks" / "tp.py"), "--device=cpu", "--hidden=64",
            "--tokens=64", "--warmup=1", "--iters=1", f"--json={out}"]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
