@@ -157,7 +157,7 @@ def case_checkpoint_resumes_bit_for_bit(ctx, recipe: str):
     first, first_opt = fresh()
     g = torch.Generator().manual_seed(ctx.seed)
     got = [_train(first, first_opt, r, 2, ctx, g)]
-    # DCP writes one copy of a replicated buffer (rank 0's): each rank's own pending amax
+    # DCP writes one copy of a replicated buffer (one rank's): each rank's own pending amax
     # becomes the group's first, as the next step's entry would make it (no-op for current scaling)
     reduce_delayed_amaxes(delayed_quantizers(first), dist.group.WORLD)
     model_sd, optim_sd = get_state_dict(first, first_opt)
