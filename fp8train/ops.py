@@ -82,12 +82,9 @@ def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool
     """
     x = x.detach()
     scale, amax_history, first_amax, nonfinite_count = state
-    m = scaling.fp8_max(fp8_dtype)
     if first_amax is not None:  # current scaling, or a delayed quantizer's calibration
         first_amax.copy_(reference.abs_max(x))
-        scale.copy_(scaling.compute_scale(first_amax, scale, m))
-        if nonfinite_count is not None:
-            nonfinite_count.add_((~torch.isfinite(first_amax)).to(nonfinite_count.dtype))
+        reference.resolve_scale(scale, first_amax, nonfinite_count, scaling.fp8_max(fp8_dtype))
     if amax_history is not None:
         reference.amax(x, amax_history[0])
     data = reference.saturating_cast(x, scale, fp8_dtype)

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from .. import kernels, scaling
+from ..kernels import reference
 from ..recipe import Recipe
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
@@ -167,8 +168,7 @@ def precompute_fp8_weight_scales(model: nn.Module, group=None) -> int:
     reduce_amax(amax, group)  # the whole weights' amaxes, one collective for all
     for i, (local, q) in enumerate(todo):
         q.amax.copy_(amax[i])
-        q.scale.copy_(scaling.compute_scale(amax[i], q.scale, scaling.fp8_max(q.dtype)))
-        q.nonfinite_count.add_((~torch.isfinite(amax[i])).to(q.nonfinite_count.dtype))
+        reference.resolve_scale(q.scale, q.amax, q.nonfinite_count, scaling.fp8_max(q.dtype))
         local._scale_ready = True
     return len(todo)
 

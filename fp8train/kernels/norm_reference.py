@@ -114,7 +114,7 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             mean_out.copy_(mean)
         rstd_out.copy_(rstd)
     y = normalize(x, weight, bias, mean, rstd)  # (M, K) float32
-    s = reference._resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
+    s = reference.resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
     q = reference.saturating_cast(y, s, out.dtype)
     out.copy_(q)
     if out_t is not None:

@@ -26,7 +26,9 @@ def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
     amax_out.copy_(torch.maximum(amax_out, abs_max(x)))
 
 
-def _resolve_scale(scale, from_amax, nonfinite_count, fp8_max) -> torch.Tensor:
+def resolve_scale(scale, from_amax, nonfinite_count, fp8_max) -> torch.Tensor:
+    """The scale a cast uses: `scale`, or with from_amax (current scaling) first rewritten as
+    compute_scale(from_amax, scale) and a non-finite from_amax counted; returns it."""
     if from_amax is None:
         return scale
     # Current scaling: the scale comes from this tensor's own amax; `scale` holds the last one.
@@ -62,7 +64,7 @@ def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv
                      another order (tiles, then their partial sums): equal within float32
                      rounding, not bit for bit.
     """
-    s = _resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
+    s = resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
     out.copy_(saturating_cast(x, s, out.dtype))
     scale_inv_out.copy_(scaling.scale_inverse(s))
     if amax_out is not None:
@@ -83,7 +85,7 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
     out_t  (N, Mp) fp8 row-major with Mp >= M: out_t[:, :M] = out.T, out_t[:, M:] = 0
            (the zero columns pad the wgrad GEMM's reduction dim to a multiple of 16)
     """
-    s = _resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
+    s = resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
     q = saturating_cast(x, s, out.dtype)
     out.copy_(q)
     m = x.shape[0]
