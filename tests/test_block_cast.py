@@ -161,3 +161,17 @@ def test_kernels_block_cast_on_the_cpu_is_the_twin():
     data, si = br.block_cast(x, torch.float8_e4m3fn, (1, 128), power_of_two=True)
     assert torch.equal(out.view(torch.uint8), data.view(torch.uint8)) and torch.equal(scale_inv, si)
 
+
+
+def test_no_kernel_module_shadows_a_dispatcher():
+    # Importing a submodule binds its name on the package: a module named like one of
+    # fp8train.kernels' functions (block_cast.py once did) replaced the function by the module
+    # for every later caller, on the GPU only (where the dispatcher imports the Triton module).
+    import importlib
+    import pkgutil
+    from fp8train import kernels
+    public = {name for name, v in vars(kernels).items() if callable(v) and not isinstance(v, type(kernels))}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        assert info.name not in public, f"fp8train/kernels/{info.name}.py shadows kernels.{info.name}()"
+    importlib.import_module("fp8train.kernels.block_kernel")
+    assert callable(kernels.block_cast)

@@ -1,4 +1,4 @@
-"""The block-scaled cast kernel (kernels/block_cast.py) on the GPU against its twin
+"""The block-scaled cast kernel (kernels/block_kernel.py) on the GPU against its twin
 (kernels/block_reference.py), bit for bit, with the hardware's fp8 conversion: every bf16
 pattern in shapes with tails, float32 and float16 inputs, both formats, power-of-two scales."""
 import pytest

@@ -1,4 +1,4 @@
-"""The block-scaled cast kernel (kernels/block_cast.py) under the Triton interpreter against
+"""The block-scaled cast kernel (kernels/block_kernel.py) under the Triton interpreter against
 its twin (kernels/block_reference.py), bit for bit: payload, every block's scale_inv, tails
 in both dims, NaN / inf / zero blocks, power-of-two scales, strided rows. The fp32 -> fp8
 conversion is swapped for an exact one (conftest `exact_conversions`: the interpreter's own
@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
 pytest.importorskip("triton")
 
 from fp8train.kernels import block_reference as br  # noqa: E402
-from fp8train.kernels.block_cast import block_cast_into  # noqa: E402
+from fp8train.kernels.block_kernel import block_cast_into  # noqa: E402
 
 BLOCKS = [pytest.param(b, id=f"{b[0]}x{b[1]}") for b in br.BLOCKS]
 

@@ -37,10 +37,7 @@ _SHAPES = {_ROWS: (32, 128, 4), _COLS: (128, 32, 4), _TILE: (128, 128, 8)}
 def _scale_of(bits, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """block_reference.block_scale from an amax held as |x| bits (NaN counted as inf)."""
     amax = tl.minimum(bits, _INF_BITS).to(tl.float32, bitcast=True)
-    scale = compute_scale(amax, 1.0, FP8_MAX, 1.0)  # 1 where the amax is 0 or not finite
-    if POW2:  # the power of two at or below: the mantissa cleared (scale is a positive normal)
-        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    return scale
+    return compute_scale(amax, 1.0, FP8_MAX, 1.0, POW2)  # 1 where the amax is 0 or not finite
 
 
 @triton.jit
