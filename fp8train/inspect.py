@@ -92,7 +92,7 @@ def applied_scale(q: Quantizer, x: torch.Tensor) -> torch.Tensor:
     """The scale `q` uses to cast `x`: a delayed quantizer's current scale (fixed for the
     step), or for current scaling the scale computed from x's own amax, as the kernels do."""
     if isinstance(q, CurrentScalingQuantizer):
-        return scaling.compute_scale(abs_max(x), q.scale, scaling.fp8_max(q.dtype))
+        return scaling.compute_scale(abs_max(x), q.scale, scaling.fp8_max(q.dtype), power_of_two=q.power_of_two)
     return q.scale
 
 

@@ -9,15 +9,17 @@ Eager layers launch kernels through prepared launches that write into buffers th
     implementation calls the same `fp8train.kernels` function as the eager path (Triton on
     CUDA, the twin elsewhere) in the same order; Inductor calls each as an opaque kernel.
 
-Scaling state travels as four tensors, `scaling_state()` of the quantizer (see
+Scaling state travels as four tensors and one rule, `scaling_state()` of the quantizer (see
 Quantizer.scaling_state):
   scale            () float32; read, or rewritten from first_amax (current scaling)
   amax_history     (H,) float32 or None; the cast max-accumulates its amax into entry 0
   first_amax       () float32 or None; when given, zeroed and filled by the producer's first
                    pass (amax only), and the cast's scale comes from it
   nonfinite_count  () int32 or None; counts a non-finite first_amax
-Every custom op declares all four as mutated, so functionalization keeps their updates (a mutation
-declared but not performed only costs a copy of a scalar).
+  power_of_two     bool: the scale computed from first_amax is rounded down to a power of two
+Every custom op declares the four tensors as mutated, so functionalization keeps their updates
+(a mutation declared but not performed only costs a copy of a scalar); the rule is a plain
+bool argument, a constant of the graph (Dynamo guards on the quantizer's attribute).
 
 Ops return plain tensors; a result that does not exist (no transposed copy, no bias
 gradient, RMSNorm's mean) is an empty (0,) tensor, mapped back to None by the wrappers.
@@ -39,21 +41,22 @@ _STATE = ("scale", "amax_history", "first_amax", "nonfinite_count")
 
 
 class ScalingState(NamedTuple):
-    """A quantizer's state tensors in the form the ops take (module docstring)."""
+    """A quantizer's state tensors and scale rule in the form the ops take (module docstring)."""
 
     scale: Tensor
     amax_history: Optional[Tensor]
     first_amax: Optional[Tensor]
     nonfinite_count: Optional[Tensor]
+    power_of_two: bool = False
 
 
 def _scaled(first_pass: Callable[[Tensor], None], cast: Callable, scale: Tensor, amax_history: Optional[Tensor],
-            first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor]) -> None:
+            first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor], power_of_two: bool) -> None:
     """Quantizer.produce's sequence, from the state tensors instead of the quantizer."""
     if first_amax is not None:
         first_amax.zero_()
         first_pass(first_amax)
-    cast(scale, amax_history[0] if amax_history is not None else None, first_amax, nonfinite_count)
+    cast(scale, amax_history[0] if amax_history is not None else None, first_amax, nonfinite_count, power_of_two)
 
 
 def _transposed_empty(rows: int, cols: int, dtype: torch.dtype, device, transpose: bool) -> Tensor:
@@ -81,10 +84,10 @@ def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool
     The padding columns of data_t are +0.0 (byte 0), cast like the rest.
     """
     x = x.detach()
-    scale, amax_history, first_amax, nonfinite_count = state
+    scale, amax_history, first_amax, nonfinite_count, power_of_two = state
     if first_amax is not None:  # current scaling, or a delayed quantizer's calibration
         first_amax.copy_(reference.abs_max(x))
-        reference.resolve_scale(scale, first_amax, nonfinite_count, scaling.fp8_max(fp8_dtype))
+        reference.resolve_scale(scale, first_amax, nonfinite_count, scaling.fp8_max(fp8_dtype), power_of_two)
     if amax_history is not None:
         reference.amax(x, amax_history[0])
     data = reference.saturating_cast(x, scale, fp8_dtype)
@@ -115,21 +118,23 @@ def _norm_outputs(x: Tensor, layer: bool, fp8_dtype: torch.dtype, transpose: boo
 @torch.library.custom_op("fp8train::norm_fwd_fp8", mutates_args=_STATE)
 def _norm_fwd_fp8(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, layer: bool,
                   fp8_dtype: torch.dtype, scale: Tensor, amax_history: Optional[Tensor],
-                  first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor], transpose: bool,
-                  want_y: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor], power_of_two: bool,
+                  transpose: bool, want_y: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """norm_fp8: (data, data_t, scale_inv, mean, rstd, y) of x (M, K)."""
     data, data_t, scale_inv, mean, rstd, y = _norm_outputs(x, layer, fp8_dtype, transpose, want_y)
     mean_arg = mean if layer else None
     _scaled(lambda amax_out: kernels.norm_stats(x, weight, bias, eps, mean_arg, rstd, amax_out),
-            lambda s, amax_out, from_amax, count: kernels.norm_fwd_fp8(
+            lambda s, amax_out, from_amax, count, pow2: kernels.norm_fwd_fp8(
                 x, weight, bias, eps, mean_arg, rstd, data, data_t if transpose else None, s, scale_inv,
-                amax_out, from_amax, count, y if want_y else None, stats_ready=from_amax is not None),
-            scale, amax_history, first_amax, nonfinite_count)
+                amax_out, from_amax, count, y if want_y else None, stats_ready=from_amax is not None,
+                power_of_two=pow2),
+            scale, amax_history, first_amax, nonfinite_count, power_of_two)
     return data, data_t, scale_inv, mean, rstd, y
 
 
 @_norm_fwd_fp8.register_fake
-def _(x, weight, bias, eps, layer, fp8_dtype, scale, amax_history, first_amax, nonfinite_count, transpose, want_y):
+def _(x, weight, bias, eps, layer, fp8_dtype, scale, amax_history, first_amax, nonfinite_count, power_of_two,
+      transpose, want_y):
     return _norm_outputs(x, layer, fp8_dtype, transpose, want_y)
 
 
@@ -178,19 +183,19 @@ def _act_outputs(h: Tensor, cols: int, fp8_dtype: torch.dtype, transpose: bool):
 
 @torch.library.custom_op("fp8train::act_fwd_fp8", mutates_args=_STATE)
 def _act_fwd_fp8(h: Tensor, act: str, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Optional[Tensor],
-                 first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor],
+                 first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor], power_of_two: bool,
                  transpose: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """act(h) (M, F) in FP8: (data, data_t, scale_inv)."""
     data, data_t, scale_inv = _act_outputs(h, out_features(h, act), fp8_dtype, transpose)
     _scaled(lambda amax_out: kernels.act_amax(h, act, amax_out),
-            lambda s, amax_out, from_amax, count: kernels.act_fwd_fp8(
-                h, act, data, data_t if transpose else None, s, scale_inv, amax_out, from_amax, count),
-            scale, amax_history, first_amax, nonfinite_count)
+            lambda s, amax_out, from_amax, count, pow2: kernels.act_fwd_fp8(
+                h, act, data, data_t if transpose else None, s, scale_inv, amax_out, from_amax, count, pow2),
+            scale, amax_history, first_amax, nonfinite_count, power_of_two)
     return data, data_t, scale_inv
 
 
 @_act_fwd_fp8.register_fake
-def _(h, act, fp8_dtype, scale, amax_history, first_amax, nonfinite_count, transpose):
+def _(h, act, fp8_dtype, scale, amax_history, first_amax, nonfinite_count, power_of_two, transpose):
     return _act_outputs(h, out_features(h, act), fp8_dtype, transpose)
 
 
@@ -202,20 +207,22 @@ def act_fwd_fp8(h: Tensor, act: str, fp8_dtype: torch.dtype, state: ScalingState
 @torch.library.custom_op("fp8train::act_bwd_fp8", mutates_args=_STATE)
 def _act_bwd_fp8(da: Tensor, h: Tensor, act: str, fp8_dtype: torch.dtype, scale: Tensor,
                  amax_history: Optional[Tensor], first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor],
-                 transpose: bool, dbias_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                 power_of_two: bool, transpose: bool,
+                 dbias_dtype: Optional[torch.dtype]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dh = da * act'(h) (M, Fh) in FP8, and fc1's bias gradient: [data, data_t, scale_inv, dbias]."""
     data, data_t, scale_inv = _act_outputs(h, h.shape[1], fp8_dtype, transpose)
     db = torch.empty(h.shape[1] if dbias_dtype is not None else 0, dtype=dbias_dtype or h.dtype, device=h.device)
     _scaled(lambda amax_out: kernels.act_bwd_amax(da, h, act, amax_out),
-            lambda s, amax_out, from_amax, count: kernels.act_bwd_fp8(
+            lambda s, amax_out, from_amax, count, pow2: kernels.act_bwd_fp8(
                 da, h, act, data, data_t if transpose else None, s, scale_inv, amax_out, from_amax, count,
-                db if dbias_dtype is not None else None),
-            scale, amax_history, first_amax, nonfinite_count)
+                db if dbias_dtype is not None else None, pow2),
+            scale, amax_history, first_amax, nonfinite_count, power_of_two)
     return data, data_t, scale_inv, db
 
 
 @_act_bwd_fp8.register_fake
-def _(da, h, act, fp8_dtype, scale, amax_history, first_amax, nonfinite_count, transpose, dbias_dtype):
+def _(da, h, act, fp8_dtype, scale, amax_history, first_amax, nonfinite_count, power_of_two, transpose,
+      dbias_dtype):
     data, data_t, scale_inv = _act_outputs(h, h.shape[1], fp8_dtype, transpose)
     db = torch.empty(h.shape[1] if dbias_dtype is not None else 0, dtype=dbias_dtype or h.dtype, device=h.device)
     return data, data_t, scale_inv, db

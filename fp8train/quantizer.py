@@ -31,12 +31,19 @@ class Cast(NamedTuple):
 
 
 class Quantizer(nn.Module):
-    """Base: role, FP8 dtype, and the allocation/layout side of quantization."""
+    """Base: role, FP8 dtype, and the allocation/layout side of quantization.
 
-    def __init__(self, role: TensorRole, dtype: torch.dtype, device=None):
+    power_of_two: every scale this quantizer computes from an amax is rounded down to a
+    power of two (the recipe's power_of_two_scales; scaling.compute_scale). A rule, like a
+    delayed quantizer's algo and margin: the recipe sets it (`configure`), the state_dict
+    does not hold it.
+    """
+
+    def __init__(self, role: TensorRole, dtype: torch.dtype, device=None, power_of_two: bool = False):
         super().__init__()
         self.role = role
         self.dtype = dtype
+        self.power_of_two = bool(power_of_two)
         self.register_buffer("fp8_max", torch.tensor(scaling.fp8_max(dtype), device=device))
         self.register_buffer("scale", torch.ones((), device=device))
         # inf/NaN amaxes seen (and kept away from the scale): readable by users and tests.
@@ -127,6 +134,8 @@ class Quantizer(nn.Module):
     def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
         raise NotImplementedError
 
+    power_of_two = False  # set per instance in __init__; the class default serves quantizers pickled before it
+
     # True once casts take the scale from state (current scaling: always). Read, never
     # changed, by traced code; fp8train.modules.base.mark_calibrated flips it there.
     calibrated = True
@@ -145,10 +154,11 @@ class Quantizer(nn.Module):
         first_pass(amax_out)  max-accumulates the amax of the values the producer will cast
                               into amax_out and writes no output; run only when the scale
                               must come from those values (current scaling, calibration)
-        cast(scale, amax_out, from_amax, nonfinite_count)
+        cast(scale, amax_out, from_amax, nonfinite_count, power_of_two)
                               the producer's FP8 launch, with the cast kernels' contract
                               (kernels.reference.cast_amax); from_amax is not None exactly
-                              when first_pass ran just before
+                              when first_pass ran just before; power_of_two is this
+                              quantizer's rule, for the scale computed from from_amax
         amax_hook(amax)       runs between the two, in place on the first pass's amax: under
                               tensor parallelism it makes that amax the group's maximum (one
                               all-reduce) so every rank casts with the same scale
@@ -172,7 +182,7 @@ class Quantizer(nn.Module):
                 self._prepared.clear()
             launch = self._prepared[key] = kernels.prepare_cast(
                 x, data, data_t, self.scale if data is not None else None, scale_inv, amax_out, from_amax, count,
-                dbias=dbias_out is not None, skip=skip)
+                dbias=dbias_out is not None, skip=skip, power_of_two=self.power_of_two)
         launch(x, data, data_t, scale_inv, dbias_out)
 
     def native_plan(self, shape, dtype: torch.dtype, transpose: bool, dbias_dtype: Optional[torch.dtype]):
@@ -255,8 +265,15 @@ class Quantizer(nn.Module):
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:
         raise NotImplementedError
 
+    def configure(self, recipe: Recipe) -> None:
+        """Adopt the recipe's scale rules (not state: they are not in the state_dict)."""
+        if self.power_of_two != recipe.power_of_two_scales:
+            self.power_of_two = recipe.power_of_two_scales
+            self._forget_prepared()  # the prepared kernels (and C++ plans) were specialised on it
+
     def extra_repr(self) -> str:
-        return f"role={self.role.name}, dtype={self.dtype}"
+        pow2 = ", power_of_two=True" if self.power_of_two else ""
+        return f"role={self.role.name}, dtype={self.dtype}{pow2}"
 
 
 class CurrentScalingQuantizer(Quantizer):
@@ -266,8 +283,8 @@ class CurrentScalingQuantizer(Quantizer):
     previous scale, see scaling.compute_scale).
     """
 
-    def __init__(self, role: TensorRole, dtype: torch.dtype, device=None):
-        super().__init__(role, dtype, device)
+    def __init__(self, role: TensorRole, dtype: torch.dtype, device=None, power_of_two: bool = False):
+        super().__init__(role, dtype, device, power_of_two)
         self.register_buffer("amax", torch.zeros((), device=device))
 
     def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
@@ -278,7 +295,7 @@ class CurrentScalingQuantizer(Quantizer):
                      dbias_out=dbias_out, skip=skip)
 
     def scaling_state(self) -> ops.ScalingState:
-        return ops.ScalingState(self.scale, None, self.amax, self.nonfinite_count)
+        return ops.ScalingState(self.scale, None, self.amax, self.nonfinite_count, self.power_of_two)
 
     def _steady_launches(self, shape, dtype, transpose, dbias):
         amax = self._prepared.get((shape, dtype, False, True, False, 0))
@@ -293,7 +310,7 @@ class CurrentScalingQuantizer(Quantizer):
         first_pass(self.amax)
         if amax_hook is not None:
             amax_hook(self.amax)
-        cast(self.scale, None, self.amax, self.nonfinite_count)
+        cast(self.scale, None, self.amax, self.nonfinite_count, self.power_of_two)
 
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:
         return isinstance(recipe, CurrentScaling) and self.dtype == recipe.fp8_format.dtype(role)
@@ -309,8 +326,8 @@ class DelayedScalingQuantizer(Quantizer):
     """
 
     def __init__(self, role: TensorRole, dtype: torch.dtype, history_len: int,
-                 algo: str = "max", margin: int = 0, device=None):
-        super().__init__(role, dtype, device)
+                 algo: str = "max", margin: int = 0, device=None, power_of_two: bool = False):
+        super().__init__(role, dtype, device, power_of_two)
         self.register_buffer("amax_history", torch.full((history_len,), scaling.UNRECORDED, device=device))
         self.register_buffer("_calibration_amax", torch.zeros((), device=device), persistent=False)
         self.algo = algo
@@ -337,7 +354,7 @@ class DelayedScalingQuantizer(Quantizer):
         kernels.amax(x, self._calibration_amax)
         # A non-finite calibration amax keeps scale 1; the update counts it once (not here).
         kernels.cast_trusted(x, data, data_t, self.scale, scale_inv, pending, self._calibration_amax, None, dbias_out,
-                             skip)
+                             skip, self.power_of_two)
         self.calibrated = True
 
     def _steady_launches(self, shape, dtype, transpose, dbias):
@@ -362,20 +379,20 @@ class DelayedScalingQuantizer(Quantizer):
 
     def scaling_state(self) -> ops.ScalingState:
         first_amax = None if self.calibrated else self._calibration_amax  # calibration: one amax pass first
-        return ops.ScalingState(self.scale, self.amax_history, first_amax, None)
+        return ops.ScalingState(self.scale, self.amax_history, first_amax, None, self.power_of_two)
 
     def replay_fixed(self) -> Optional[tuple]:
         return tuple(b for b in self._buffers.values() if b is not None) if self.calibrated else None
 
     def produce(self, first_pass, cast, amax_hook=None) -> None:
         if self.calibrated:  # the scale comes from the history (agreeing across ranks once histories are reduced)
-            cast(self.scale, self.amax_history[0], None, None)
+            cast(self.scale, self.amax_history[0], None, None, self.power_of_two)
             return
         self._calibration_amax.zero_()
         first_pass(self._calibration_amax)
         if amax_hook is not None:
             amax_hook(self._calibration_amax)
-        cast(self.scale, self.amax_history[0], self._calibration_amax, None)
+        cast(self.scale, self.amax_history[0], self._calibration_amax, None, self.power_of_two)
         self.calibrated = True
 
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:
@@ -384,7 +401,9 @@ class DelayedScalingQuantizer(Quantizer):
 
     def configure(self, recipe: DelayedScaling) -> None:
         """Adopt the recipe's update rule (not state: it is not in the state_dict)."""
-        if (self.algo, self.margin) != (recipe.amax_compute_algo, recipe.margin):
+        rule = (self.algo, self.margin, self.power_of_two)
+        super().configure(recipe)
+        if rule != (recipe.amax_compute_algo, recipe.margin, recipe.power_of_two_scales):
             self.algo, self.margin = recipe.amax_compute_algo, recipe.margin
             _REGISTRY.invalidate()
 
@@ -461,13 +480,13 @@ class _DelayedScalingRegistry:
     def _rebuild(self) -> None:
         groups: dict = {}
         for q in self.live():
-            key = (q.amax_history.device, q.history_len, q.algo, q.margin)
+            key = (q.amax_history.device, q.history_len, q.algo, q.margin, q.power_of_two)
             groups.setdefault(key, []).append(q)
         self._batches = [
             kernels.ScaleUpdateBatch([q.amax_history for q in qs], [q.scale for q in qs],
                                      [q.nonfinite_count for q in qs], [scaling.fp8_max(q.dtype) for q in qs],
-                                     algo, margin)
-            for (_, _, algo, margin), qs in groups.items()
+                                     algo, margin, pow2)
+            for (_, _, algo, margin, pow2), qs in groups.items()
         ]
         self._stale = False
 
@@ -477,16 +496,18 @@ _REGISTRY = _DelayedScalingRegistry()
 
 def update_delayed_scales() -> None:
     """Roll every live delayed-scaling history and recompute its scale: one launch per
-    (device, history length, algorithm, margin) group, no sync, no allocation once built."""
+    (device, history length, algorithm, margin, power-of-two rule) group, no sync, no
+    allocation once built."""
     _REGISTRY.update()
 
 
 def make_quantizer(recipe: Recipe, role: TensorRole, device=None) -> Quantizer:
     dtype = recipe.fp8_format.dtype(role)
+    pow2 = recipe.power_of_two_scales
     if isinstance(recipe, DelayedScaling):
         return DelayedScalingQuantizer(role, dtype, recipe.amax_history_len, recipe.amax_compute_algo,
-                                       recipe.margin, device=device)
-    return CurrentScalingQuantizer(role, dtype, device=device)
+                                       recipe.margin, device=device, power_of_two=pow2)
+    return CurrentScalingQuantizer(role, dtype, device=device, power_of_two=pow2)
 
 
 def quantizer_from_state(role: TensorRole, state: dict, device=None) -> Quantizer:

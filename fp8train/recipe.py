@@ -61,9 +61,9 @@ def _check_format(owner: str, fmt) -> None:
         raise ValueError(f"{owner}.fp8_format must be a fp8train.Format (E4M3 or HYBRID), got {fmt!r}")
 
 
-def _check_auto(owner: str, auto) -> None:
-    if not isinstance(auto, bool):
-        raise ValueError(f"{owner}.auto_precision must be a bool, got {auto!r}")
+def _check_bool(owner: str, field: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{field} must be a bool (True or False), got {value!r}")
 
 
 def _check_gemm(owner: str, gemm) -> None:
@@ -86,6 +86,12 @@ class DelayedScaling:
 
     auto_precision: run each layer's GEMMs in FP8 only where a measured table says FP8 is
     faster for its shapes on this GPU, else in high precision (fp8train/precision.py).
+
+    power_of_two_scales: round every scale computed from an amax down to a power of two
+    (scaling.compute_scale), as DeepSeek-V3 and torchao's rowwise recipe do: multiplying by
+    the scale or by scale_inv then only moves exponents, so no rounding error enters through
+    the scale. The price: up to one binade of the FP8 range's top stays unused (the amax maps
+    into (fp8_max / 2, fp8_max] instead of onto fp8_max).
     """
 
     fp8_format: Format = Format.HYBRID
@@ -94,11 +100,13 @@ class DelayedScaling:
     margin: int = 0
     gemm: GemmConfig = GemmConfig()
     auto_precision: bool = False
+    power_of_two_scales: bool = False
 
     def __post_init__(self):
         _check_format("DelayedScaling", self.fp8_format)
         _check_gemm("DelayedScaling", self.gemm)
-        _check_auto("DelayedScaling", self.auto_precision)
+        _check_bool("DelayedScaling", "auto_precision", self.auto_precision)
+        _check_bool("DelayedScaling", "power_of_two_scales", self.power_of_two_scales)
         n = self.amax_history_len
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 65536:
             raise ValueError(f"DelayedScaling.amax_history_len must be an int in [1, 65536], got {n!r}")
@@ -116,17 +124,19 @@ class DelayedScaling:
 class CurrentScaling:
     """Scale from the amax of the tensor being cast (one amax pass, then the cast).
 
-    auto_precision: as for DelayedScaling.
+    auto_precision, power_of_two_scales: as for DelayedScaling.
     """
 
     fp8_format: Format = Format.HYBRID
     gemm: GemmConfig = GemmConfig()
     auto_precision: bool = False
+    power_of_two_scales: bool = False
 
     def __post_init__(self):
         _check_format("CurrentScaling", self.fp8_format)
         _check_gemm("CurrentScaling", self.gemm)
-        _check_auto("CurrentScaling", self.auto_precision)
+        _check_bool("CurrentScaling", "auto_precision", self.auto_precision)
+        _check_bool("CurrentScaling", "power_of_two_scales", self.power_of_two_scales)
 
 
 Recipe = Union[DelayedScaling, CurrentScaling]

@@ -1,4 +1,6 @@
 """The CPU cast path (reference twins, through fp8train.quantize) against ml_dtypes, bit for bit."""
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -118,3 +120,37 @@ def test_reference_cast_transpose_pads_with_zeros():
 def test_quantize_rejects_bad_input(bad, match):
     with pytest.raises((TypeError, ValueError), match=match):
         fp8train.quantize(**bad)
+
+
+def pow2_scale(amax: float, fp8_max: float) -> float:
+    """2**floor(log2(fp8_max / amax)) clamped to [2**-126, 2**126], by math.frexp in float64
+    (an independent computation of scaling.compute_scale(..., power_of_two=True))."""
+    mantissa, exponent = math.frexp(fp8_max / amax)  # fp8_max / amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return 2.0 ** min(max(exponent - 1, -126), 126)
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "transpose"])
+@pytest.mark.parametrize("amax", [None, 3.0, 448.0, 1e-3, 1e-40, 0.0, math.inf, math.nan],
+                         ids=["own", "3", "448", "1e-3", "subnormal", "zero", "inf", "nan"])
+def test_power_of_two_current_scaling_twins(dtype, transpose, amax):
+    # kernels.cast_amax / cast_transpose_amax on the CPU (the twins) with a scale computed from
+    # from_amax and rounded down to a power of two: the scale, the exact scale_inv, the count
+    # of non-finite amaxes and the bytes of ml_dtypes at that scale.
+    x = (torch.randn(37, 48) * 10).to(torch.bfloat16)
+    from_amax = reference.abs_max(x) if amax is None else torch.tensor(amax)
+    scale, scale_inv, count = torch.tensor(0.5), torch.empty(()), torch.tensor(2, dtype=torch.int32)
+    out = torch.empty(37, 48, dtype=dtype)
+    if transpose:
+        out_t = torch.full((48, 48), 0x55, dtype=torch.uint8).view(dtype)
+        fp8train.kernels.cast_transpose_amax(x, out, out_t, scale, scale_inv, from_amax=from_amax,
+                                             nonfinite_count=count, power_of_two=True)
+        assert torch.equal(fp8_bytes(out_t[:, :37]), fp8_bytes(out).t()) and not fp8_bytes(out_t[:, 37:]).any()
+    else:
+        fp8train.kernels.cast_amax(x, out, scale, scale_inv, from_amax=from_amax, nonfinite_count=count,
+                                   power_of_two=True)
+    a = float(from_amax)
+    want = pow2_scale(a, scaling.fp8_max(dtype)) if a > 0 and math.isfinite(a) else 0.5  # else: kept
+    assert scale.item() == want and scale_inv.item() == 1.0 / want  # a power of two: its inverse is exact
+    assert count.item() == 2 + (not math.isfinite(a))
+    assert_same_fp8(fp8_bytes(out).numpy(), ml_dtypes_cast(x, want, dtype), dtype)

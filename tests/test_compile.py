@@ -8,6 +8,7 @@ use the aot_eager backend (Dynamo + AOTAutograd + functionalization, no code gen
 whole trace in ~1 s); one case runs Inductor (C++ code generation with gcc, ~10 s here).
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -102,6 +103,51 @@ def test_layernorm_linear_with_parts_compiled_matches_eager(recipe):
 def test_layernorm_mlp_compiled_matches_eager(recipe, normalization, activation):
     counter = run_side_by_side(make("layernorm_mlp", normalization=normalization, activation=activation), recipe)
     assert counter.frame_count == frames_for(recipe)
+
+
+# make test runs current scaling, which computes a scale in every traced cast; delayed scaling
+# computes one in its calibrating cast only (its updates run eagerly): slow tier.
+POW2_RECIPES = [pytest.param(DelayedScaling(amax_history_len=8, power_of_two_scales=True), id="delayed-pow2",
+                             marks=pytest.mark.slow),
+                pytest.param(CurrentScaling(power_of_two_scales=True), id="current-pow2")]
+
+
+def assert_power_of_two_scales(module):
+    scales = [q.scale.item() for q in module.modules() if isinstance(q, fp8train.quantizer.Quantizer)]
+    assert scales and all(math.frexp(s)[0] == 0.5 for s in scales), scales
+
+
+@pytest.mark.parametrize("recipe", POW2_RECIPES)
+def test_linear_with_power_of_two_scales_compiled_matches_eager(recipe):
+    # The traced cast rounds the scales it computes (current scaling, the delayed calibration)
+    # as the eager twins do: same bytes, gradients and scaling state, every scale a power of two.
+    module = make("linear")
+    counter = run_side_by_side(module, recipe)
+    assert counter.frame_count == frames_for(recipe)
+    assert_power_of_two_scales(module)
+
+
+@pytest.mark.slow  # ~15 s of Inductor C++ compiles on a 2-core machine
+def test_inductor_linear_with_power_of_two_scales_is_eager_bit_for_bit():
+    module = make("linear")
+    counter = run_side_by_side(module, CurrentScaling(power_of_two_scales=True), backend="inductor", steps=2)
+    assert counter.frame_count == 1
+    assert_power_of_two_scales(module)
+
+
+def test_inductor_rounds_scales_down_to_powers_of_two_as_eager():
+    # The mantissa mask (scaling.round_down_pow2: a float32 -> int32 bit view) in Inductor's
+    # C++ code: the same scales as eager over every edge case (zero, subnormal, inf, NaN,
+    # powers of two and their neighbours) and random amaxes, with a margin.
+    amax = torch.tensor([0.0, 1.4e-45, 1e-40, 2.0**-126, 1.0, 448.0, 3.0, 7.0 * 2.0**-10, 3e38,
+                         float("inf"), float("nan")], dtype=torch.float32)
+    amax = torch.cat([amax, torch.nextafter(amax, torch.tensor(float("inf"))),
+                      torch.rand(4096) * 10.0 ** torch.randint(-30, 30, (4096,)).float()])
+    prev = torch.full_like(amax, 0.5)
+    fn = lambda a, p: fp8train.scaling.compute_scale(a, p, 448.0, 3, power_of_two=True)  # noqa: E731
+    got = torch.compile(fn, backend="inductor")(amax, prev)
+    assert torch.equal(got, fn(amax, prev))
+    assert torch.equal(got, fp8train.scaling.round_down_pow2(got))
 
 
 def test_inductor_compiles_layernorm_mlp_to_the_same_bits():

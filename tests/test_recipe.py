@@ -12,6 +12,7 @@ def test_defaults():
     assert (r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.margin) == (Format.HYBRID, 1024, "max", 0)
     assert r.gemm == GemmConfig(fprop_fast_accum=True, dgrad_fast_accum=False, wgrad_fast_accum=False)
     assert CurrentScaling().fp8_format is Format.HYBRID
+    assert not DelayedScaling().power_of_two_scales and not CurrentScaling().power_of_two_scales
     assert fp8train.autocast().recipe == DelayedScaling()
 
 
@@ -44,11 +45,16 @@ def test_frozen(recipe):
     (lambda: DelayedScaling(margin=0.5), "margin"),
     (lambda: DelayedScaling(gemm={"fprop_fast_accum": True}), "gemm"),
     (lambda: CurrentScaling(fp8_format=None), "fp8_format"),
+    (lambda: DelayedScaling(power_of_two_scales=1), r"DelayedScaling\.power_of_two_scales must be a bool"),
+    (lambda: CurrentScaling(power_of_two_scales="yes"), r"CurrentScaling\.power_of_two_scales must be a bool"),
+    (lambda: CurrentScaling(power_of_two_scales=None), "power_of_two_scales"),
+    (lambda: CurrentScaling(auto_precision=1), r"CurrentScaling\.auto_precision must be a bool"),
     (lambda: GemmConfig(fprop_fast_accum=1), "fprop_fast_accum"),
     (lambda: fp8train.autocast(recipe="delayed"), "recipe"),
     (lambda: fp8train.autocast(enabled="yes"), "enabled"),
 ], ids=["format", "hist0", "histfloat", "histbool", "algo", "margin-neg", "margin-float", "gemm", "cur-format",
-        "gemm-field", "autocast-recipe", "autocast-enabled"])
+        "pow2-int", "cur-pow2-str", "cur-pow2-none", "cur-auto-int", "gemm-field", "autocast-recipe",
+        "autocast-enabled"])
 def test_bad_values_are_clear_value_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()

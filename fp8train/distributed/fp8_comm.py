@@ -99,8 +99,8 @@ def cast_consistent(x: torch.Tensor, quantizer: Quantizer, groups: GroupsLike = 
     # reduce_delayed_amaxes makes the group's at the next update.)
     quantizer.produce(
         lambda amax_out: kernels.amax(x, amax_out),
-        lambda scale, amax_out, from_amax, count: kernels.cast_trusted(
-            x, out.data, out.data_t, scale, out.scale_inv, amax_out, from_amax, count),
+        lambda scale, amax_out, from_amax, count, pow2: kernels.cast_trusted(
+            x, out.data, out.data_t, scale, out.scale_inv, amax_out, from_amax, count, power_of_two=pow2),
         amax_hook=lambda amax: reduce_amax(amax, groups))
     return out
 

@@ -57,7 +57,8 @@ def weight_scale(q: Optional[Quantizer], weight: torch.Tensor, layer: str, what:
     q = _checked(q, layer, what)
     if isinstance(q, CurrentScalingQuantizer):
         amax = weight.detach().float().abs().amax()
-        return ExportScale(_inverse(scaling.compute_scale(amax, q.scale.detach().float(), float(q.fp8_max))))
+        scale = scaling.compute_scale(amax, q.scale.detach().float(), float(q.fp8_max), power_of_two=q.power_of_two)
+        return ExportScale(_inverse(scale))
     return ExportScale(_inverse(q.scale))
 
 

@@ -19,26 +19,28 @@ def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
 
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
               amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
-              nonfinite_count: Optional[torch.Tensor] = None, dbias_out: Optional[torch.Tensor] = None) -> None:
+              nonfinite_count: Optional[torch.Tensor] = None, dbias_out: Optional[torch.Tensor] = None,
+              power_of_two: bool = False) -> None:
     impl = _triton_cast().cast_amax if x.is_cuda else _checked_twin("cast_amax")
-    impl(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
+    impl(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, power_of_two=power_of_two)
 
 
 def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale: torch.Tensor,
                         scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                         from_amax: Optional[torch.Tensor] = None,
                         nonfinite_count: Optional[torch.Tensor] = None,
-                        dbias_out: Optional[torch.Tensor] = None) -> None:
+                        dbias_out: Optional[torch.Tensor] = None, power_of_two: bool = False) -> None:
     impl = _triton_cast().cast_transpose_amax if x.is_cuda else _checked_twin("cast_transpose_amax")
-    impl(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
+    impl(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
+         power_of_two=power_of_two)
 
 
 def block_cast(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, block, power_of_two: bool = False
                ) -> None:
     """block_reference.block_cast of a 2-D x into out (fp8, x's shape) and scale_inv_out
-    (float32, one per block): the Triton kernel on CUDA (kernels/block_cast.py), the twin elsewhere."""
+    (float32, one per block): the Triton kernel on CUDA (kernels/block_kernel.py), the twin elsewhere."""
     if x.is_cuda:
-        from .block_cast import block_cast_into
+        from .block_kernel import block_cast_into
         block_cast_into(x, out, scale_inv_out, block, power_of_two)
         return
     from .block_reference import block_cast as twin
@@ -50,68 +52,73 @@ def block_cast(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, 
 def cast_trusted(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tensor], scale: torch.Tensor,
                  scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                  from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,
-                 dbias_out: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None) -> None:
+                 dbias_out: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None,
+                 power_of_two: bool = False) -> None:
     """cast_amax (out_t None) or cast_transpose_amax of x's rows (x.shape[-1] columns)
     without argument checks; dbias_out (N,) float32 gets the column sums of x's rows; skip
-    (a () int32 flag) turns the whole cast into a no-op when nonzero, read on the device.
+    (a () int32 flag) turns the whole cast into a no-op when nonzero, read on the device;
+    power_of_two rounds a scale computed from from_amax down to a power of two.
 
     The per-cast hot path of quantizers, which allocate `out`/`out_t` and own the scale
     buffers themselves; everyone else calls the checked functions above.
     """
     if x.is_cuda:
         _triton_cast().launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
-                                   dbias_out, skip)
+                                   dbias_out, skip, power_of_two)
         return
     if skip is not None and reference.skipped(skip):
         return
     x = x.detach()  # the twins write with torch ops, which autograd would record
     if out_t is None:
-        reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
+        reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
+                            power_of_two)
     else:
         cols = x.shape[-1]
         reference.cast_transpose_amax(x.reshape(-1, cols), out.view(-1, cols), out_t, scale, scale_inv_out,
-                                      amax_out, from_amax, nonfinite_count, dbias_out)
+                                      amax_out, from_amax, nonfinite_count, dbias_out, power_of_two)
 
 
 def prepare_cast(x: torch.Tensor, out: Optional[torch.Tensor], out_t: Optional[torch.Tensor],
                  scale: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor],
                  amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
                  nonfinite_count: Optional[torch.Tensor] = None, dbias: bool = False,
-                 skip: Optional[torch.Tensor] = None):
+                 skip: Optional[torch.Tensor] = None, power_of_two: bool = False):
     """`cast_trusted` (or, with out None, `amax`) prepared for repeated calls on tensors like
     these with the same scale buffers: returns f(x, out, out_t, scale_inv_out, dbias_out=None)
-    (dbias_out only when prepared with dbias; `skip` as for cast_trusted, fixed). Nothing is
-    launched by the preparation itself.
+    (dbias_out only when prepared with dbias; `skip` and `power_of_two` as for cast_trusted,
+    fixed). Nothing is launched by the preparation itself.
     On CUDA the compiled kernel, grid and fixed arguments are kept (cast.PreparedCast);
     elsewhere f runs the reference twin."""
     if x.is_cuda:
         return _triton_cast().PreparedCast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax,
-                                           nonfinite_count, dbias, skip)
+                                           nonfinite_count, dbias, skip, power_of_two)
     if out is None:
         return lambda x, out, out_t, scale_inv_out, dbias_out=None: reference.amax(x.detach(), amax_out)
     return lambda x, out, out_t, scale_inv_out, dbias_out=None: cast_trusted(
-        x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, skip)
+        x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out, skip, power_of_two)
 
 
 class ScaleUpdateBatch:
     """The delayed-scaling update of a fixed set of quantizers, one launch per call on CUDA.
 
     Built once for a set of (history, scale, count) buffers that share a device, a history
-    length, an amax algorithm and a margin; calling it neither allocates nor synchronises,
-    so it can be captured in a CUDA graph. Rebuild it when the set or any buffer changes.
+    length, an amax algorithm, a margin and the power-of-two rule; calling it neither
+    allocates nor synchronises, so it can be captured in a CUDA graph. Rebuild it when the
+    set or any buffer changes.
     """
 
     def __init__(self, histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-                 counts: Sequence[torch.Tensor], fp8_maxes: Sequence[float], algo: str, margin: int):
+                 counts: Sequence[torch.Tensor], fp8_maxes: Sequence[float], algo: str, margin: int,
+                 power_of_two: bool = False):
         if not histories:
             raise ValueError("ScaleUpdateBatch needs at least one quantizer")
         self.size = len(histories)
         if histories[0].is_cuda:
             from . import scale_update as _su
 
-            self._launch = _su.ScaleUpdateLaunch(histories, scales, counts, fp8_maxes, algo, margin)
+            self._launch = _su.ScaleUpdateLaunch(histories, scales, counts, fp8_maxes, algo, margin, power_of_two)
         else:
-            args = (list(histories), list(scales), list(counts), list(fp8_maxes), algo, margin)
+            args = (list(histories), list(scales), list(counts), list(fp8_maxes), algo, margin, power_of_two)
             self._launch = lambda: reference.scale_update(*args)
 
     def __call__(self) -> None:
@@ -125,10 +132,10 @@ def norm_stats(x, weight, bias, eps, mean_out, rstd_out, amax_out=None) -> None:
 
 
 def norm_fwd_fp8(x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, scale_inv_out, amax_out=None,
-                 from_amax=None, nonfinite_count=None, y_out=None, stats_ready=False) -> None:
+                 from_amax=None, nonfinite_count=None, y_out=None, stats_ready=False, power_of_two=False) -> None:
     """Normalization straight into FP8 (+ transposed copy, amax, optional high-precision y)."""
     _family(x, "norm").norm_fwd_fp8(x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, scale_inv_out,
-                                    amax_out, from_amax, nonfinite_count, y_out, stats_ready)
+                                    amax_out, from_amax, nonfinite_count, y_out, stats_ready, power_of_two)
 
 
 def norm_bwd(dy, x, weight, mean, rstd, dx_out, dweight_out, dbias_out=None) -> None:
@@ -140,10 +147,10 @@ def act_amax(h, act, amax_out) -> None:
 
 
 def act_fwd_fp8(h, act, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None,
-                nonfinite_count=None) -> None:
+                nonfinite_count=None, power_of_two=False) -> None:
     """act(h) straight into FP8 (+ transposed copy, amax): activation_reference.act_fwd_fp8."""
     _family(h, "activation").act_fwd_fp8(h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
-                                         nonfinite_count)
+                                         nonfinite_count, power_of_two)
 
 
 def act_bwd_amax(da, h, act, amax_out) -> None:
@@ -151,20 +158,20 @@ def act_bwd_amax(da, h, act, amax_out) -> None:
 
 
 def act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None,
-                nonfinite_count=None, dbias_out=None) -> None:
+                nonfinite_count=None, dbias_out=None, power_of_two=False) -> None:
     """dh = da * act'(h) straight into FP8 (+ transposed copy, amax, bias gradient)."""
     _family(h, "activation").act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
-                                         nonfinite_count, dbias_out)
+                                         nonfinite_count, dbias_out, power_of_two)
 
 
 def _checked_twin(name: str):
     """The twin of a public cast with the GPU wrapper's dbias check (the twins check nothing else)."""
     twin = getattr(reference, name)
 
-    def run(x, *args):
+    def run(x, *args, power_of_two=False):
         from .checks import check_dbias
         check_dbias(name, args[-1], x.shape[-1] if x.dim() else 1, x.device)
-        twin(x, *args)
+        twin(x, *args, power_of_two=power_of_two)
     return run
 
 

@@ -233,13 +233,13 @@ def _act_fwd_kernel(
     M, F, Mp,       # rows, activation columns, out_t row length (>= M)
     stride_hm,      # row stride of h, in elements
     ACT: tl.constexpr, FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr,
-    AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr,
+    AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
-        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT, POW2)
     if TRANSPOSE:
         rows_covered = Mp  # tiles past row M write out_t's zero padding
     else:
@@ -323,14 +323,14 @@ def _act_bwd_kernel(
     stride_hm,      # row stride of h, in elements
     split_rows,     # DBIAS: row tiles per split (each program: one column strip x one split)
     ACT: tl.constexpr, FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr,
-    AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, DBIAS: tl.constexpr,
+    AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     scale = 1.0
     if CAST:
-        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT, POW2)
     if ACT == _SWIGLU:
         Fh = 2 * F
     else:
@@ -386,17 +386,17 @@ def _act_bwd_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _fwd(cfg: ActConfig, act: int, fp8_max: float, cast: bool, transpose: bool, amax: bool, from_amax: bool,
-         count: bool) -> DirectKernel:
+         count: bool, pow2: bool) -> DirectKernel:
     return DirectKernel(_act_fwd_kernel, num_warps=cfg.num_warps, ACT=act, FP8_MAX=fp8_max, CAST=cast,
-                        TRANSPOSE=transpose, AMAX=amax, FROM_AMAX=from_amax, COUNT=count,
+                        TRANSPOSE=transpose, AMAX=amax, FROM_AMAX=from_amax, COUNT=count, POW2=pow2,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd(cfg: ActConfig, act: int, fp8_max: float, cast: bool, transpose: bool, amax: bool, from_amax: bool,
-         count: bool, dbias: bool) -> DirectKernel:
+         count: bool, pow2: bool, dbias: bool) -> DirectKernel:
     return DirectKernel(_act_bwd_kernel, num_warps=cfg.num_warps, ACT=act, FP8_MAX=fp8_max, CAST=cast,
-                        TRANSPOSE=transpose, AMAX=amax, FROM_AMAX=from_amax, COUNT=count, DBIAS=dbias,
+                        TRANSPOSE=transpose, AMAX=amax, FROM_AMAX=from_amax, COUNT=count, POW2=pow2, DBIAS=dbias,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
 
 
@@ -409,12 +409,13 @@ def act_amax(h: torch.Tensor, act: str, amax_out: torch.Tensor) -> None:
     if h.numel() == 0:
         ref.act_amax(h, act, amax_out)
         return
-    _launch_fwd("act_amax", h, act, None, None, None, None, amax_out, None, None)
+    _launch_fwd("act_amax", h, act, None, None, None, None, amax_out, None, None, False)
 
 
 def act_fwd_fp8(h: torch.Tensor, act: str, out: torch.Tensor, out_t: Optional[torch.Tensor],
                 scale: torch.Tensor, scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
-                from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None) -> None:
+                from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,
+                power_of_two: bool = False) -> None:
     """activation_reference.act_fwd_fp8 on the GPU (same contract; see there).
 
     h      (M, F) or (M, 2F) for swiglu, unit column stride, any row stride
@@ -423,9 +424,11 @@ def act_fwd_fp8(h: torch.Tensor, act: str, out: torch.Tensor, out_t: Optional[to
     """
     ref.check_fwd_args("act_fwd_fp8", h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     if h.numel() == 0:
-        ref.act_fwd_fp8(h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        ref.act_fwd_fp8(h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                        power_of_two)
         return
-    _launch_fwd("act_fwd_fp8", h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    _launch_fwd("act_fwd_fp8", h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                power_of_two)
 
 
 def act_bwd_amax(da: torch.Tensor, h: torch.Tensor, act: str, amax_out: torch.Tensor) -> None:
@@ -434,13 +437,13 @@ def act_bwd_amax(da: torch.Tensor, h: torch.Tensor, act: str, amax_out: torch.Te
     if h.numel() == 0:
         ref.act_bwd_amax(da, h, act, amax_out)
         return
-    _launch_bwd("act_bwd_amax", da, h, act, None, None, None, None, amax_out, None, None, None)
+    _launch_bwd("act_bwd_amax", da, h, act, None, None, None, None, amax_out, None, None, None, False)
 
 
 def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, act: str, out: torch.Tensor, out_t: Optional[torch.Tensor],
                 scale: torch.Tensor, scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                 from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,
-                dbias_out: Optional[torch.Tensor] = None) -> None:
+                dbias_out: Optional[torch.Tensor] = None, power_of_two: bool = False) -> None:
     """activation_reference.act_bwd_fp8 on the GPU (same contract; see there).
 
     da         (M, F), h (M, Fh) with Fh = F (2F for swiglu), unit column strides, any row strides
@@ -453,13 +456,14 @@ def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, act: str, out: torch.Tensor, 
                        nonfinite_count, dbias_out)
     if h.numel() == 0:
         ref.act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
-                        dbias_out)
+                        dbias_out, power_of_two)
         return
     _launch_bwd("act_bwd_fp8", da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
-                dbias_out)
+                dbias_out, power_of_two)
 
 
-def _launch_fwd(fn, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
+def _launch_fwd(fn, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                power_of_two) -> None:
     """Launch _act_fwd_kernel on checked arguments; absent optional tensors are flagged off (never touched)."""
     m, f = h.shape[0], ref.out_features(h, act)
     out_t, copy_t = _transpose_plan(out_t, h)
@@ -468,7 +472,8 @@ def _launch_fwd(fn, h, act, out, out_t, scale, scale_inv_out, amax_out, from_ama
     stride_hm = _row_stride(h)
     _check_tile_offsets(fn, cfg, h.shape[1], stride_hm, mp)
     tiles = triton.cdiv(mp, cfg.block_m) * triton.cdiv(f, cfg.block_n)
-    _, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    _, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                                      power_of_two)
     kernel = _fwd(cfg, _ACT_CODES[act], *flags)
     with device_guard(h.device):
         kernel(_grid(tiles, cfg.programs_per_sm, h.device), h, _or(out, h), _or(out_t, _or(out, h)),
@@ -477,7 +482,7 @@ def _launch_fwd(fn, h, act, out, out_t, scale, scale_inv_out, amax_out, from_ama
 
 
 def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
-                dbias_out) -> None:
+                dbias_out, power_of_two) -> None:
     """Launch _act_bwd_kernel on checked arguments, then reduce the dbias partials."""
     m, f, fh = h.shape[0], da.shape[1], h.shape[1]
     out_t, copy_t = _transpose_plan(out_t, h, da)
@@ -497,7 +502,8 @@ def _launch_bwd(fn, da, h, act, out, out_t, scale, scale_inv_out, amax_out, from
         splits = triton.cdiv(row_tiles, split_rows)
         programs = splits * tiles_n
         scratch = launcher_scratch((splits, fh), h.device)  # (splits, Fh) float32
-    stand_in, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    stand_in, pointers, flags = _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                                             power_of_two)
     kernel = _bwd(cfg, _ACT_CODES[act], *flags, scratch is not None)
     with device_guard(h.device):
         kernel(programs, da, h, _or(out, h), _or(out_t, _or(out, h)), _or(scratch, stand_in),
@@ -539,14 +545,15 @@ def _finish_transpose(out, copy_t) -> None:
         transpose_into(out, copy_t)
 
 
-def _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count):
-    """(stand-in tensor, the five scalar pointers, (FP8_MAX, CAST, TRANSPOSE, AMAX, FROM_AMAX, COUNT))."""
+def _scalar_args(out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, power_of_two):
+    """(stand-in tensor, the five scalar pointers, (FP8_MAX, CAST, TRANSPOSE, AMAX, FROM_AMAX, COUNT, POW2))."""
     cast = out is not None
     stand_in = amax_out if amax_out is not None else scale  # passed for pointer args a launch never touches
     pointers = (scale if cast else stand_in, scale_inv_out if cast else stand_in, _or(amax_out, stand_in),
                 _or(from_amax, stand_in), _or(nonfinite_count, stand_in))
     flags = (scaling.fp8_max(out.dtype) if cast else 0.0, cast, out_t is not None, amax_out is not None,
-             from_amax is not None, from_amax is not None and nonfinite_count is not None)
+             from_amax is not None, from_amax is not None and nonfinite_count is not None,
+             bool(power_of_two) and from_amax is not None)
     return stand_in, pointers, flags
 
 

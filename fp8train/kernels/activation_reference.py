@@ -210,20 +210,22 @@ def act_amax(h: torch.Tensor, act: str, amax_out: torch.Tensor) -> None:
 
 def act_fwd_fp8(h: torch.Tensor, act: str, out: torch.Tensor, out_t: Optional[torch.Tensor],
                 scale: torch.Tensor, scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
-                from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None) -> None:
+                from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,
+                power_of_two: bool = False) -> None:
     """The activation of fc1's output, cast to FP8 (with its transposed copy) in one pass.
 
     h       (M, F), or (M, 2F) for swiglu; bf16/fp16/fp32, unit column stride, any row stride
     out     (M, F) fp8, contiguous: saturating_cast(act(h), scale)
     out_t   (F, Mp) fp8, contiguous, Mp >= M, or None: out_t[:, :M] = out.T, out_t[:, M:] = 0
-    scale, scale_inv_out, amax_out, from_amax, nonfinite_count: as reference.cast_transpose_amax,
-            with amax_out max-accumulating abs_max(act(h)) (float32, unscaled).
+    scale, scale_inv_out, amax_out, from_amax, nonfinite_count, power_of_two: as
+            reference.cast_transpose_amax, with amax_out max-accumulating abs_max(act(h))
+            (float32, unscaled).
     Delayed scaling: one call with amax_out. Current scaling: act_amax(h, act, a), then this
     with from_amax=a.
     """
     check_fwd_args("act_fwd_fp8", h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     a = act_forward(h, act)  # (M, F) float32
-    _cast_outputs(a, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    _cast_outputs(a, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, power_of_two)
 
 
 def act_bwd_amax(da: torch.Tensor, h: torch.Tensor, act: str, amax_out: torch.Tensor) -> None:
@@ -235,7 +237,7 @@ def act_bwd_amax(da: torch.Tensor, h: torch.Tensor, act: str, amax_out: torch.Te
 def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, act: str, out: torch.Tensor, out_t: Optional[torch.Tensor],
                 scale: torch.Tensor, scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                 from_amax: Optional[torch.Tensor] = None, nonfinite_count: Optional[torch.Tensor] = None,
-                dbias_out: Optional[torch.Tensor] = None) -> None:
+                dbias_out: Optional[torch.Tensor] = None, power_of_two: bool = False) -> None:
     """dh = da * act'(h) cast to FP8 (with its transposed copy), and optionally fc1's dbias.
 
     da         (M, F) bf16/fp16/fp32 gradient w.r.t. a, unit column stride
@@ -244,23 +246,26 @@ def act_bwd_fp8(da: torch.Tensor, h: torch.Tensor, act: str, out: torch.Tensor, 
     out_t      (Fh, Mp) fp8, contiguous, Mp >= M, or None: out_t[:, :M] = out.T, out_t[:, M:] = 0
     dbias_out  (Fh,) bf16/fp16/fp32, or None: float32 column sums of dh, written in its dtype
                (all zeros when M == 0)
-    scale, scale_inv_out, amax_out, from_amax, nonfinite_count: as reference.cast_transpose_amax,
-               with amax_out max-accumulating abs_max(dh) (float32, unscaled).
+    scale, scale_inv_out, amax_out, from_amax, nonfinite_count, power_of_two: as
+               reference.cast_transpose_amax, with amax_out max-accumulating abs_max(dh)
+               (float32, unscaled).
     """
     check_bwd_args("act_bwd_fp8", da, h, act, out, out_t, scale, scale_inv_out, amax_out, from_amax,
                    nonfinite_count, dbias_out)
     dh = act_grad(da, h, act)  # (M, Fh) float32
-    _cast_outputs(dh, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+    _cast_outputs(dh, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, power_of_two)
     if dbias_out is not None:
         dbias_out.copy_(dh.sum(dim=0))
 
 
-def _cast_outputs(v, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count) -> None:
+def _cast_outputs(v, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, power_of_two) -> None:
     """reference.cast_transpose_amax of the float32 values v, with out_t optional."""
     if out_t is None:
-        reference.cast_amax(v, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        reference.cast_amax(v, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                            power_of_two=power_of_two)
     else:
-        reference.cast_transpose_amax(v, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+        reference.cast_transpose_amax(v, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
+                                      power_of_two=power_of_two)
 
 
 # --------------------------------------------------------------------------- argument checks

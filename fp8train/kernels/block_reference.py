@@ -56,11 +56,8 @@ def block_amax(x: torch.Tensor, block: Block) -> torch.Tensor:
 
 def block_scale(amax: torch.Tensor, fp8_max: float, power_of_two: bool = False) -> torch.Tensor:
     """The scale of each block from its amax (module docstring), float32."""
-    ones = torch.ones_like(amax)
-    scale = scaling.compute_scale(amax, ones, fp8_max)  # 1 where amax is 0 or not finite
-    if power_of_two:  # clear the mantissa: the power of two at or below (scale is a positive normal)
-        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
-    return scale
+    # 1 where amax is 0 or not finite; power_of_two clears the mantissa (scaling.round_down_pow2)
+    return scaling.compute_scale(amax, torch.ones_like(amax), fp8_max, power_of_two=power_of_two)
 
 
 def expand(per_block: torch.Tensor, shape, block: Block) -> torch.Tensor:

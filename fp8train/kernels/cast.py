@@ -152,8 +152,9 @@ def _amax_of_bits(bits):
 
 @triton.jit
 def _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr,
-                   FP8_MAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr):
-    """The scale this cast uses; program 0 writes scale_inv (and scale, count when FROM_AMAX)."""
+                   FP8_MAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr):
+    """The scale this cast uses; program 0 writes scale_inv (and scale, count when FROM_AMAX).
+    POW2 (with FROM_AMAX): the computed scale rounded down to a power of two."""
     scale = tl.load(scale_ptr)
     if FROM_AMAX:
         # Current scaling: every program computes the new scale itself, program 0 stores it.
@@ -161,7 +162,7 @@ def _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr,
         # result because compute_scale(a, compute_scale(a, s)) == compute_scale(a, s)
         # (a usable amax ignores the old scale, an unusable one returns it unchanged).
         amax = tl.load(from_amax_ptr)
-        scale = compute_scale(amax, scale, FP8_MAX, 1.0)
+        scale = compute_scale(amax, scale, FP8_MAX, 1.0, POW2)
     if tl.program_id(0) == 0:
         if FROM_AMAX:
             tl.store(scale_ptr, scale)
@@ -184,7 +185,7 @@ def _flat_kernel(
     skip_ptr,       # () int32: nonzero makes the launch a no-op (SKIP; a graphed cached weight)
     n,              # number of elements
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, AMAX: tl.constexpr,
-    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
+    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     if SKIP:
         if tl.load(skip_ptr) != 0:
@@ -192,7 +193,7 @@ def _flat_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
-        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT, POW2)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)  # running max of _abs_bits
     n_full = n // BLOCK
@@ -232,7 +233,7 @@ def _tile_kernel(
     skip_ptr,       # () int32: nonzero makes the launch a no-op (SKIP; a graphed cached weight)
     M, N, Mp, stride_xm,
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
-    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, DBIAS: tl.constexpr, SKIP: tl.constexpr,
+    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, DBIAS: tl.constexpr, SKIP: tl.constexpr,
     FROM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     if SKIP:
@@ -241,7 +242,7 @@ def _tile_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
-        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT, POW2)
     if TRANSPOSE:
         rows_covered = Mp  # tiles past row M write out_t's zero padding
     else:
@@ -301,7 +302,8 @@ def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
 
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
               amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
-              nonfinite_count: Optional[torch.Tensor] = None, dbias_out: Optional[torch.Tensor] = None) -> None:
+              nonfinite_count: Optional[torch.Tensor] = None, dbias_out: Optional[torch.Tensor] = None,
+              power_of_two: bool = False) -> None:
     """reference.cast_amax on the GPU (same contract; see there).
 
     x must have unit stride in its last dim and leading dims that fold into one row stride
@@ -311,14 +313,15 @@ def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv
     check_fp8_out("cast_amax", "out", out, x.shape, x.device)
     check_scales("cast_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     check_dbias("cast_amax", dbias_out, x.shape[-1] if x.dim() else 1, x.device)
-    launch_cast(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
+    launch_cast(x, out, None, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
+                power_of_two=power_of_two)
 
 
 def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale: torch.Tensor,
                         scale_inv_out: torch.Tensor, amax_out: Optional[torch.Tensor] = None,
                         from_amax: Optional[torch.Tensor] = None,
                         nonfinite_count: Optional[torch.Tensor] = None,
-                        dbias_out: Optional[torch.Tensor] = None) -> None:
+                        dbias_out: Optional[torch.Tensor] = None, power_of_two: bool = False) -> None:
     """reference.cast_transpose_amax on the GPU (same contract; see there).
 
     x      (M, N), unit column stride, any row stride >= N
@@ -332,14 +335,16 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
     check_fp8_outputs("cast_transpose_amax", m, n, x.device, out, out_t)
     check_scales("cast_transpose_amax", x.device, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
     check_dbias("cast_transpose_amax", dbias_out, n, x.device)
-    launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
+    launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
+                power_of_two=power_of_two)
 
 
 def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out=None,
-                skip=None) -> None:
+                skip=None, power_of_two: bool = False) -> None:
     """cast_amax (out_t None) or cast_transpose_amax with arguments already checked; with
     `skip` (a () int32 device flag) every launch of the cast reads the flag first and does
-    nothing when it is nonzero (the cached-weight case of a CUDA graph).
+    nothing when it is nonzero (the cached-weight case of a CUDA graph); power_of_two as for
+    the twins (used with from_amax only).
 
     For callers that own every buffer and have checked x (quantizers): the public wrappers
     above check, then call this. With out_t, x's rows are (M, N) = (numel / N, x.shape[-1])
@@ -349,20 +354,21 @@ def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfin
         if skip is not None and reference.skipped(skip):
             return
         if out_t is None:
-            reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out)
+            reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
+                                power_of_two)
         else:
             reference.cast_transpose_amax(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count,
-                                          dbias_out)
+                                          dbias_out, power_of_two)
         return
     _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
-            _FP8_MAX[out.dtype], skip)
+            _FP8_MAX[out.dtype], skip, power_of_two)
 
 
 def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
-            fp8_max: float, skip=None) -> None:
+            fp8_max: float, skip=None, power_of_two: bool = False) -> None:
     """Pick the kernel and launch it (arguments already checked)."""
     kernel, grid, make_args, partial_rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
-                                                  dbias_out is not None, fp8_max, skip)
+                                                  dbias_out is not None, fp8_max, skip, power_of_two)
     partial = None
     if dbias_out is not None:
         partial = torch.empty((partial_rows, dbias_out.shape[0]), dtype=torch.float32, device=x.device)
@@ -372,12 +378,14 @@ def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_
         colsum_into(partial[None], [dbias_out])
 
 
-def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: bool, fp8_max: float, skip=None):
+def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: bool, fp8_max: float, skip=None,
+          power_of_two: bool = False):
     """(kernel, grid, make_args, partial rows) for one cast; absent optional tensors are
     flagged off (and never touched). make_args(x, out, out_t, scale_inv_out, partial) gives
     the runtime arguments, so a PreparedCast can rebuild them for fresh buffers without
     planning again; `partial` is the (partial rows, N) float32 buffer of a cast with dbias.
-    `skip` (fixed for the plan) is the () int32 flag of a skippable cast, or None."""
+    `skip` (fixed for the plan) is the () int32 flag of a skippable cast, or None.
+    power_of_two only specialises casts that compute their scale (from_amax given)."""
     cast = out is not None
     dummy = amax_out if amax_out is not None else scale  # stands in for unused pointer args
     amax_p = dummy if amax_out is None else amax_out
@@ -386,7 +394,7 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
     scale_p = scale if cast else dummy
     skip_p = dummy if skip is None else skip
     flags = (fp8_max, cast, amax_out is not None, from_amax is not None,
-             from_amax is not None and nonfinite_count is not None)
+             from_amax is not None and nonfinite_count is not None, bool(power_of_two) and from_amax is not None)
     device = x.device
     flat_cfg, tile_cfg = launch_configs(device)
     if out_t is None and not dbias and x.is_contiguous():
@@ -423,7 +431,7 @@ class PreparedCast:
     current, x at a different 16-byte alignment, launch hooks installed, empty x) go
     through launch_cast.
 
-    scale, amax_out, from_amax, nonfinite_count  as for launch_cast, fixed for all calls
+    scale, amax_out, from_amax, nonfinite_count, power_of_two  as for launch_cast, fixed for all calls
     out None (and scale None): the amax kernel alone, max-accumulating x's amax into amax_out
     dbias  whether calls pass dbias_out; the partial-sum buffer is the preparation's own,
            reused by every call (each call's colsum reads it right after the launch, in
@@ -432,15 +440,15 @@ class PreparedCast:
     """
 
     def __init__(self, x, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None, nonfinite_count=None,
-                 dbias=False, skip=None):
-        self._fixed = (scale, amax_out, from_amax, nonfinite_count, skip)
+                 dbias=False, skip=None, power_of_two=False):
+        self._fixed = (scale, amax_out, from_amax, nonfinite_count, skip, power_of_two)
         self._binary = None
         self._native = None  # the C++ launch (below); none where the cast goes through launch_cast
         if x.numel() == 0:
             return
         fp8_max = _FP8_MAX[out.dtype] if out is not None else 0.0
         kernel, self._grid, self._make_args, rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
-                                                          dbias, fp8_max, skip)
+                                                          dbias, fp8_max, skip, power_of_two)
         self._partial = None
         if dbias:
             self._partial = torch.empty((rows, x.shape[-1]), dtype=torch.float32, device=x.device)
@@ -483,11 +491,11 @@ class PreparedCast:
         binary = self._binary
         if (binary is None or (x.data_ptr() & 15 == 0) != self._x_aligned or torch._C._cuda_getDevice() != self._device
                 or hooks_installed()):
-            scale, amax_out, from_amax, count, skip = self._fixed
+            scale, amax_out, from_amax, count, skip, pow2 = self._fixed
             if out is None:
                 amax(x, amax_out)
             else:
-                launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count, dbias_out, skip)
+                launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count, dbias_out, skip, pow2)
             return
         partial = self._partial
         if self._native is not None and native.ENABLED:
@@ -514,18 +522,18 @@ _HOLES = (_Hole("x"), _Hole("data"), _Hole("data_t"), _Hole("scale_inv"))
 
 
 @functools.lru_cache(maxsize=None)
-def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bool, count: bool,
+def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bool, count: bool, pow2: bool,
           skip: bool) -> DirectKernel:
     return DirectKernel(_flat_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, AMAX=amax,
-                        FROM_AMAX=from_amax, COUNT=count, SKIP=skip, BLOCK=cfg.block)
+                        FROM_AMAX=from_amax, COUNT=count, POW2=pow2, SKIP=skip, BLOCK=cfg.block)
 
 
 @functools.lru_cache(maxsize=None)
 def _tile(cfg: TileConfig, transpose: bool, fp8_max: float, cast: bool, amax: bool, from_amax: bool,
-          count: bool, dbias: bool, skip: bool, from_out: bool) -> DirectKernel:
+          count: bool, pow2: bool, dbias: bool, skip: bool, from_out: bool) -> DirectKernel:
     return DirectKernel(_tile_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, TRANSPOSE=transpose,
-                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, DBIAS=dbias, SKIP=skip, FROM_OUT=from_out,
-                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, POW2=pow2, DBIAS=dbias, SKIP=skip,
+                        FROM_OUT=from_out, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
 
 
 def _row_layout(x: torch.Tensor) -> Tuple[int, int, int]:

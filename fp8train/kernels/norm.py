@@ -233,13 +233,13 @@ def _norm_fwd_kernel(
     M, K, Mp, stride_xm,
     EPS: tl.constexpr, FP8_MAX: tl.constexpr, LAYER: tl.constexpr, HAS_BIAS: tl.constexpr,
     STATS_READY: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, STORE_Y: tl.constexpr,
-    AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr,
+    AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
-        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT)
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT, POW2)
     if TRANSPOSE:
         rows_covered = Mp  # blocks past row M write out_t's zero padding
     else:
@@ -410,7 +410,7 @@ def norm_stats(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         norm_reference.norm_stats(x, weight, bias, eps, mean_out, rstd_out, amax_out)
         return
     _launch_fwd(x, weight, bias, eps, mean_out, rstd_out, None, None, None, None, amax_out, None, None, None,
-                stats_ready=False)
+                stats_ready=False, power_of_two=False)
 
 
 def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
@@ -418,23 +418,23 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  out_t: Optional[torch.Tensor], scale: torch.Tensor, scale_inv_out: torch.Tensor,
                  amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
                  nonfinite_count: Optional[torch.Tensor] = None, y_out: Optional[torch.Tensor] = None,
-                 stats_ready: bool = False) -> None:
+                 stats_ready: bool = False, power_of_two: bool = False) -> None:
     """norm_reference.norm_fwd_fp8 on the GPU (same contract; see there)."""
     check_fwd_args("norm_fwd_fp8", x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, scale_inv_out,
                    amax_out, from_amax, nonfinite_count, y_out)
     m = x.shape[0]
     if m == 0:
         norm_reference.norm_fwd_fp8(x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, scale_inv_out,
-                                    amax_out, from_amax, nonfinite_count, y_out, stats_ready)
+                                    amax_out, from_amax, nonfinite_count, y_out, stats_ready, power_of_two)
         return
     args = (x, weight, bias, eps, mean_out, rstd_out, out)
     scalars = (scale, scale_inv_out, amax_out, from_amax, nonfinite_count, y_out)
     if out_t is not None and x.is_cuda and not (_FUSED_TRANSPOSE_ON_CUDA and x.dtype != torch.float32):
         # The row-major kernel, then kernels/transpose.py: see _FUSED_TRANSPOSE_ON_CUDA.
-        _launch_fwd(*args, None, *scalars, stats_ready=stats_ready)
+        _launch_fwd(*args, None, *scalars, stats_ready=stats_ready, power_of_two=power_of_two)
         transpose_into(out, out_t)
         return
-    _launch_fwd(*args, out_t, *scalars, stats_ready=stats_ready)
+    _launch_fwd(*args, out_t, *scalars, stats_ready=stats_ready, power_of_two=power_of_two)
 
 
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Optional[torch.Tensor],
@@ -467,7 +467,7 @@ def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Opti
 
 
 def _launch_fwd(x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, scale_inv_out, amax_out, from_amax,
-                nonfinite_count, y_out, stats_ready: bool) -> None:
+                nonfinite_count, y_out, stats_ready: bool, power_of_two: bool) -> None:
     """Launch _norm_fwd_kernel; absent optional tensors are flagged off (and never touched)."""
     m, k = x.shape
     cast = out is not None
@@ -486,7 +486,7 @@ def _launch_fwd(x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, sca
         ("CAST", cast), ("TRANSPOSE", out_t is not None), ("STORE_Y", y_out is not None),
         ("AMAX", amax_out is not None), ("FROM_AMAX", from_amax is not None),
         ("COUNT", from_amax is not None and nonfinite_count is not None),
-        ("BLOCK_M", block_m), ("BLOCK_N", block_n)))
+        ("POW2", bool(power_of_two) and from_amax is not None), ("BLOCK_M", block_m), ("BLOCK_N", block_n)))
     either = lambda t: rstd_out if t is None else t  # stands in for unused pointer arguments
     with device_guard(x.device):
         kernel(programs, x, weight, either(bias), either(mean_out), rstd_out, either(out), either(out_t),

@@ -89,7 +89,7 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  out_t: Optional[torch.Tensor], scale: torch.Tensor, scale_inv_out: torch.Tensor,
                  amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
                  nonfinite_count: Optional[torch.Tensor] = None, y_out: Optional[torch.Tensor] = None,
-                 stats_ready: bool = False) -> None:
+                 stats_ready: bool = False, power_of_two: bool = False) -> None:
     """LayerNorm / RMSNorm forward straight into FP8 (+ transposed copy), with the amax.
 
     x, weight, bias, eps, mean_out, rstd_out as in `norm_stats`; with `stats_ready` the row
@@ -97,7 +97,7 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     are computed and written there (the backward pass needs them).
     out              (M, K) fp8 row-major: saturating_cast(y, scale)
     out_t            (K, Mp) fp8 row-major or None, Mp >= M: out_t[:, :M] = out.T, out_t[:, M:] = 0
-    scale, scale_inv_out, amax_out, from_amax, nonfinite_count
+    scale, scale_inv_out, amax_out, from_amax, nonfinite_count, power_of_two
                      exactly as in reference.cast_amax, with y as the tensor cast
     y_out            (M, K) in x.dtype or None: y rounded to x.dtype, written only when given
 
@@ -114,7 +114,7 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             mean_out.copy_(mean)
         rstd_out.copy_(rstd)
     y = normalize(x, weight, bias, mean, rstd)  # (M, K) float32
-    s = reference.resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype))
+    s = reference.resolve_scale(scale, from_amax, nonfinite_count, scaling.fp8_max(out.dtype), power_of_two)
     q = reference.saturating_cast(y, s, out.dtype)
     out.copy_(q)
     if out_t is not None:

@@ -25,14 +25,18 @@ _INF: tl.constexpr = tl.constexpr(float("inf"))
 
 
 @triton.jit
-def compute_scale(amax, prev_scale, fp8_max, margin_factor):
-    """scaling.compute_scale on float32 scalars; margin_factor = 2**-margin.
+def compute_scale(amax, prev_scale, fp8_max, margin_factor, POW2: tl.constexpr):
+    """scaling.compute_scale on float32 scalars (or blocks); margin_factor = 2**-margin;
+    POW2: power_of_two.
 
     Bit for bit: the IEEE quotient (`div_rn`, not Triton's approximate `/`), then a
-    multiplication by an exact power of two, which rounds like torch's division by it.
+    multiplication by an exact power of two, which rounds like torch's division by it; POW2
+    clears the clamped scale's mantissa bits as scaling.round_down_pow2 does.
     """
     scale = tl.math.div_rn(fp8_max, amax) * margin_factor
     scale = tl.minimum(tl.maximum(scale, _SCALE_MIN), _SCALE_MAX)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     usable = (amax > 0.0) & (amax < _INF)  # NaN compares false: kept out too
     return tl.where(usable, scale, prev_scale)
 
@@ -46,6 +50,7 @@ def _scale_update_kernel(
     H,              # history length, shared by all quantizers
     margin_factor,  # float32 2**-margin
     ALGO_MAX: tl.constexpr,  # True: amax = max of the history; False: most recent amax
+    POW2: tl.constexpr,      # True: scales rounded down to powers of two (power_of_two_scales)
     BLOCK_H: tl.constexpr,   # power of two >= H
 ):
     q = tl.program_id(0)  # one program per quantizer
@@ -76,7 +81,7 @@ def _scale_update_kernel(
         amax = tl.max(tl.where(h != h, _INF, h), axis=0)
     else:
         amax = pending
-    new_scale = compute_scale(amax, old_scale, fp8_max, margin_factor)
+    new_scale = compute_scale(amax, old_scale, fp8_max, margin_factor, POW2)
     tl.store(scale_ptr, tl.where(valid, new_scale, old_scale))
 
     # valid: [UNRECORDED, h0, .., h_{H-2}];  recorded but inf/NaN: only h0 <- UNRECORDED.
@@ -99,7 +104,8 @@ class ScaleUpdateLaunch:
     """
 
     def __init__(self, histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-                 counts: Sequence[torch.Tensor], fp8_maxes: Sequence[float], algo: str, margin: int):
+                 counts: Sequence[torch.Tensor], fp8_maxes: Sequence[float], algo: str, margin: int,
+                 power_of_two: bool = False):
         n = len(histories)
         if not (n == len(scales) == len(counts) == len(fp8_maxes)) or n == 0:
             raise ValueError(f"ScaleUpdateLaunch needs as many scales, counts and fp8 maxes as histories "
@@ -134,7 +140,7 @@ class ScaleUpdateLaunch:
         self._binary = None  # compiled kernel for these fixed arguments, from the first call
         self._native = None  # its launch from C++ (kernels/native.py), where the extension is built
         self._kernel = DirectKernel(_scale_update_kernel, num_warps=1 if block_h <= 256 else 4,
-                                    ALGO_MAX=algo == "max", BLOCK_H=block_h)
+                                    ALGO_MAX=algo == "max", POW2=bool(power_of_two), BLOCK_H=block_h)
 
     def __call__(self) -> None:
         launch = self._native

@@ -38,8 +38,8 @@ def activation_fp8(h: torch.Tensor, activation: str, q: Quantizer, transpose: bo
     key = ("act_fwd", h.shape, h.stride(), h.dtype, activation, transpose, h.device.index)
     group = replay.run(q._prepared, key, (h, aq.data, aq.data_t, aq.scale_inv), q.replay_fixed(), lambda: q.produce(
         lambda amax_out: kernels.act_amax(h, activation, amax_out),
-        lambda scale, amax_out, from_amax, count: kernels.act_fwd_fp8(
-            h, activation, aq.data, aq.data_t, scale, aq.scale_inv, amax_out, from_amax, count)))
+        lambda scale, amax_out, from_amax, count, pow2: kernels.act_fwd_fp8(
+            h, activation, aq.data, aq.data_t, scale, aq.scale_inv, amax_out, from_amax, count, pow2)))
     if found is not None:
         found.append(group)
     return aq
@@ -59,9 +59,9 @@ def activation_backward_fp8(da: torch.Tensor, h: torch.Tensor, activation: str, 
     group = replay.run(q._prepared, key, (da, h, dhq.data, dhq.data_t, dhq.scale_inv, db), q.replay_fixed(),
                        lambda: q.produce(
                            lambda amax_out: kernels.act_bwd_amax(da, h, activation, amax_out),
-                           lambda scale, amax_out, from_amax, count: kernels.act_bwd_fp8(
+                           lambda scale, amax_out, from_amax, count, pow2: kernels.act_bwd_fp8(
                                da, h, activation, dhq.data, dhq.data_t, scale, dhq.scale_inv, amax_out, from_amax,
-                               count, db)))
+                               count, db, pow2)))
     if found is not None:
         found.append(group)
     return Cast(dhq.data, dhq.data_t, dhq.scale_inv, db)

@@ -12,7 +12,7 @@ from .. import gemm, precision
 from ..autocast import active_recipe
 from ..kernels import native
 from ..quantizer import Quantizer, make_quantizer, quantizer_from_state
-from ..recipe import DelayedScaling, Recipe
+from ..recipe import Recipe
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
 
@@ -106,8 +106,8 @@ class FP8Module(nn.Module):
                 setattr(self, name, q)
                 if device.type == "cuda" and native.ENABLED:
                     native.extension()  # loaded before any trace: compiled GEMMs call its operator
-            elif isinstance(recipe, DelayedScaling):
-                q.configure(recipe)
+            else:
+                q.configure(recipe)  # the recipe's scale rules (margin, algo, power of two)
             out.append(q)
         self._matched[gemm] = (recipe, tuple(out))
         return self._matched[gemm][1]

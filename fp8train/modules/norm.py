@@ -84,9 +84,10 @@ def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     def first_pass(amax_out):
         kernels.norm_stats(x2, weight, bias, eps, mean, rstd, amax_out)
 
-    def cast(scale, amax_out, from_amax, count):
+    def cast(scale, amax_out, from_amax, count, power_of_two):
         kernels.norm_fwd_fp8(x2, weight, bias, eps, mean, rstd, out.data, out.data_t, scale, out.scale_inv,
-                             amax_out, from_amax, count, y, stats_ready=from_amax is not None)
+                             amax_out, from_amax, count, y, stats_ready=from_amax is not None,
+                             power_of_two=power_of_two)
 
     # Steady state (delayed scaling, no group all-reduce): the launches replayed from C++
     key = ("norm_fwd", x2.shape, x2.stride(), x2.dtype, weight.dtype, None if bias is None else bias.dtype, layer,

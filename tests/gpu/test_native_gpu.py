@@ -47,7 +47,8 @@ def node_name(y: torch.Tensor) -> str:
     return y.grad_fn.name() if y.grad_fn is not None else "none"
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling(), CurrentScaling(power_of_two_scales=True)],
+                         ids=["delayed", "current", "current-pow2"])  # pow2: the plan launches the POW2 binaries
 @pytest.mark.parametrize("shape, dtype, transpose, dbias", [
     ((256, 1024), torch.bfloat16, True, None),
     ((333, 48), torch.bfloat16, True, torch.bfloat16),   # odd rows: padded transposed copy, partial last tile

@@ -311,8 +311,10 @@ def test_amax_counts_nan_as_inf(act, special, exact_conversions):
 
 
 @pytest.mark.parametrize("act", ACTS)
-def test_current_scaling_two_steps(act, config):
-    """act_amax, then act_fwd_fp8 with from_amax (and the same for the backward), kernel vs twin."""
+@pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
+def test_current_scaling_two_steps(act, pow2, config):
+    """act_amax, then act_fwd_fp8 with from_amax (and the same for the backward), kernel vs twin
+    (pow2: the scales rounded down to powers of two, the kernels' POW2)."""
     m, f = 37, 70
     h = make_h(m, f, act, torch.bfloat16, specials=False)
     da = (torch.randn(m, f) * 3).to(torch.bfloat16)
@@ -327,22 +329,28 @@ def test_current_scaling_two_steps(act, config):
             count = torch.tensor(2, dtype=torch.int32)
             out, out_t = poisoned((m, f), E4M3), poisoned((f, 48), E4M3)
             dout, dout_t = poisoned((m, fh), E5M2), poisoned((fh, 48), E5M2)
-            impl.act_fwd_fp8(h, act, out, out_t, s_a, inv_a, from_amax=amax_a, nonfinite_count=count)
-            impl.act_bwd_fp8(da, h, act, dout, dout_t, s_dh, inv_dh, from_amax=amax_dh, nonfinite_count=count)
+            impl.act_fwd_fp8(h, act, out, out_t, s_a, inv_a, from_amax=amax_a, nonfinite_count=count,
+                             power_of_two=pow2)
+            impl.act_bwd_fp8(da, h, act, dout, dout_t, s_dh, inv_dh, from_amax=amax_dh, nonfinite_count=count,
+                             power_of_two=pow2)
             results.append(dict(amax_a=amax_a, amax_dh=amax_dh, s_a=s_a, inv_a=inv_a, s_dh=s_dh, inv_dh=inv_dh,
                                 out=out, out_t=out_t, dout=dout, dout_t=dout_t, count=count))
     got, want = results
     for key in ("amax_a", "amax_dh", "s_a", "inv_a", "s_dh", "inv_dh"):
         assert_float_close(got[key], want[key], key)  # the kernel's amax may differ in the last bit
     assert got["count"].item() == want["count"].item() == 2
+    assert all((math.frexp(got[key].item())[0] == 0.5) == pow2 for key in ("s_a", "s_dh"))
     check_outputs(got["out"], got["out_t"], want["out"], want["out_t"], m)
     check_outputs(got["dout"], got["dout_t"], want["dout"], want["dout_t"], m)
     assert_fp8_close(got["out"], reference.saturating_cast(act_ref.act_forward(h, act), got["s_a"], E4M3),
                      "out vs the twin's values at the kernel's scale")
 
 
-@pytest.mark.parametrize("from_amax", [0.0, 1e-40, math.inf, math.nan], ids=["zero", "subnormal", "inf", "nan"])
-def test_current_scaling_edge_amaxes(from_amax, exact_conversions):
+@pytest.mark.parametrize("from_amax, pow2", [(0.0, False), (1e-40, False), (math.inf, False), (math.nan, False),
+                                             (0.0, True), (1e-40, True), (math.nan, True), (2.5, True)],
+                         ids=["zero", "subnormal", "inf", "nan", "zero-pow2", "subnormal-pow2", "nan-pow2",
+                              "normal-pow2"])
+def test_current_scaling_edge_amaxes(from_amax, pow2, exact_conversions):
     h = make_h(15, 48, "gelu", torch.bfloat16)
     da = torch.randn(15, 48, dtype=torch.bfloat16)
     with activation.override_config(CPU_CONFIG):
@@ -350,8 +358,10 @@ def test_current_scaling_edge_amaxes(from_amax, exact_conversions):
         for fwd, bwd in ((activation.act_fwd_fp8, activation.act_bwd_fp8), (act_ref.act_fwd_fp8, act_ref.act_bwd_fp8)):
             s, inv, count = torch.tensor(0.625), torch.tensor(0.0), torch.tensor(3, dtype=torch.int32)
             out, dout = poisoned((15, 48), E4M3), poisoned((15, 48), E5M2)
-            fwd(h, "gelu", out, None, s, inv, from_amax=torch.tensor(from_amax), nonfinite_count=count)
-            bwd(da, h, "gelu", dout, None, s, inv, from_amax=torch.tensor(from_amax), nonfinite_count=count)
+            fwd(h, "gelu", out, None, s, inv, from_amax=torch.tensor(from_amax), nonfinite_count=count,
+                power_of_two=pow2)
+            bwd(da, h, "gelu", dout, None, s, inv, from_amax=torch.tensor(from_amax), nonfinite_count=count,
+                power_of_two=pow2)
             outs.append((out, dout, s, inv, count))
     (out, dout, s, inv, count), (w_out, w_dout, w_s, w_inv, w_count) = outs
     assert_fp8_close(out, w_out, "out")

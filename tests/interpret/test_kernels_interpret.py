@@ -137,26 +137,26 @@ class Scalars:
                 assert_bits_equal(a, b, name)
 
 
-def run_cast_amax(x, fp8_dtype, mode, amax_start=scaling.UNRECORDED):
+def run_cast_amax(x, fp8_dtype, mode, amax_start=scaling.UNRECORDED, power_of_two=False):
     s_kernel = Scalars.make(x, mode, amax_start)
     s_ref = s_kernel.clone()
     out = poisoned(x.shape, fp8_dtype)
     want = torch.empty(x.shape, dtype=fp8_dtype)
-    cast.cast_amax(x, out, *s_kernel.args())
-    reference.cast_amax(x, want, *s_ref.args())
+    cast.cast_amax(x, out, *s_kernel.args(), power_of_two=power_of_two)
+    reference.cast_amax(x, want, *s_ref.args(), power_of_two=power_of_two)
     assert_fp8_equal(out, want)
     s_kernel.assert_equal(s_ref)
-    return out
+    return out, s_kernel
 
 
-def run_cast_transpose_amax(x, fp8_dtype, mode, mp, amax_start=scaling.UNRECORDED):
+def run_cast_transpose_amax(x, fp8_dtype, mode, mp, amax_start=scaling.UNRECORDED, power_of_two=False):
     m, n = x.shape
     s_kernel = Scalars.make(x, mode, amax_start)
     s_ref = s_kernel.clone()
     out, out_t = poisoned((m, n), fp8_dtype), poisoned((n, mp), fp8_dtype)
     want, want_t = torch.empty((m, n), dtype=fp8_dtype), poisoned((n, mp), fp8_dtype)
-    cast.cast_transpose_amax(x, out, out_t, *s_kernel.args())
-    reference.cast_transpose_amax(x, want, want_t, *s_ref.args())
+    cast.cast_transpose_amax(x, out, out_t, *s_kernel.args(), power_of_two=power_of_two)
+    reference.cast_transpose_amax(x, want, want_t, *s_ref.args(), power_of_two=power_of_two)
     assert_fp8_equal(out, want)
     assert_fp8_equal(out_t, want_t, "transposed copy")
     assert_bits_equal(out_t[:, :m], out.t(), "out_t[:, :M] vs out.T")  # the kernel's own two copies agree
@@ -301,11 +301,15 @@ def test_amax_of_nonfinite_is_inf(special, config):
 @pytest.mark.parametrize("from_amax", [0.0, 1e-40, 3e38, math.inf, math.nan, 2.5],
                          ids=["zero", "subnormal", "huge", "inf", "nan", "normal"])
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
-def test_current_scaling_edge_amaxes(from_amax, fp8_dtype, config):
-    """amax 0 / inf / NaN keep the old scale (inf / NaN count once); subnormal clamps to 2**126."""
+@pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
+def test_current_scaling_edge_amaxes(from_amax, fp8_dtype, pow2, config):
+    """amax 0 / inf / NaN keep the old scale (inf / NaN count once); subnormal clamps to 2**126;
+    pow2 (the flat and the tile kernel's POW2): the computed scale rounded down to a power of two."""
     x = make_input((6, 40), torch.bfloat16)  # subnormals included: 2**126 brings them into range
-    run_cast_amax(x, fp8_dtype, ("current", from_amax))
-    run_cast_transpose_amax(x, fp8_dtype, ("current", from_amax), 16)
+    _, s = run_cast_amax(x, fp8_dtype, ("current", from_amax), power_of_two=pow2)
+    run_cast_transpose_amax(x, fp8_dtype, ("current", from_amax), 16, power_of_two=pow2)
+    if pow2 and 0 < from_amax < math.inf:
+        assert math.frexp(s.scale.item())[0] == 0.5 and s.scale_inv.item() == 1 / s.scale.item()
 
 
 def test_special_values_only(config):
@@ -397,13 +401,14 @@ def make_quantizer_state(num: int, length: int):
 @pytest.mark.parametrize("length", [1, 5, 16, 40])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 3])
-def test_scale_update_matches_reference(length, algo, margin):
+@pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
+def test_scale_update_matches_reference(length, algo, margin, pow2):
     histories, scales, counts, maxes = make_quantizer_state(13, length)
     ref = [[t.clone() for t in ts] for ts in (histories, scales, counts)]
-    launch = ScaleUpdateLaunch(histories, scales, counts, maxes, algo, margin)
+    launch = ScaleUpdateLaunch(histories, scales, counts, maxes, algo, margin, pow2)
     for step in range(3):
         launch()
-        reference.scale_update(*ref, maxes, algo, margin)
+        reference.scale_update(*ref, maxes, algo, margin, pow2)
         for name, got, want in zip(("history", "scale", "count"), (histories, scales, counts), ref):
             for i, (g, w) in enumerate(zip(got, want)):
                 assert_bits_equal(g, w, f"step {step} quantizer {i} {name}")

@@ -124,7 +124,7 @@ ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-1
 class Fwd:
     """One norm_fwd_fp8 call's outputs, poisoned before the call."""
 
-    def __init__(self, x, fp8, layer, mp=None, scale=3.7, from_amax=None, stats=None, with_y=True):
+    def __init__(self, x, fp8, layer, mp=None, scale=3.7, from_amax=None, stats=None, with_y=True, pow2=False):
         m, k = x.shape
         self.mean, self.rstd = stats if stats is not None else stats_buffers(m, layer)
         self.out = poisoned((m, k), fp8)
@@ -134,10 +134,11 @@ class Fwd:
         self.from_amax = from_amax
         self.count = None if from_amax is None else torch.tensor(5, dtype=torch.int32)
         self.y = torch.full((m, k), math.nan, dtype=x.dtype) if with_y else None
+        self.pow2 = pow2
 
     def run(self, impl, x, weight, bias, stats_ready=False) -> "Fwd":
         impl.norm_fwd_fp8(x, weight, bias, EPS, self.mean, self.rstd, self.out, self.out_t, self.scale,
-                          self.scale_inv, self.amax, self.from_amax, self.count, self.y, stats_ready)
+                          self.scale_inv, self.amax, self.from_amax, self.count, self.y, stats_ready, self.pow2)
         return self
 
     def assert_bits_equal(self, other: "Fwd") -> None:
@@ -226,20 +227,23 @@ def test_fwd_computes_stats(shape, layer, transposed, config):
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("layer", KINDS)
-def test_current_scaling_two_steps(fp8, layer, config):
-    """norm_stats(amax) then norm_fwd_fp8(from_amax, stats_ready): bit for bit given that amax."""
+@pytest.mark.parametrize("pow2", [False, True], ids=["exact", "pow2"])
+def test_current_scaling_two_steps(fp8, layer, pow2, config):
+    """norm_stats(amax) then norm_fwd_fp8(from_amax, stats_ready): bit for bit given that amax
+    (pow2: the scale rounded down to a power of two, the kernel's POW2)."""
     m, k = 15, 48
     x = make_x((m, k), torch.bfloat16)
     weight, bias = make_params(k, layer)
     stats, a = stats_buffers(m, layer), torch.tensor(scaling.UNRECORDED)
     norm.norm_stats(x, weight, bias, EPS, *stats, amax_out=a)
     copy = lambda: ((stats[0].clone() if layer else None), stats[1].clone())
-    got = Fwd(x, fp8, layer, mp=16, scale=0.625, from_amax=a.clone(), stats=copy())
-    want = Fwd(x, fp8, layer, mp=16, scale=0.625, from_amax=a.clone(), stats=copy())
+    got = Fwd(x, fp8, layer, mp=16, scale=0.625, from_amax=a.clone(), stats=copy(), pow2=pow2)
+    want = Fwd(x, fp8, layer, mp=16, scale=0.625, from_amax=a.clone(), stats=copy(), pow2=pow2)
     got.run(norm, x, weight, bias, stats_ready=True)
     want.run(ref, x, weight, bias, stats_ready=True)
     got.assert_bits_equal(want)
     assert got.scale.item() != 0.625 and got.count.item() == 5
+    assert (math.frexp(got.scale.item())[0] == 0.5) == pow2
     assert got.amax.item() == a.item()  # the amax of the same y, from either pass
 
 
