@@ -1,12 +1,13 @@
-"""FSDP2 (`fully_shard`) gathering fp8train.Linear weights in FP8 (issue 26, item 2).
+"""FSDP2 (`fully_shard`) gathering fp8train weights in FP8 (issue 26, item 2).
 
 FSDP2 all-gathers each sharded weight before its module's forward, in the master dtype: 4
 bytes per element with FP32 master weights, after which every rank casts the whole weight to
-FP8 itself. `fp8_all_gather(model)` (before `fully_shard`) makes each eligible Linear's weight
-an `FP8GatherWeight`: the master weight, wrapped (every op runs on the master, so optimizers,
-state dicts and FSDP's sharding see it), with FSDP2's two all-gather extension points:
+FP8 itself. `fp8_all_gather(model)` (before `fully_shard`) makes each FP8 GEMM weight of an
+eligible fp8train.Linear, LayerNormLinear or LayerNormMLP (fc1 and fc2) an `FP8GatherWeight`:
+the master weight, wrapped (every op runs on the master, so optimizers, state dicts and
+FSDP's sharding see it), with FSDP2's two all-gather extension points:
 
-  fsdp_pre_all_gather   the local shard cast to FP8 by the layer's weight quantizer with a
+  fsdp_pre_all_gather   the local shard cast to FP8 by that GEMM's weight quantizer with a
                         scale every rank agrees on (distributed.fp8_comm.cast_consistent: current
                         scaling all-reduces the shards' amaxes; delayed scaling reads the
                         scale, and its amax history must be reduced over the group each step,
@@ -15,13 +16,18 @@ state dicts and FSDP's sharding see it), with FSDP2's two all-gather extension p
                         the layer's forward takes as its FP8 weight (no workspace cast); its
                         transposed copy for dgrad is made from the gathered bytes on demand.
 
-Layers left as they are: tensor-parallel ones, and ones whose dims do not take FP8. The C++
-node does not take a gathered Float8Tensor weight yet: such layers run the Python node
-(`fp8train.inspect.execution_paths` says so). Not GPU-run yet.
+Layers left as they are, named in one warning per call: tensor-parallel ones (TP gathers its
+own weights) and ones whose dims do not take FP8 (they keep the master-dtype gather). The
+layers' C++ nodes (Linear's, LayerNormMLP's) take the gathered weight as their FP8 weight as
+the Python Functions do (WeightWorkspace.get / for_native hand it over uncast).
+tests/gpu/test_fsdp_gpu.py runs the FSDP cases with NCCL at min(GPUs, 4) ranks.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
+from typing import Optional
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
@@ -43,18 +49,20 @@ _KEEP = {_aten.detach.default, _aten.alias.default, _aten.view.default, _aten.as
 
 
 class FP8GatherWeight(torch.Tensor):
-    """A Linear's master weight (any op runs on `_master`) that FSDP2 all-gathers in FP8."""
+    """An fp8train layer's master weight (any op runs on `_master`) that FSDP2 all-gathers in
+    FP8, cast by the layer's quantizer `quantizer_name` (its GEMM's weight quantizer)."""
 
     _master: torch.Tensor
 
     @staticmethod
-    def __new__(cls, master: torch.Tensor, layer_ref):
+    def __new__(cls, master: torch.Tensor, layer_ref, quantizer_name: str = "weight_quantizer"):
         t = torch.Tensor._make_wrapper_subclass(cls, master.size(), strides=master.stride(),
                                                 storage_offset=master.storage_offset(), dtype=master.dtype,
                                                 layout=master.layout, device=master.device,
                                                 requires_grad=master.requires_grad)
         t._master = master
         t._layer_ref = layer_ref
+        t._quantizer_name = quantizer_name
         t._scale_ready = False  # precompute_fp8_weight_scales wrote the next gather's scale
         return t
 
@@ -65,29 +73,29 @@ class FP8GatherWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        ref = None
+        source = None  # (layer_ref, quantizer_name) of the wrapped weight
 
         def unwrap(t):
-            nonlocal ref
-            ref = t._layer_ref
+            nonlocal source
+            source = t._layer_ref, t._quantizer_name
             return t._master
         args, kwargs = tree_map_only(cls, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _KEEP:
             return out
-        return tree_map_only(torch.Tensor, lambda t: cls(t, ref), out)
+        return tree_map_only(torch.Tensor, lambda t: cls(t, *source), out)
 
     def __tensor_flatten__(self):
-        return ["_master"], self._layer_ref
+        return ["_master"], (self._layer_ref, self._quantizer_name)
 
     @staticmethod
-    def __tensor_unflatten__(inner, layer_ref, outer_size, outer_stride):
-        return FP8GatherWeight(inner["_master"], layer_ref)
+    def __tensor_unflatten__(inner, source, outer_size, outer_stride):
+        return FP8GatherWeight(inner["_master"], *source)
 
     # ---------------------------------------------------------------- FSDP2's extension points
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
         layer = self._layer_ref()
-        q = getattr(layer, "weight_quantizer", None) if layer is not None else None
+        q = getattr(layer, self._quantizer_name, None) if layer is not None else None
         if q is None:  # a layer freed, or its quantizers removed: as plain FSDP (policy dtype)
             dtype = getattr(mp_policy, "param_dtype", None) or self._master.dtype
             return (self._master.to(dtype),), None
@@ -125,41 +133,74 @@ class FP8GatherWeight(torch.Tensor):
         return weight, (data,)
 
 
+def _gemm_weights(layer: nn.Module):
+    """(GEMM prefix, weight name, weight quantizer name) of each FP8 GEMM of an fp8train layer:
+    prefix p (FP8Module.GEMMS) has the weight `p + "weight"` and its quantizer
+    `p + "weight_quantizer"` (Linear, LayerNormLinear: weight; LayerNormMLP: fc1_weight,
+    fc2_weight). Empty for other modules."""
+    from ..modules.base import QUANTIZER_NAMES, FP8Module
+    if not isinstance(layer, FP8Module):
+        return ()
+    return tuple((p, p + "weight", p + QUANTIZER_NAMES[TensorRole.WEIGHT]) for p in layer.GEMMS)
+
+
+def _left_alone(layer) -> Optional[str]:
+    """Why fp8_all_gather leaves this fp8train layer's weights to FSDP2's own gather, or None."""
+    if layer.tp_layout() is not None:
+        return "tensor-parallel (TP gathers its own weights)"
+    if not layer._fp8_dims:
+        return "dims not multiples of 16 (it runs in high precision; the master-dtype gather stays)"
+    return None
+
+
 def fp8_all_gather(model: nn.Module, recipe: Recipe) -> int:
-    """Make every eligible fp8train.Linear of `model` gather its weight in FP8 under FSDP2
-    (call before `fully_shard`, and before building the optimizer). Their quantizers for
-    `recipe` are made now, so the first gather is in FP8 too: FSDP2 keeps one form of each
-    unsharded weight, and every gather is FP8 from then on (outside fp8train.autocast the
-    layer computes with the dequantized FP8 weight, and says so once). Returns how many."""
-    from ..modules.linear import Linear
-    count = 0
-    for m in model.modules():
-        if not isinstance(m, Linear) or m.tp is not None or not m._fp8_dims or isinstance(m.weight, FP8GatherWeight):
+    """Make every FP8 GEMM weight of each eligible fp8train layer of `model` (Linear,
+    LayerNormLinear, LayerNormMLP's fc1 and fc2) gather in FP8 under FSDP2 (call before
+    `fully_shard`, and before building the optimizer). Their quantizers for `recipe` are made
+    now, so the first gather is in FP8 too: FSDP2 keeps one form of each unsharded weight, and
+    every gather is FP8 from then on (outside fp8train.autocast the layer computes with the
+    dequantized FP8 weight, and says so once). Layers left alone (tensor-parallel, dims FP8
+    cannot take) are named in one UserWarning. Returns how many weights it wrapped."""
+    count, skipped = 0, []
+    for name, m in model.named_modules():
+        weights = _gemm_weights(m)
+        if not weights:
             continue
-        w = m.weight
-        m.quantizers(recipe, w.device)
-        m.weight = nn.Parameter(FP8GatherWeight(w.data, weakref.ref(m)), requires_grad=w.requires_grad)
-        count += 1
+        why = _left_alone(m)
+        if why is not None:
+            skipped.append(f"'{name or '<root>'}' ({m.describe()}): {why}")
+            continue
+        for prefix, weight_name, quantizer_name in weights:
+            w = getattr(m, weight_name)
+            if isinstance(w, FP8GatherWeight):
+                continue
+            m.quantizers(recipe, w.device, prefix)
+            setattr(m, weight_name, nn.Parameter(FP8GatherWeight(w.data, weakref.ref(m), quantizer_name),
+                                                 requires_grad=w.requires_grad))
+            count += 1
+    if skipped:
+        warnings.warn(f"fp8_all_gather: {len(skipped)} fp8train layer(s) keep FSDP2's master-dtype all-gather: "
+                      + "; ".join(skipped), UserWarning, stacklevel=2)
     return count
 
 
 def precompute_fp8_weight_scales(model: nn.Module, group=None) -> int:
     """Current scaling with fp8_all_gather: the scales of every FP8-gathered weight of `model`
-    from one all-reduce of all their shards' amaxes, instead of one all-reduce per layer at
+    from one all-reduce of all their shards' amaxes, instead of one all-reduce per weight at
     each gather. Call after the optimizer step (the masters' new values), before the next
     forward, on every rank of the FSDP group (`group`: its process group; None: the default).
-    Each weight's next gather casts with the scale computed here (bit for bit the per-layer
+    Each weight's next gather casts with the scale computed here (bit for bit the per-weight
     path's). Delayed scaling needs nothing (its scales come from the reduced histories).
     Returns how many weights it prepared."""
-    from ..modules.linear import Linear
     from ..quantizer import CurrentScalingQuantizer
     todo = []
     for m in model.modules():
-        if not isinstance(m, Linear) or not isinstance(m.weight_quantizer, CurrentScalingQuantizer):
-            continue
-        local = getattr(m.weight, "_local_tensor", m.weight)  # the sharded DTensor's shard
-        if isinstance(local, FP8GatherWeight):
-            todo.append((local, m.weight_quantizer))
+        for _, weight_name, quantizer_name in _gemm_weights(m):
+            q = getattr(m, quantizer_name)
+            weight = getattr(m, weight_name)
+            local = getattr(weight, "_local_tensor", weight)  # the sharded DTensor's shard
+            if isinstance(q, CurrentScalingQuantizer) and isinstance(local, FP8GatherWeight):
+                todo.append((local, q))
     if not todo:
         return 0
     amax = torch.zeros(len(todo), dtype=torch.float32, device=todo[0][0]._master.device)
@@ -168,7 +209,7 @@ def precompute_fp8_weight_scales(model: nn.Module, group=None) -> int:
     reduce_amax(amax, group)  # the whole weights' amaxes, one collective for all
     for i, (local, q) in enumerate(todo):
         q.amax.copy_(amax[i])
-        reference.resolve_scale(q.scale, q.amax, q.nonfinite_count, scaling.fp8_max(q.dtype))
+        reference.resolve_scale(q.scale, q.amax, q.nonfinite_count, scaling.fp8_max(q.dtype), q.power_of_two)
         local._scale_ready = True
     return len(todo)
 

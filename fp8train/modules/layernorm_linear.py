@@ -13,13 +13,14 @@ from ..distributed.tp_config import TPConfig
 from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
+from ..tensor import Float8Tensor
 from . import high_node
 from .base import FP8Module, in_dtype, mark_calibrated, unsafe_view
 from .linear import _rows, init_linear_params, linear_parts
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision, \
     norm_high_precision_in
 from .tp_checkpoint import TPCheckpoints
-from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
+from .weight_workspace import WeightWorkspace, high_precision_weight, weight_operands, weight_transposed
 
 
 class LayerNormLinear(FP8Module, TPCheckpoints):
@@ -168,13 +169,15 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
                                                     self.bias, self.normalization, self.eps, self.tp,
                                                     self.local_out_parts)
             return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
-        if dtype is not None:  # inside autocast: one C++ node where it can take the call
+        weight = self.weight
+        # inside autocast: one C++ node where it can take the call (not a weight FSDP2 gathered in FP8)
+        if dtype is not None and not isinstance(weight, Float8Tensor):
             y = high_node.forward(self, x, dtype)
             if y is not None:
                 return y
         norm = norm_high_precision if dtype is None else norm_high_precision_in
         ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
-        gemm_in, w, b = ln, self.weight, self.bias
+        gemm_in, w, b = ln, high_precision_weight(self, weight), self.bias
         if dtype is not None:
             gemm_in, w, b = in_dtype(ln, dtype), in_dtype(w, dtype), in_dtype(b, dtype)
         y = linear_parts(gemm_in, w, b, self.out_parts)

@@ -15,6 +15,7 @@ from ..distributed.tp_config import ParallelMode, TPConfig
 from ..distributed.tp_state import ShardSpec, TPLayout
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig
+from ..tensor import Float8Tensor
 from . import high_node
 from . import layernorm_mlp_native as mlp_native
 from .activation import ACTIVATIONS, activation_backward_fp8, activation_fp8, activation_high_precision
@@ -23,7 +24,7 @@ from .linear import _rows, init_linear_params
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision, \
     norm_high_precision_in
 from .tp_checkpoint import TPCheckpoints
-from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
+from .weight_workspace import WeightWorkspace, high_precision_weight, weight_operands, weight_transposed
 
 # Re-exported: these lived here before modules/activation.py (export/twins.py, inspect.py, tests).
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "activation_high_precision", "activation_fp8", "activation_backward_fp8"]
@@ -130,8 +131,9 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
         ln_bias, fc1_bias, fc2_bias = self.layer_norm_bias, self.fc1_bias, self.fc2_bias
         entry = None
         # the C++ node where its plan is ready (it re-casts the weights too, where their
-        # steady-state launch is prepared), else the Python Function, which records for it
-        # (traced code never gets here with a plan: compile takes the Function, untouched)
+        # steady-state launch is prepared; weights FSDP2 gathered in FP8 are taken as they are),
+        # else the Python Function, which records for it (traced code never gets here with a
+        # plan: compile takes the Function, untouched)
         if tp1 is None and x.is_cuda and not torch.compiler.is_compiling():
             needs = mlp_native.needs_of(x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
             activations = (q2[0], q1[0], q1[2], q2[2])  # a, x, dh, dy: the quantizers the groups point into
@@ -178,13 +180,17 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
             return layernorm_mlp_high_precision(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
                                                 self.fc1_bias, self.fc2_weight, self.fc2_bias, self.normalization,
                                                 self.activation, self.eps, self.fc1_tp, self.fc2_tp)
-        if dtype is not None:  # inside autocast: one C++ node where it can take the call
+        fc1_weight, fc2_weight = self.fc1_weight, self.fc2_weight
+        gathered = isinstance(fc1_weight, Float8Tensor) or isinstance(fc2_weight, Float8Tensor)
+        # inside autocast: one C++ node where it can take the call (not weights FSDP2 gathered in FP8)
+        if dtype is not None and not gathered:
             y = high_node.forward(self, x, dtype)
             if y is not None:
                 return y
         norm = norm_high_precision if dtype is None else norm_high_precision_in
         ln = norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps)
-        params = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
+        params = (high_precision_weight(self, fc1_weight), self.fc1_bias, high_precision_weight(self, fc2_weight),
+                  self.fc2_bias)
         if dtype is not None:
             ln = in_dtype(ln, dtype)
             params = tuple(in_dtype(p, dtype) for p in params)

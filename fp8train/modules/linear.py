@@ -18,7 +18,7 @@ from ..recipe import GemmConfig
 from ..tensor import Float8Tensor
 from .base import FP8Module, in_dtype, mark_calibrated, unsafe_view
 from .tp_checkpoint import TPCheckpoints
-from .weight_workspace import WeightWorkspace, weight_operands, weight_transposed
+from .weight_workspace import WeightWorkspace, high_precision_weight, weight_operands, weight_transposed
 
 
 class Linear(FP8Module, TPCheckpoints):
@@ -97,11 +97,7 @@ class Linear(FP8Module, TPCheckpoints):
                       params_dtype=self.weight.dtype, device=self.weight.device)
 
     def high_precision_forward(self, x, dtype):
-        weight = self.weight
-        if isinstance(weight, Float8Tensor):  # FSDP2 gathered it in FP8 (distributed/fsdp.py)
-            self.warn_once("gathered", "FSDP2 gathers this weight in FP8 (fp8_all_gather): outside FP8 it computes "
-                                       "with the dequantized FP8 weight, not the master weight")
-            weight = weight.dequantize()
+        weight = high_precision_weight(self, self.weight)
         return F.linear(x, weight, self.bias) if dtype is None else _high_precision(x, weight, self.bias, dtype)
 
     @property
@@ -119,21 +115,17 @@ class Linear(FP8Module, TPCheckpoints):
         q_input, q_weight, q_grad = self.quantizers(recipe, weight.device)
         grad = torch.is_grad_enabled()
         bias = self.bias
-        gathered = isinstance(weight, Float8Tensor)  # FSDP2 gathered it in FP8 (distributed/fsdp.py)
-        if x.is_cuda and native.ENABLED and not gathered:
+        if x.is_cuda and native.ENABLED:
             y = _native_forward(self, x, weight, bias, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
                                 is_first_microbatch)
             if y is not None:
                 return y
         elif not torch.compiler.is_compiling():
-            self._path[0] = _GATHERED if gathered else _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
+            self._path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
         if isinstance(x, Float8Tensor):
             self.check_fp8_input(x, q_input)
-        if gathered:  # its bytes are the FP8 weight; the transposed copy comes from them on demand
-            w_fp8 = weight
-        else:
-            w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch,
-                                        need_transpose=grad and x.requires_grad, skip=self.weight_cast_skip)
+        w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad,
+                                    skip=self.weight_cast_skip)
         y = _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
                             grad and weight.requires_grad)
         mark_calibrated(q_input, q_weight, q_grad)
@@ -193,7 +185,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 CPP_NODE = "C++ node"
 _OFF_CUDA = "Python node: the C++ node runs on CUDA tensors only"
 _SWITCHED_OFF = "Python node: the C++ node is switched off (kernels.native.ENABLED = False)"
-_GATHERED = "Python node: FSDP2 gathered the weight in FP8 (the C++ node does not take it yet)"
 
 
 def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,

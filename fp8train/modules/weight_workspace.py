@@ -31,7 +31,11 @@ class WeightWorkspace:
     def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
             need_transpose: bool, skip: Optional[torch.Tensor] = None) -> Union[Float8Tensor, Cast]:
         """skip: the device flag of a graphed layer with FP8 weight caching (graphs.py): the
-        cast is issued on every call and the kernels skip it while the flag is nonzero."""
+        cast is issued on every call and the kernels skip it while the flag is nonzero.
+        A weight that FSDP2 gathered in FP8 (distributed/fsdp.py) is its own FP8 copy: it is
+        returned as it is (its transposed copy is made from its bytes on demand)."""
+        if isinstance(weight, Float8Tensor):
+            return weight
         if torch.compiler.is_compiling():
             return self._get_traced(weight, quantizer, is_first_microbatch, need_transpose)
         ws = self.fp8
@@ -51,6 +55,8 @@ class WeightWorkspace:
         bookkeeping done, the node runs it into the workspace before its GEMMs) and the
         workspace it writes; else (get(...)'s result, None), the weight cast or kept here in
         Python."""
+        if isinstance(weight, Float8Tensor):  # gathered by FSDP2 in FP8: nothing to cast
+            return weight, None
         if is_first_microbatch is not False and skip is None and self.fits(weight, quantizer):
             plan = quantizer.native_recast(weight, self.fp8, need_transpose)
             if plan is not None:
@@ -89,3 +95,14 @@ def weight_transposed(w: Union[Float8Tensor, Cast]) -> Tuple[torch.Tensor, torch
     if isinstance(w, Float8Tensor):
         return w.transpose_data(), w.scale_inv
     return w.data_t, w.scale_inv
+
+
+def high_precision_weight(layer, weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A weight for a layer's high-precision path: the parameter, or one FSDP2 gathered in
+    FP8 (fp8_all_gather) dequantized, which the layer says once (FSDP2 keeps one form of each
+    unsharded weight: the master is not gathered)."""
+    if not isinstance(weight, Float8Tensor):
+        return weight
+    layer.warn_once("gathered", "FSDP2 gathers this weight in FP8 (fp8_all_gather): outside FP8 it computes "
+                                "with the dequantized FP8 weight, not the master weight")
+    return weight.dequantize()
