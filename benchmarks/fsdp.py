@@ -125,7 +125,7 @@ class Runner:
         wall_us = (time.perf_counter() - t0) * 1e6
         comm, compute = [], []
         for e in prof.events():
-            if e.device_type != torch.autograd.DeviceType.CUDA:
+            if not hf_llama.is_device_work(e):
                 continue
             span = (e.time_range.start, e.time_range.end)
             (comm if "nccl" in e.name.lower() else compute).append(span)

@@ -198,9 +198,15 @@ class Runner:
             for _ in range(steps):
                 self.step(self.model, self.recipe)
             self.sync()
-        kernels_us = sum(e.self_device_time_total for e in prof.key_averages()
-                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels_us = sum(e.self_device_time_total for e in prof.key_averages() if is_device_work(e))
         return kernels_us / 1e3 / steps
+
+
+def is_device_work(event) -> bool:
+    """A profiler event that is device work (kernel, memcpy, memset): not a CPU op, and not a
+    user annotation's GPU range (record_function's, e.g. "Optimizer.step#AdamW.step" or
+    FSDP2's "FSDP::pre_forward"), which spans idle gaps and the kernels counted already."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
 
 
 def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: int) -> List[Dict]:
