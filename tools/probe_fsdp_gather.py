@@ -18,11 +18,14 @@ g = torch.Generator().manual_seed(1000)
 batches = [tuple(t.to(dev) for t in corpus.batch("train", shape.batch, shape.seq, g)) for _ in range(4)]
 for v in sys.argv[1:]:
     r = fsdp.Runner(v, shape, dev, batches)
-    print("==", v, fp8train.inspect.execution_paths(r.model) if v.startswith("fp8") else "")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    paths = fp8train.inspect.execution_paths(r.model) if v.startswith("fp8") else {}
+    print("==", v, sorted(set(paths.values())))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             r.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=70))
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:30]
+    for e in rows:
+        print(f"  {e.key[:60]:60s} self {e.self_cpu_time_total / 3e3:7.2f} ms  total {e.cpu_time_total / 3e3:7.2f} ms  n {e.count // 3}")
     del r
 dist.destroy_process_group()

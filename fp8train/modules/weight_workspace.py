@@ -35,6 +35,10 @@ class WeightWorkspace:
         A weight that FSDP2 gathered in FP8 (distributed/fsdp.py) is its own FP8 copy: it is
         returned as it is (its transposed copy is made from its bytes on demand)."""
         if isinstance(weight, Float8Tensor):
+            if torch.compiler.is_compiling():  # as a Cast: Dynamo (torch 2.11) fails an internal assertion
+                # on a tensor subclass passed through an autograd.Function (_LinearFn)
+                data = weight._data
+                return Cast(data, data.t().contiguous() if need_transpose else None, weight._scale_inv)
             return weight
         if torch.compiler.is_compiling():
             return self._get_traced(weight, quantizer, is_first_microbatch, need_transpose)
