@@ -442,6 +442,7 @@ class _DelayedScalingRegistry:
         self._refs: list = []
         self._batches: Optional[list] = None
         self._stale = False
+        self.updates = 0  # eager update() calls so far: what a cast with the scales of an earlier one keys on
 
     def add(self, q: DelayedScalingQuantizer) -> None:
         self._refs.append(weakref.ref(q, self._forget))
@@ -474,6 +475,7 @@ class _DelayedScalingRegistry:
                     "(forward and backward) before capturing")
             if not capturing:
                 self._rebuild()
+        self.updates += 1
         for batch in self._batches:
             batch()
 
@@ -499,6 +501,12 @@ def update_delayed_scales() -> None:
     (device, history length, algorithm, margin, power-of-two rule) group, no sync, no
     allocation once built."""
     _REGISTRY.update()
+
+
+def delayed_updates() -> int:
+    """How many times update_delayed_scales ran in Python (not counting CUDA-graph replays):
+    delayed scales change only then."""
+    return _REGISTRY.updates
 
 
 def make_quantizer(recipe: Recipe, role: TensorRole, device=None) -> Quantizer:

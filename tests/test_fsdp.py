@@ -311,6 +311,41 @@ def case_fp8_all_gather_is_the_master_gather_in_fp8(ctx, recipe: str, kind: str 
     assert 0 < (got - want).norm() <= 0.2 * want.norm(), float((got - want).norm() / want.norm())
 
 
+def case_weights_cast_once_per_step(ctx, recipe: str):
+    """reshard_after_forward frees each unsharded weight after the forward and gathers it again
+    for the backward: that second FP8 pre-all-gather reuses the forward's bytes (the master
+    and the scale are unchanged), so each weight is cast once per step, not twice; after the
+    optimizer step (the masters change) and a delayed update (the scales change), cast again.
+    The equality of the training with the master gather, with this cache in use, is
+    case_fp8_all_gather_is_the_master_gather_in_fp8's."""
+    from fp8train.distributed import fsdp
+    r = RECIPES[recipe]()
+    model, opt = _fp8_gathered(ctx, r)  # every Linear and the root reshard after forward
+    casts = []
+    original = fsdp.cast_consistent
+
+    def counting(x, q, *args, **kwargs):
+        casts.append(id(q))
+        return original(x, q, *args, **kwargs)
+    g = torch.Generator().manual_seed(ctx.seed)
+    fsdp.cast_consistent = counting
+    try:
+        for step in range(3):
+            x, y = _batch(g, ctx)
+            casts.clear()
+            if recipe == "delayed":
+                reduce_delayed_amaxes(delayed_quantizers(model), dist.group.WORLD)
+            with fp8train.autocast(recipe=r):
+                loss = (model(x.chunk(ctx.world)[ctx.rank]) - y.chunk(ctx.world)[ctx.rank]).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            weights = [m.weight_quantizer for m in model if isinstance(m, fp8train.Linear)]
+            assert sorted(casts) == sorted(id(q) for q in weights), f"step {step}: {len(casts)} casts"
+    finally:
+        fsdp.cast_consistent = original
+
+
 def case_current_weight_scales_from_one_all_reduce_per_step(ctx):
     """Current scaling with the FP8 gather: precompute_fp8_weight_scales after each optimizer
     step gives every weight's scale from one all-reduce of all shards' amaxes, and the
@@ -525,6 +560,8 @@ def _cases():
         out.append(gloo_harness.case(case_fp8_all_gather_is_the_master_gather_in_fp8, (1, 2, 3), recipe=recipe,
                                      kind="fused"))
     out.append(gloo_harness.case(case_current_weight_scales_from_one_all_reduce_per_step, (1, 2)))
+    for recipe in RECIPES:
+        out.append(gloo_harness.case(case_weights_cast_once_per_step, (1, 2), recipe=recipe))
     out.append(gloo_harness.case(case_fp8_all_gather_leaves_tp_layers_alone, (2,)))
     for recipe in RECIPES:  # at 3 ranks, in the slow tier: two Dynamo traces cost ~15 s of the 2-rank launch
         out.append(gloo_harness.case(case_compiled_matches_eager, (1, 3), recipe=recipe))

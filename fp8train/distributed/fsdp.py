@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map_only
 
 from .. import kernels, scaling
 from ..kernels import reference
+from ..quantizer import DelayedScalingQuantizer, delayed_updates
 from ..recipe import Recipe
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
@@ -64,6 +65,7 @@ class FP8GatherWeight(torch.Tensor):
         t._layer_ref = layer_ref
         t._quantizer_name = quantizer_name
         t._scale_ready = False  # precompute_fp8_weight_scales wrote the next gather's scale
+        t._last_gather = None  # (key, outputs, metadata) of the last FP8 pre-all-gather
         return t
 
     def __repr__(self) -> str:
@@ -79,8 +81,18 @@ class FP8GatherWeight(torch.Tensor):
             nonlocal source
             source = t._layer_ref, t._quantizer_name
             return t._master
-        args, kwargs = tree_map_only(cls, unwrap, (args, kwargs or {}))
+        wrapped = []
+
+        def unwrap_all(t):
+            wrapped.append(t._master)
+            return unwrap(t)
+        args, kwargs = tree_map_only(cls, unwrap_all, (args, kwargs or {}))
         out = func(*args, **kwargs)
+        if func._schema.is_mutable:  # an in-place write (an optimizer step, a checkpoint load)
+            # runs on the master below autograd, which leaves its version counter as it was:
+            # bump it, so that the FP8 gather's cache (_gather_key) sees the new values
+            for master in wrapped:
+                torch.autograd.graph.increment_version(master)
         if func not in _KEEP:
             return out
         return tree_map_only(torch.Tensor, lambda t: cls(t, *source), out)
@@ -99,6 +111,12 @@ class FP8GatherWeight(torch.Tensor):
         if q is None:  # a layer freed, or its quantizers removed: as plain FSDP (policy dtype)
             dtype = getattr(mp_policy, "param_dtype", None) or self._master.dtype
             return (self._master.to(dtype),), None
+        # The master and the scale unchanged since the last gather (the backward's re-gather
+        # after reshard_after_forward, a later microbatch's): the same FP8 bytes, not cast again
+        # (under current scaling no amax all-reduce either; every rank decides alike)
+        last = self._last_gather
+        if last is not None and not self._scale_ready and last[0] == self._gather_key(q):
+            return last[1], last[2]
         if self._scale_ready:  # current scaling: precompute_fp8_weight_scales set q.scale already
             self._scale_ready = False
             data = torch.empty(self._master.shape, dtype=q.dtype, device=self._master.device)
@@ -110,7 +128,17 @@ class FP8GatherWeight(torch.Tensor):
         padded = -(-rows // mesh.size())  # FSDP pads every shard to this many rows
         if data.shape[0] < padded:  # the last ranks' shards when the rows do not split evenly
             data = torch.cat([data, data.new_zeros(padded - data.shape[0], *data.shape[1:])])
-        return (data.view(torch.uint8),), (scale_inv, q.dtype, rows)
+        outputs, metadata = (data.view(torch.uint8),), (scale_inv, q.dtype, rows)
+        self._last_gather = (self._gather_key(q), outputs, metadata)  # after the cast: it may write q.scale
+        return outputs, metadata
+
+    def _gather_key(self, q) -> tuple:
+        """What an FP8 shard depends on: the quantizer, the master's values (its version,
+        which __torch_dispatch__ bumps on every in-place op) and, for delayed scaling, the
+        scale (it changes only at a delayed update, written by a kernel: counted, not
+        versioned). A current scale follows from the master alone."""
+        delayed = isinstance(q, DelayedScalingQuantizer)
+        return id(q), q.dtype, self._master._version, delayed_updates() if delayed else None, q.calibrated
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (gathered,) = all_gather_outputs
