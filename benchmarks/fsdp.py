@@ -22,7 +22,9 @@ Per variant (rank 0 prints): wall ms per step (median of `--rounds` rounds of `-
 steps, variants alternating), and from torch.profiler over `--profile-steps` steps on CUDA:
 device ms of compute kernels, of communication kernels (NCCL), and the exposed share of the
 step (communication time during which no compute kernel ran, over the step). Ratios to bf16
-fsdp and torchao. Writes JSON; never asserts on time. At N = 1 the collectives are local
+fsdp and torchao; with `--host-top N`, each variant's N largest host self times (where a
+host-bound step spends its time). Device time counts kernels, copies and collectives, not
+record_function ranges (hf_llama.is_device_work). Writes JSON; never asserts on time. At N = 1 the collectives are local
 copies: the run checks the code path, not the communication.
 """
 from __future__ import annotations
@@ -110,11 +112,13 @@ class Runner:
         self.sync()
         return (time.perf_counter() - t0) * 1e3 / steps
 
-    def profile(self, steps: int) -> Dict[str, Optional[float]]:
+    def profile(self, steps: int, host_top: int = 0) -> Dict:
         """Device ms per step of compute and of communication kernels, and the exposed share:
-        communication time with no compute kernel running, over the step's wall time."""
+        communication time with no compute kernel running, over the step's wall time; with
+        host_top, the `host_top` largest host self times per step (op or annotation: an FSDP::
+        range's self time is FSDP's and the extension points' Python)."""
         if self.device.type != "cuda" or steps <= 0:
-            return {"compute_ms": None, "comm_ms": None, "exposed_share": None}
+            return {"compute_ms": None, "comm_ms": None, "exposed_share": None, "host_top": []}
         from torch.profiler import ProfilerActivity, profile
         self.sync()
         t0 = time.perf_counter()
@@ -131,8 +135,10 @@ class Runner:
             (comm if "nccl" in e.name.lower() else compute).append(span)
         comm_u, compute_u = _union(comm), _union(compute)
         exposed = _length(comm_u) - _length(_intersect(comm_u, compute_u))
+        top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:host_top]
         return {"compute_ms": _length(compute_u) / 1e3 / steps, "comm_ms": _length(comm_u) / 1e3 / steps,
-                "exposed_share": exposed / wall_us}
+                "exposed_share": exposed / wall_us,
+                "host_top": [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in top]}
 
 
 def _union(spans):
@@ -169,6 +175,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--host-top", type=int, default=0, help="print each variant's N largest host self times")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -196,7 +203,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         rows = []
         for v, run in runners.items():
             row = {"variant": v, "wall_ms": statistics.median(times[v]), "rounds_ms": times[v]}
-            row.update(run.profile(args.profile_steps))
+            row.update(run.profile(args.profile_steps, args.host_top))
             for base in ("bf16 fsdp", "torchao fp8-gather"):
                 if base in times:
                     row[f"vs {base}"] = statistics.median(a / b for a, b in zip(times[v], times[base]))
@@ -212,6 +219,11 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                 print(f"{row['variant']:<26}{cell(row['wall_ms'], 9, '.2f')}{cell(row['compute_ms'], 11, '.2f')}"
                       f"{cell(row['comm_ms'], 9, '.2f')}{cell(row['exposed_share'], 9, '.1%')}"
                       f"{cell(row.get('vs bf16 fsdp'), 9, '.2f')}{cell(row.get('vs torchao fp8-gather'), 11, '.2f')}")
+            for row in rows:
+                if row["host_top"]:
+                    print(f"{row['variant']}: host self ms per step (calls)")
+                    for key, ms, count in row["host_top"]:
+                        print(f"  {key[:64]:<64}{ms:8.2f}{count:7.0f}")
         del runners
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
