@@ -174,18 +174,22 @@ def spread(values: List[float]) -> Dict[str, float]:
 
 
 def summarise(results: List[Dict]) -> Dict[str, Dict]:
-    """Per recipe: gaps to the same seed's BF16 run (percent), over the seeds; BF16's own
-    final losses over the seeds."""
-    base = {r["seed"]: r for r in results if r["recipe"] == "bf16"}
+    """Per recipe: gaps to the same seed's BF16 run of the same source (percent; runs merged
+    from several files keep their file's index as `source`: a seed run twice is two samples,
+    each against its own BF16, which is not deterministic), over the seeds; BF16's own final
+    losses over the seeds."""
+    def key(r):
+        return r.get("source", 0), r["seed"]
+    base = {key(r): r for r in results if r["recipe"] == "bf16"}
     out = {}
     for recipe in dict.fromkeys(r["recipe"] for r in results):
-        rows = [r for r in results if r["recipe"] == recipe and r["seed"] in base]
+        rows = [r for r in results if r["recipe"] == recipe and key(r) in base]
         if recipe == "bf16":
             vals = [r["final_val"] for r in rows]
             out[recipe] = {"final_val": spread(vals), "final_train": spread([r["final_train"] for r in rows]),
                            "seed_spread_pct": 100 * (max(vals) - min(vals)) / statistics.fmean(vals)}
             continue
-        gap = {k: [100 * (r[k] - base[r["seed"]][k]) / base[r["seed"]][k] for r in rows]
+        gap = {k: [100 * (r[k] - base[key(r)][k]) / base[key(r)][k] for r in rows]
                for k in ("final_train", "final_val")}
         out[recipe] = {"val_gap_pct": spread(gap["final_val"]), "train_gap_pct": spread(gap["final_train"]),
                        "seeds": len(rows)}
@@ -214,7 +218,8 @@ def merge(paths: List[str], out: Optional[str]) -> Dict:
     merged.update(merged_from=list(paths), shapes={})
     for name in dict.fromkeys(n for f in files for n in f["shapes"]):
         parts = [f["shapes"][name] for f in files if name in f["shapes"]]
-        rows = [r for part in parts for r in part["runs"]]
+        rows = [dict(r, source=i) for i, f in enumerate(files) if name in f["shapes"]
+                for r in f["shapes"][name]["runs"]]
         summary = summarise(rows)
         run = Run(hf_llama.Shape(**parts[0]["shape"]), parts[0]["steps"])
         print_summary(name, run, summary, merged["schedule"])

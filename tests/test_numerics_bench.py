@@ -40,3 +40,20 @@ def test_cosine_schedule_warms_up_then_decays_to_a_tenth():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
     assert numerics.lr_at(7, 100, "const", 10, 3e-4) == 3e-4
+
+
+def test_merge_pairs_each_run_with_its_own_bf16(tmp_path):
+    # The same seed in two files (two runs of it): each FP8 loss against its own file's BF16,
+    # so the gaps are +10% and +0% (pairing across files would give +20% / -8.3% or the like).
+    def result(bf16, fp8):
+        runs = [{"recipe": "bf16", "seed": 0, "final_val": bf16, "final_train": bf16},
+                {"recipe": "fp8 delayed", "seed": 0, "final_val": fp8, "final_train": fp8}]
+        return {"date": "d", "torch": "t", "device": "cpu", "schedule": "const", "lr": 3e-4,
+                "shapes": {"tiny": {"shape": {"hidden": 64, "ffn": 128, "layers": 2, "heads": 4, "kv_heads": 2,
+                                              "batch": 2, "seq": 64}, "steps": 30, "runs": runs}}}
+    paths = []
+    for i, (b, f) in enumerate(((2.0, 2.2), (2.4, 2.4))):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(result(b, f)))
+    gap = numerics.merge([str(p) for p in paths], None)["shapes"]["tiny"]["summary"]["fp8 delayed"]["val_gap_pct"]
+    assert gap["min"] == pytest.approx(0.0) and gap["max"] == pytest.approx(10.0) and gap["mean"] == pytest.approx(5.0)

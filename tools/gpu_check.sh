@@ -18,11 +18,14 @@
 #   hf     the HF Llama GPU tests (tests/gpu/test_hf_llama_gpu.py), then benchmarks/hf_llama.py
 #          at h1024 with every variant (about 5 minutes: one compile per compiled variant)
 #   hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape, every variant
-#   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: one seed (SEED, default 0),
-#          every recipe (torchao's with its wheel), loss PNG and JSON into $OUT; one call per seed
-#          (~3 minutes each), then `python benchmarks/numerics.py --merge <the JSON files>`
-#   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path)
-#          and the FSDP tests (gloo, CPU)
+#   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: seeds SEEDS (default
+#          "0"; several run side by side on the one GPU, losses are not timed), recipes RECIPES
+#          (default: the script's; torchao's need its wheel carried), JSON per seed into $OUT
+#          (~1 minute per recipe at h1024); `python benchmarks/numerics.py --merge <the JSONs>`
+#          pairs gaps only within one run's JSON (each holds its own bf16)
+#   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
+#          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
+#          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
 # Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048] [fsdp]
@@ -90,14 +93,19 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao)|failed" ;;
     numerics-h1024|numerics-h2048)
       shape=${step#numerics-}
-      seed=${SEED:-0}
-      timeout 570 python3 benchmarks/numerics.py --shapes "$shape" --seeds 1 --first-seed "$seed" \
-        --png "$OUT/numerics_s$seed" --json "$OUT/numerics_${shape}_s$seed.json" 2>&1 \
-        | tee "$OUT/numerics_${shape}_s$seed.log" | grep -v "Warn\|warn" | tail -14 ;;
+      for seed in ${SEEDS:-0}; do
+        timeout 570 python3 benchmarks/numerics.py --shapes "$shape" --seeds 1 --first-seed "$seed" \
+          ${RECIPES:+--recipes "$RECIPES"} --json "$OUT/numerics_${shape}_s$seed.json" \
+          > "$OUT/numerics_${shape}_s$seed.log" 2>&1 &
+      done
+      wait
+      for seed in ${SEEDS:-0}; do grep -v "Warn\|warn\|append" "$OUT/numerics_${shape}_s$seed.log" | tail -8; done ;;
     fsdp)
-      timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" 2>&1 \
+      timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \
+        --host-top "${HOST_TOP:-0}" 2>&1 \
         | tee "$OUT/fsdp.log" | grep -v "^W1\|OMP_NUM\|\*\*\*\*\|Warn\|warn" | tail -14
-      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fsdp.py 2>&1 | tail -2 ;;
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_fsdp_gpu.py 2>&1 \
+        | tail -8 ;;
     replay)
       python3 -c "from fp8train.kernels import native; print('C++ extension:', 'built' if native.extension() else native.failure())"
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_replay_gpu.py \
