@@ -387,13 +387,15 @@ def case_current_weight_scales_from_one_all_reduce_per_step(ctx):
         dist.all_reduce = original
 
 
-def case_2d_mesh_fsdp_over_tp(ctx, recipe: str):
+def case_2d_mesh_fsdp_over_tp(ctx, recipe: str, sp: bool = False):
     """A 2 x 2 mesh (dp, tp) on 4 ranks: a column-parallel then a row-parallel fp8train.Linear
-    (sequence parallel off) over the mesh's tp groups, fully_shard over its dp groups. Each dp
-    replica trains on half of every batch; the losses follow a single-process twin holding the
-    full weights on the whole batch (the file's tolerance), and the delayed scales agree over
-    the whole grid (amaxes reduced over tp, then dp). (Sequence parallelism, whose FP8
-    activation gathers run over tp, is not in this case yet.)"""
+    over the mesh's tp groups, fully_shard over its dp groups. Each dp replica trains on half
+    of every batch; the losses follow a single-process twin holding the full weights on the
+    whole batch (the file's tolerance), and the delayed scales agree over the whole grid
+    (amaxes reduced over tp, then dp). With `sp` (sequence parallelism) each tp rank holds
+    half of its replica's sequence (dim 0): the column layer gathers it over tp in FP8 and the
+    row layer reduce-scatters its output over tp, while FSDP gathers and reduce-scatters the
+    weights over dp: the two shard on different mesh dims."""
     from torch.distributed.device_mesh import init_device_mesh
     from fp8train.distributed import AmaxReduction, reduce_delayed_amaxes
     mesh = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
@@ -402,28 +404,37 @@ def case_2d_mesh_fsdp_over_tp(ctx, recipe: str):
 
     def build(tp_group=None):
         torch.manual_seed(ctx.seed)  # the TP layers keep their shards of the unsharded draws
-        kw = [{}, {}] if tp_group is None else [{"tp_group": tp_group, "parallel_mode": "column"},
-                                                  {"tp_group": tp_group, "parallel_mode": "row"}]
+        kw = [{}, {}] if tp_group is None else [
+            {"tp_group": tp_group, "parallel_mode": "column", "sequence_parallel": sp},
+            {"tp_group": tp_group, "parallel_mode": "row", "sequence_parallel": sp}]
         return nn.Sequential(fp8train.Linear(64, 128, **kw[0]), nn.GELU(),
                              fp8train.Linear(128, 64, **kw[1])).to(ctx.device)
     model, twin = build(tp), build()
     _shard(model, mesh=mesh["dp"])
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin)]
-    dp_rank = mesh["dp"].get_local_rank()
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     grid = AmaxReduction.tensor_and_data_parallel(tp, dp)
+
+    def mine(t):  # this rank's part: its replica's half of the batch, and of that its sequence half
+        t = t.chunk(2)[dp_rank]
+        return t.chunk(2)[tp_rank].contiguous() if sp else t
     g = torch.Generator().manual_seed(ctx.seed)
     for step in range(5):
         x, y = _batch(g, ctx)
         if recipe == "delayed":
             reduce_delayed_amaxes(delayed_quantizers(model), grid)
         with fp8train.autocast(recipe=r):
-            loss = (model(x.chunk(2)[dp_rank]) - y.chunk(2)[dp_rank]).square().mean()
+            # with sp the replica's loss is the mean of its tp ranks' parts: each backpropagates
+            # its half (the layers' tp collectives sum them)
+            loss = (model(mine(x)) - mine(y)).square().mean() / (2 if sp else 1)
             want = (twin(x) - y).square().mean()
         for lo, opt in zip((loss, want), opts):
             lo.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         got = loss.detach().clone()
+        if sp:
+            dist.all_reduce(got, group=tp)
         dist.all_reduce(got, group=dp)
         got = float(got) / 2
         assert abs(got - float(want)) <= LOSS_RTOL * float(want), f"step {step}: {got} vs unsharded {float(want)}"
@@ -567,6 +578,7 @@ def _cases():
         out.append(gloo_harness.case(case_compiled_matches_eager, (1, 3), recipe=recipe))
     for recipe in RECIPES:
         out.append(gloo_harness.case(case_2d_mesh_fsdp_over_tp, (4,), recipe=recipe))
+        out.append(gloo_harness.case(case_2d_mesh_fsdp_over_tp, (4,), recipe=recipe, sp=True))
     return out
 
 
