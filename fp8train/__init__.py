@@ -7,8 +7,8 @@ from .graphs import make_graphed_callables
 from .modules import LayerNormLinear, LayerNormMLP, Linear
 from . import inspect  # fp8train.inspect: Inspector, execution_paths
 from .quantize import quantize
-from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
-from .recipe import CurrentScaling, DelayedScaling, Format, GemmConfig
+from .quantizer import BlockScalingQuantizer, CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
+from .recipe import BlockScaling, CurrentScaling, DelayedScaling, Format, GemmConfig
 from .roles import GemmRole, TensorRole
 from .tensor import Float8Tensor
 
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "autocast", "convert", "export_onnx", "Linear", "LayerNormLinear", "LayerNormMLP", "quantize", "Float8Tensor", "Format", "GemmConfig", "DelayedScaling",
-    "CurrentScaling", "TensorRole", "GemmRole", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
+    "CurrentScaling", "BlockScaling", "TensorRole", "GemmRole", "DelayedScalingQuantizer", "CurrentScalingQuantizer",
+    "BlockScalingQuantizer",
     "update_delayed_scales", "precision", "make_graphed_callables",
 ]

@@ -10,6 +10,13 @@ role picks the layout it needs (docs/design.md, "Tensor roles and layouts"):
          with Mp = M rounded up to 16; the padding columns of both copies are zero.
 Accumulation precision comes from GemmConfig per role, never from the FP8 dtypes.
 
+Block-scaled operands (recipe.BlockScaling: 2-D scale_invs, one per block) take the same
+entry points, which pass them to `block_scaled_mm`: in every role A is the row-blocked
+(1 x 128) operand and B's transpose holds 128 x 128 tiles (fprop, dgrad) or row blocks
+(wgrad), each operand with its blocks along the reduction dim K (docs/design.md, "Block
+scaling"). On the CPU it runs as `emulated_block_scaled_mm`; on CUDA through
+torch.nn.functional.scaled_mm's blockwise scaling (`_cuda_block_scaled_mm`, not GPU-run yet).
+
 On the GPU the GEMM runs through the C++ extension's `scaled_mm` (csrc/lt_gemm.cpp: cuBLASLt
 with its algorithm cached, the bytes torch._scaled_mm gives, less host time), the one the C++
 nodes call; traced code calls the same GEMM as the operator torch.ops.fp8train_lt.scaled_mm,
@@ -131,7 +138,8 @@ def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
 
 
 def emulated_block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block: Tuple[int, int], b: torch.Tensor,
-                             b_scale_inv: torch.Tensor, b_block: Tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+                             b_scale_inv: torch.Tensor, b_block: Tuple[int, int], out_dtype: torch.dtype,
+                             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The block-scaled FP8 GEMM (kernels/block_reference.py's layouts) in float32 torch ops.
 
     a (M, K) with a_block (1, 128) or (128, 128), b (K, N) with b_block (128, 1) or
@@ -140,7 +148,8 @@ def emulated_block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block
     per 128 columns). As the GPU's blockwise GEMMs do (FP32 promotion): each slice's products
     are summed in float32 (exact products, as in emulated_scaled_mm), the partial sum is
     multiplied by its a and b scales, and the slices are accumulated in float32 in order of
-    kb; the total is rounded once to out_dtype.
+    kb; the bias (first rounded to out_dtype, as emulated_scaled_mm) is added in float32 and
+    the total rounded once to out_dtype.
     """
     m, k = a.shape
     n = b.shape[1]
@@ -160,26 +169,123 @@ def emulated_block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block
         for i in range(kb):
             part = torch.mm(a[:, i * 128:(i + 1) * 128].float(), b[i * 128:(i + 1) * 128].float())
             acc += part * (sa[:, i:i + 1] * sb[i:i + 1, :])
+        if bias is not None:
+            acc += bias.to(out_dtype).float()
     return acc.to(out_dtype)
+
+
+ROW = (1, 128)     # 1 x 128 blocks: one scale per row and 128-wide slice of K
+TILE = (128, 128)  # 128 x 128 tiles
+
+
+def block_scaled(a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor) -> bool:
+    """Whether a GEMM's operands are block-scaled (2-D scale_invs) rather than per-tensor
+    ((1,) or ()); a mix of the two is an error that names its likely cause."""
+    a_block, b_block = a_scale_inv.dim() == 2, b_scale_inv.dim() == 2
+    if a_block != b_block:
+        raise ValueError(
+            f"fp8train: a GEMM got a per-block scaled and a per-tensor scaled operand (scale_inv shapes "
+            f"{tuple(a_scale_inv.shape)} and {tuple(b_scale_inv.shape)}): under BlockScaling every operand is "
+            "cast by the layer's own block quantizers (Float8Tensor inputs and FSDP2's fp8_all_gather weights "
+            "are per-tensor scaled)")
+    return a_block
+
+
+def block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor, bt_scale_inv: torch.Tensor,
+                    bt_block: Tuple[int, int], *, role: GemmRole, config: GemmConfig, out_dtype: torch.dtype,
+                    bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(a * its block scale_invs) @ (bt * its block scale_invs)^T [+ bias], each operand with
+    its blocks along its rows (the reduction dim K):
+
+      a   (M, K) fp8 row-major, 1 x 128 blocks: a_scale_inv (M, ceil(K / 128))
+      bt  (N, K) fp8 row-major (B^T, as fprop's W), bt_block TILE: bt_scale_inv
+          (ceil(N / 128), ceil(K / 128)); bt_block ROW: bt_scale_inv (N, ceil(K / 128))
+
+    Scale tensors may be strided views. CPU: emulated_block_scaled_mm (the specification);
+    CUDA: torch.nn.functional.scaled_mm's blockwise scaling. `out`: written in place."""
+    if bt_block not in (ROW, TILE):
+        raise ValueError(f"block_scaled_mm: bt_block must be {ROW} or {TILE}, got {bt_block!r}")
+    if a.is_cuda:
+        y = _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias,
+                                  config.fast_accum(role))
+    else:
+        b_block = (bt_block[1], bt_block[0])  # B (K, N) = bt^T: its blocks run along K, its columns
+        y = emulated_block_scaled_mm(a, a_scale_inv, ROW, bt.t(), bt_scale_inv.t(), b_block, out_dtype, bias)
+    return y if out is None else out.copy_(y)
+
+
+def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias, fast_accum) -> torch.Tensor:
+    """block_scaled_mm on CUDA through torch.nn.functional.scaled_mm (torch >= 2.10, cuBLASLt
+    >= 12.9, SM90: "DeepSeek style" scaling), with the scale layouts torch checks (ATen
+    ScaledBlas.cpp, torch 2.13): a 1 x 128 operand's (rows, Kb) scales column-major (strides
+    (1, rows)); 128 x 128 tiles as a (round_up(Kb, 4), Nb) view with strides (1, round_up(Kb, 4)).
+    Not run on a GPU yet: tests/gpu/test_block_scaling_gpu.py checks it against the emulation."""
+    F = torch.nn.functional
+    kinds = getattr(F, "ScalingType", None)
+    if not hasattr(F, "scaled_mm") or not hasattr(kinds, "BlockWise128x128"):
+        raise NotImplementedError(
+            f"fp8train: block-scaled FP8 GEMMs on CUDA need torch.nn.functional.scaled_mm with blockwise "
+            f"ScalingType (BlockWise1x128, BlockWise128x128; torch >= 2.10); this torch is {torch.__version__}")
+    if a.dtype != torch.float8_e4m3fn or bt.dtype != torch.float8_e4m3fn:
+        raise NotImplementedError(
+            f"fp8train: torch's blockwise GEMM takes e4m3 operands only, got {a.dtype} x {bt.dtype}; use "
+            "BlockScaling(fp8_format=Format.E4M3) (its default) on CUDA")
+    if bt_block == TILE:
+        scale_b, kind_b = _tile_scales(bt_scale_inv), kinds.BlockWise128x128
+    else:
+        scale_b, kind_b = _column_major(bt_scale_inv), kinds.BlockWise1x128
+    fuse_bias = bias is not None and out_dtype in _BIAS_OUT_DTYPES
+    y = F.scaled_mm(a, bt.t(), _column_major(a_scale_inv), kinds.BlockWise1x128, scale_b, kind_b,
+                    bias=bias.to(out_dtype) if fuse_bias else None, output_dtype=out_dtype, use_fast_accum=fast_accum)
+    if bias is not None and not fuse_bias:
+        y += bias.to(out_dtype)
+    return y
+
+
+def _column_major(s: torch.Tensor) -> torch.Tensor:
+    """s (rows, Kb) with strides (1, rows): a copy unless it is laid out so already."""
+    return s if s.stride(0) == 1 or s.shape[0] == 1 else s.t().contiguous().t()
+
+
+def _tile_scales(s: torch.Tensor) -> torch.Tensor:
+    """bt's tile scales (Nb, Kb) as torch's BlockWise128x128 B operand: (round_up(Kb, 4), Nb)
+    with strides (1, round_up(Kb, 4)), the padding entries 1 (no block of K reads them)."""
+    nb, kb = s.shape
+    padded = s.new_ones(nb, -(-kb // 4) * 4)
+    padded[:, :kb].copy_(s)
+    return padded.t()
 
 
 def fprop(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
           config: GemmConfig, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
           out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y (M, N) = X (M, K) @ W^T; x (M, K) and w (N, K) fp8 row-major."""
+    """Y (M, N) = X (M, K) @ W^T; x (M, K) and w (N, K) fp8 row-major (block-scaled: X in
+    1 x 128 blocks, W in 128 x 128 tiles)."""
+    if block_scaled(x_scale_inv, w_scale_inv):
+        return block_scaled_mm(x, x_scale_inv, w, w_scale_inv, TILE, role=GemmRole.FPROP, config=config,
+                               out_dtype=out_dtype, bias=bias, out=out)
     return scaled_mm(x, x_scale_inv, w.t(), w_scale_inv, role=GemmRole.FPROP, config=config,
                      out_dtype=out_dtype, bias=bias, out=out)
 
 
 def dgrad(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w_t: torch.Tensor, w_scale_inv: torch.Tensor,
           config: GemmConfig, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """dX (M, K) = dY (M, N) @ W; dy (M, N) fp8 row-major, w_t (K, N) W's transposed copy, row-major."""
+    """dX (M, K) = dY (M, N) @ W; dy (M, N) fp8 row-major, w_t (K, N) W's transposed copy, row-major
+    (block-scaled: dY in 1 x 128 blocks, w_t in W's tiles transposed, w_scale_inv (Kb, Nb))."""
+    if block_scaled(dy_scale_inv, w_scale_inv):
+        return block_scaled_mm(dy, dy_scale_inv, w_t, w_scale_inv, TILE, role=GemmRole.DGRAD, config=config,
+                               out_dtype=out_dtype, out=out)
     return scaled_mm(dy, dy_scale_inv, w_t.t(), w_scale_inv, role=GemmRole.DGRAD, config=config,
                      out_dtype=out_dtype, out=out)
 
 
 def wgrad(dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, x_t: torch.Tensor, x_scale_inv: torch.Tensor,
           config: GemmConfig, out_dtype: torch.dtype) -> torch.Tensor:
-    """dW (N, K) = dY^T @ X from the padded transposed copies dy_t (N, Mp) and x_t (K, Mp)."""
+    """dW (N, K) = dY^T @ X from the padded transposed copies dy_t (N, Mp) and x_t (K, Mp)
+    (block-scaled: both in 1 x 128 blocks along Mp, scale_invs (N, Mb) and (K, Mb): the
+    transposed copies' own, Cast.scale_inv_t)."""
+    if block_scaled(dy_scale_inv, x_scale_inv):
+        return block_scaled_mm(dy_t, dy_scale_inv, x_t, x_scale_inv, ROW, role=GemmRole.WGRAD, config=config,
+                               out_dtype=out_dtype)
     return scaled_mm(dy_t, dy_scale_inv, x_t.t(), x_scale_inv, role=GemmRole.WGRAD, config=config,
                      out_dtype=out_dtype)

@@ -31,7 +31,7 @@ from torch import nn
 from .autocast import autocast, recipe_without_step
 from .modules.base import FP8Module
 from .quantizer import _REGISTRY, DelayedScalingQuantizer, Quantizer
-from .recipe import DelayedScaling, Recipe, check_recipe
+from .recipe import BlockScaling, DelayedScaling, Recipe, check_recipe
 
 
 class _FP8Region(nn.Module):
@@ -76,6 +76,9 @@ def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
     if not torch.cuda.is_available():
         raise RuntimeError("fp8train.make_graphed_callables needs a CUDA device (CUDA graphs)")
     recipe = check_recipe(recipe) if recipe is not None else DelayedScaling()
+    if isinstance(recipe, BlockScaling):
+        raise NotImplementedError("fp8train.make_graphed_callables does not take BlockScaling yet (its casts "
+                                  "allocate per call); use DelayedScaling or CurrentScaling, or run eagerly")
     single = not isinstance(modules, tuple)
     mods = (modules,) if single else modules
     args = (sample_args,) if single else sample_args

@@ -18,6 +18,9 @@ Note: the GEMM inputs inside fused modules are not visible to hooks: LayerNormLi
 LayerNormMLP's norm output, LayerNormMLP's activation output (fc2 INPUT) and fc1's
 GRAD_OUTPUT are recomputed in high precision from the module's input on inspection steps.
 They differ from what the kernels cast by the FP8 error of the GEMMs in front of them.
+Block scaling: the statistics are those of the cast each tensor's forward or dgrad GEMM
+reads (its q.block blocks: 1 x 128 for INPUT and GRAD_OUTPUT, 128 x 128 for WEIGHT); the
+second, 128 x 1 cast the wgrad GEMM reads is not recorded.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from torch import nn
 
 from . import scaling
 from .autocast import active_recipe
+from .kernels import block_reference
 from .kernels.reference import abs_max, saturating_cast
 from .modules.base import QUANTIZER_NAMES, FP8Module
 from .modules.layernorm_linear import LayerNormLinear
@@ -57,7 +61,9 @@ def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     as a (6,) float64 tensor on x's device (no host sync), columns FIELDS:
 
     amax       max |x| over the whole tensor (NaN counts as inf)
-    scale      the scale applied
+    scale      the scale applied; with per-element scales (`scale` of x's shape: a block-
+               scaled cast's block scales, expanded), the smallest: that of the block
+               holding the tensor's amax
     saturated  fraction of elements the cast clamps: |x * scale| beyond fp8_max by more than
                half a rounding step (> 464 for e4m3, > 61440 for e5m2; see _CLAMP_FROM)
     underflow  fraction of the nonzero elements whose cast is zero (flushed); 0 if none
@@ -71,10 +77,14 @@ def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     clamp_from = _CLAMP_FROM[dtype] if dtype in _CLAMP_FROM else scaling.fp8_max(dtype)  # the latter raises
     amax = abs_max(x)
     flat = x.detach().reshape(-1)
+    per_element = scale.numel() != 1
+    scale = scale.detach().float().to(flat.device).reshape(-1 if per_element else ())
+    shown = scale.min() if per_element else scale
     if sample is not None and flat.numel() > sample:
-        flat = flat[:: -(-flat.numel() // sample)]
+        step = -(-flat.numel() // sample)
+        flat = flat[::step]
+        scale = scale[::step] if per_element else scale
     flat = flat.float()
-    scale = scale.reshape(()).float().to(flat.device)
     q = saturating_cast(flat, scale, dtype).float()
     dequant = q * scaling.scale_inverse(scale)
     nonzero = flat != 0
@@ -85,12 +95,19 @@ def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     noise = (flat.double() - dequant.double()).square().sum()
     sqnr = 10 * torch.log10(signal / noise)
     numel = torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device)
-    return torch.stack([amax.double(), scale.double(), saturated.double(), underflow.double(), sqnr, numel])
+    return torch.stack([amax.double(), shown.double(), saturated.double(), underflow.double(), sqnr, numel])
 
 
 def applied_scale(q: Quantizer, x: torch.Tensor) -> torch.Tensor:
     """The scale `q` uses to cast `x`: a delayed quantizer's current scale (fixed for the
-    step), or for current scaling the scale computed from x's own amax, as the kernels do."""
+    step), or for current scaling the scale computed from x's own amax, as the kernels do;
+    for block scaling each element's block scale (of x's shape), from x's rows (x.shape[-1]
+    columns) cut in q.block blocks as the layer casts them."""
+    if q.blockwise:
+        rows = x.detach().reshape(-1, x.shape[-1])
+        per_block = block_reference.block_scale(block_reference.block_amax(rows, q.block), scaling.fp8_max(q.dtype),
+                                                q.power_of_two)
+        return block_reference.expand(per_block, rows.shape, q.block).reshape(x.shape)
     if isinstance(q, CurrentScalingQuantizer):
         return scaling.compute_scale(abs_max(x), q.scale, scaling.fp8_max(q.dtype), power_of_two=q.power_of_two)
     return q.scale

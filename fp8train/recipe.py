@@ -139,12 +139,56 @@ class CurrentScaling:
         _check_bool("CurrentScaling", "power_of_two_scales", self.power_of_two_scales)
 
 
-Recipe = Union[DelayedScaling, CurrentScaling]
+# Every GEMM of block scaling promotes to FP32 per 128-wide slice of the reduction dim: the
+# scales are applied there, so there is no "fast accumulation" to choose.
+_PROMOTED = GemmConfig(fprop_fast_accum=False, dgrad_fast_accum=False, wgrad_fast_accum=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+    """One scale per block of each tensor, from the block's own amax (DeepSeek-V3's
+    fine-grained scaling): 1 x 128 blocks for inputs and gradients, 128 x 128 tiles for
+    weights, 128 always along the GEMM's reduction dim; each GEMM sums every 128-wide slice
+    of that dim in float32, multiplies it by its two blocks' scales and accumulates the
+    slices in float32 ("FP32 promotion"; `gemm` is fixed to no fast accumulation).
+    docs/design.md, "Block scaling", has the blocks of each GEMM. Like current scaling it has
+    no state: no amax history, nothing in the state_dict but the FP8 format.
+
+    fp8_format: E4M3 by default (every role in e4m3, as DeepSeek-V3 trains), unlike the
+    other recipes' HYBRID: the GPU's blockwise GEMM (torch.nn.functional.scaled_mm's
+    BlockWise1x128 / BlockWise128x128, cuBLASLt on Hopper) takes e4m3 operands only. HYBRID
+    (e5m2 gradients) runs on the CPU's emulated GEMMs; on CUDA its layers refuse to run.
+
+    power_of_two_scales: as for DelayedScaling, per block (kernels/block_reference.py).
+
+    Taken by fp8train.Linear (and so by fp8train.convert's layers) without tensor
+    parallelism; the other layers, CUDA graphs, torch.compile, FSDP2's fp8_all_gather and
+    ONNX export refuse it with an error that says so.
+    """
+
+    fp8_format: Format = Format.E4M3
+    power_of_two_scales: bool = False
+
+    def __post_init__(self):
+        _check_format("BlockScaling", self.fp8_format)
+        _check_bool("BlockScaling", "power_of_two_scales", self.power_of_two_scales)
+
+    @property
+    def gemm(self) -> GemmConfig:
+        """FP32 promotion in every GEMM: no fast accumulation (not a field: not a choice)."""
+        return _PROMOTED
+
+    # Auto precision measures FP8 against high precision per layer; not for block scaling yet.
+    auto_precision = False
+
+
+Recipe = Union[DelayedScaling, CurrentScaling, BlockScaling]
 
 
 def check_recipe(recipe) -> Recipe:
-    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    if not isinstance(recipe, (DelayedScaling, CurrentScaling, BlockScaling)):
         raise ValueError(
-            f"recipe must be fp8train.DelayedScaling or fp8train.CurrentScaling, got {recipe!r}"
+            "recipe must be fp8train.DelayedScaling, fp8train.CurrentScaling or fp8train.BlockScaling, "
+            f"got {recipe!r}"
         )
     return recipe

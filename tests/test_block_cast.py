@@ -1,46 +1,16 @@
 """Block-scaled FP8 casts (kernels/block_reference.py) against an independent reference
 (numpy float32 for the per-block scale, ml_dtypes for the rounding), bit for bit, and the
 block-scaled GEMM emulation (gemm.emulated_block_scaled_mm) against float64."""
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
-from fp8train import gemm, scaling
+from fp8train import gemm
 from fp8train.kernels import block_reference as br
 from helpers import all_bf16_values
+from numpy_block_cast import FORMATS, numpy_block_cast
 
-FORMATS = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.float8_e5m2: ml_dtypes.float8_e5m2}
 BLOCKS = [pytest.param(b, id=f"{b[0]}x{b[1]}") for b in br.BLOCKS]
-
-
-def numpy_block_cast(x: torch.Tensor, dtype, block, power_of_two):
-    """The specification written again in numpy, block by block: (bytes, scale_inv)."""
-    xf = x.float().numpy()
-    m = np.float32(scaling.fp8_max(dtype))
-    rows, cols = xf.shape
-    nr, nc = -(-rows // block[0]), -(-cols // block[1])
-    out = np.empty(xf.shape, dtype=np.uint8)
-    scale_inv = np.empty((nr, nc), dtype=np.float32)
-    for i in range(nr):
-        for j in range(nc):
-            sl = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
-            with np.errstate(invalid="ignore"):
-                a = np.abs(xf[sl]).astype(np.float64)
-            amax = np.inf if np.isnan(a).any() else a.max()
-            if 0 < amax < np.inf:
-                with np.errstate(over="ignore"):
-                    s = np.float32(m / np.float32(amax))  # IEEE float32 division
-                s = np.float32(min(max(s, np.float32(2.0**-126)), np.float32(2.0**126)))
-                if power_of_two:
-                    s = np.float32(2.0 ** (np.frexp(s)[1] - 1))
-            else:
-                s = np.float32(1.0)
-            with np.errstate(all="ignore"):
-                y = np.clip(xf[sl] * s, -m, m)
-            out[sl] = y.astype(FORMATS[dtype]).view(np.uint8)
-            scale_inv[i, j] = np.float32(1.0) / s
-    return out, scale_inv
 
 
 def assert_same_fp8(ours: torch.Tensor, ref: np.ndarray, dtype) -> None:

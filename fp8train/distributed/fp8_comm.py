@@ -89,7 +89,9 @@ def cast_consistent(x: torch.Tensor, quantizer: Quantizer, groups: GroupsLike = 
         raise TypeError(f"cast_consistent: expected a bfloat16, float16 or float32 tensor, got {x.dtype}")
     x = x.detach().contiguous()
     if not isinstance(quantizer, (CurrentScalingQuantizer, DelayedScalingQuantizer)):
-        raise TypeError(f"cast_consistent: unsupported quantizer {type(quantizer).__name__}")
+        raise TypeError(f"cast_consistent: unsupported quantizer {type(quantizer).__name__}"
+                        + (" (BlockScaling does not run with tensor parallelism or FSDP2's fp8_all_gather yet)"
+                           if quantizer.blockwise else ""))
     if quantizer.calibrated and isinstance(quantizer, DelayedScalingQuantizer):
         return quantizer.cast(x, transpose=transpose)  # the usual delayed cast (a prepared launch)
     out = quantizer.allocate(x.shape, x.device, transpose=transpose)

@@ -38,6 +38,10 @@ def no_scales_error(layer: str, what: str) -> RuntimeError:
 def _checked(q: Optional[Quantizer], layer: str, what: str) -> Quantizer:
     if q is None or (isinstance(q, DelayedScalingQuantizer) and not q.calibrated):
         raise no_scales_error(layer, what)
+    if q.blockwise:
+        raise NotImplementedError(f"{layer}: its {what} is block-scaled (fp8train.BlockScaling); ONNX export "
+                                  "writes one scale per tensor: export a model trained with DelayedScaling or "
+                                  "CurrentScaling")
     if q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{layer}: its {what} is quantized to {q.dtype}; ONNX export handles "
                          "float8_e4m3fn forward GEMM inputs (Format.E4M3 and Format.HYBRID both use it)")

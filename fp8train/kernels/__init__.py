@@ -44,9 +44,21 @@ def block_cast(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, 
         block_cast_into(x, out, scale_inv_out, block, power_of_two)
         return
     from .block_reference import block_cast as twin
-    data, scale_inv = twin(x, out.dtype, tuple(block), power_of_two)
+    data, scale_inv = twin(x.detach(), out.dtype, tuple(block), power_of_two)  # torch ops: keep autograd out
     out.copy_(data)
     scale_inv_out.copy_(scale_inv)
+
+
+def byte_transpose(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst (N, Mp)[:, :M] = src (M, N) transposed, zero beyond (transpose.transpose_reference):
+    the Triton byte transpose on CUDA (kernels/transpose.py), a torch copy elsewhere."""
+    if src.is_cuda:
+        from .transpose import transpose_into
+        transpose_into(src, dst)
+        return
+    m = src.shape[0]
+    dst[:, :m].copy_(src.t())
+    dst[:, m:].view(torch.uint8).zero_()
 
 
 def cast_trusted(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tensor], scale: torch.Tensor,

@@ -12,7 +12,7 @@ from .. import gemm, precision
 from ..autocast import active_recipe
 from ..kernels import native
 from ..quantizer import Quantizer, make_quantizer, quantizer_from_state
-from ..recipe import Recipe
+from ..recipe import BlockScaling, Format, Recipe
 from ..roles import TensorRole
 from ..tensor import Float8Tensor
 
@@ -91,6 +91,8 @@ class FP8Module(nn.Module):
         current = (mods[names[0]], mods[names[1]], mods[names[2]])
         if self._matched.get(gemm) == (recipe, current):  # the usual call: same recipe, same quantizers
             return current
+        if isinstance(recipe, BlockScaling):
+            self._check_block_scaling(recipe, device)
         out = []
         for role, name in zip(QUANTIZER_NAMES, names):
             q = mods[name]
@@ -111,6 +113,21 @@ class FP8Module(nn.Module):
             out.append(q)
         self._matched[gemm] = (recipe, tuple(out))
         return self._matched[gemm][1]
+
+    def takes_block_scaling(self) -> bool:
+        """Whether this layer runs fp8train.BlockScaling (Linear without tensor parallelism)."""
+        return False
+
+    def _check_block_scaling(self, recipe: BlockScaling, device: torch.device) -> None:
+        if not self.takes_block_scaling():
+            raise NotImplementedError(
+                f"{self.describe()}: fp8train.BlockScaling runs in fp8train.Linear without tensor parallelism "
+                "only, so far; use DelayedScaling or CurrentScaling for this layer (or keep it outside "
+                "fp8train.autocast)")
+        if device.type == "cuda" and recipe.fp8_format is not Format.E4M3:
+            raise NotImplementedError(
+                f"{self.describe()}: BlockScaling(fp8_format={recipe.fp8_format}) casts gradients to e5m2, which "
+                "torch's blockwise GEMM on CUDA does not take; use Format.E4M3 (BlockScaling's default)")
 
     def fp8_plan(self, x: torch.Tensor, in_features: int) -> Tuple[Optional[Recipe], Optional[torch.dtype]]:
         """How this call runs, after checking x: (recipe, activation dtype) for the FP8 path;

@@ -37,6 +37,10 @@ class Linear(FP8Module, TPCheckpoints):
     sequence_parallel=True splits the activations' leading (sequence) dim over the ranks too
     (column: the input; row: the output); tp_overlap=True (with SP) runs those gathers and
     reduce-scatters as ring collective matmuls. `in_features` / `out_features` stay the full dims.
+
+    BlockScaling (without tensor parallelism): the same Python node with block-scaled
+    operands (gemm.py's blockwise GEMMs); the weight's block cast is kept in the workspace
+    (`weight_fp8` stays None: a Float8Tensor holds one scale).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -88,6 +92,9 @@ class Linear(FP8Module, TPCheckpoints):
     def precision_dims(self) -> tuple:
         return self.in_features, self.out_features, int(self.bias is not None)
 
+    def takes_block_scaling(self) -> bool:
+        return self.tp is None
+
     @property
     def precision_in_features(self) -> int:
         return self.in_features
@@ -115,6 +122,9 @@ class Linear(FP8Module, TPCheckpoints):
         q_input, q_weight, q_grad = self.quantizers(recipe, weight.device)
         grad = torch.is_grad_enabled()
         bias = self.bias
+        if q_weight.blockwise:
+            return _block_scaled_forward(self, x, weight, bias, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
+                                         is_first_microbatch)
         if x.is_cuda and native.ENABLED:
             y = _native_forward(self, x, weight, bias, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
                                 is_first_microbatch)
@@ -185,6 +195,25 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 CPP_NODE = "C++ node"
 _OFF_CUDA = "Python node: the C++ node runs on CUDA tensors only"
 _SWITCHED_OFF = "Python node: the C++ node is switched off (kernels.native.ENABLED = False)"
+_BLOCK_SCALING = "Python node: BlockScaling (the C++ node takes per-tensor scales only)"
+
+
+@torch.compiler.disable  # eager under torch.compile too: a graph break around the layer
+def _block_scaled_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
+                          config: GemmConfig, act_dtype: torch.dtype, grad: bool,
+                          is_first_microbatch: Optional[bool]) -> torch.Tensor:
+    """The layer's FP8 forward under BlockScaling: the Python node with block-scaled operands
+    that the layer casts itself. The per-tensor scaled FP8 forms (a Float8Tensor input, a
+    weight FSDP2 gathered in FP8) are refused with a message."""
+    if isinstance(x, Float8Tensor) or isinstance(weight, Float8Tensor):
+        what = "input is a Float8Tensor" if isinstance(x, Float8Tensor) else \
+            "weight was gathered in FP8 by FSDP2 (fp8_all_gather)"
+        raise TypeError(f"{layer.describe()}: its {what}, with one scale per tensor; BlockScaling casts the "
+                        "high-precision tensor itself, block by block (pass the high-precision input; leave "
+                        "fp8_all_gather out)")
+    layer._path[0] = _BLOCK_SCALING
+    w_fp8 = layer._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad)
+    return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, grad and weight.requires_grad)
 
 
 def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
@@ -243,8 +272,9 @@ def _no_plan_reason(q: Quantizer, rows: int) -> str:
 class _LinearFn(torch.autograd.Function):
     """Forward: fprop GEMM. Backward: one cast of dY (with its transposed copy), dgrad, wgrad.
 
-    Saved for backward: X's transposed FP8 copy (K, Mp) and its scale_inv, not X itself. The
-    weight workspace is kept by reference: it is rewritten in place only by a later forward.
+    Saved for backward: X's transposed FP8 copy (K, Mp) and its scale_inv (block scaling: the
+    copy's own per-block scale_inv_t), not X itself. The weight workspace is kept by
+    reference: it is rewritten in place only by a later forward.
     """
 
     @staticmethod
@@ -255,11 +285,13 @@ class _LinearFn(torch.autograd.Function):
         if isinstance(x, Float8Tensor):
             x_data, x_scale_inv = _rows(x.fp8_data), x.scale_inv
             x_t = x.transpose_data(padded=True) if need_wgrad else None
+            x_t_scale_inv = x_scale_inv
         else:
-            x_data, x_t, x_scale_inv, _ = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
+            xq = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
+            x_data, x_t, x_scale_inv, x_t_scale_inv = xq.data, xq.data_t, xq.scale_inv, xq.transposed_scale_inv
         y = gemm.fprop(x_data, x_scale_inv, *weight_operands(w_fp8), config, act_dtype, bias)  # (M, N)
         if need_wgrad:
-            ctx.save_for_backward(x_t, x_scale_inv)
+            ctx.save_for_backward(x_t, x_t_scale_inv)
         ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
         ctx.in_shape, ctx.act_dtype, ctx.need_wgrad = in_shape, act_dtype, need_wgrad
         ctx.weight_dtype = weight.dtype
@@ -272,13 +304,13 @@ class _LinearFn(torch.autograd.Function):
             dy2 = dy2.to(ctx.act_dtype)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.need_wgrad
         # (M, N), (N, Mp); db (N,) float32 from the same read of dY (autograd casts it to the bias dtype)
-        dy_data, dy_t, dy_scale_inv, db = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[2])
+        dyq = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[2])
         dx = dw = None
         if need_dgrad:
-            dx = gemm.dgrad(dy_data, dy_scale_inv, *weight_transposed(ctx.w_fp8), ctx.config, ctx.act_dtype)
+            dx = gemm.dgrad(dyq.data, dyq.scale_inv, *weight_transposed(ctx.w_fp8), ctx.config, ctx.act_dtype)
             if len(ctx.in_shape) != 2:
                 dx = dx.view(*ctx.in_shape)  # ints, not a torch.Size: parsed ~2 us faster
         if need_wgrad:
-            x_t, x_scale_inv = ctx.saved_tensors
-            dw = gemm.wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv, ctx.config, ctx.weight_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+            x_t, x_t_scale_inv = ctx.saved_tensors
+            dw = gemm.wgrad(dyq.data_t, dyq.transposed_scale_inv, x_t, x_t_scale_inv, ctx.config, ctx.weight_dtype)
+        return dx, dw, dyq.dbias, None, None, None, None, None, None

@@ -5,7 +5,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..quantizer import Cast, Quantizer
+from ..quantizer import BlockCast, Cast, Quantizer, transpose_tiles
 from ..tensor import Float8Tensor
 
 
@@ -22,14 +22,19 @@ class WeightWorkspace:
     whose result (a `Cast`) the workspace keeps in `compiled` (Dynamo replays that attribute
     store after the graph), and `is_first_microbatch` is a Python value the compiled graph
     is specialised on (one graph per value used). `fp8` is not updated by compiled calls.
+
+    Block scaling (a blockwise quantizer): the weight's block cast is kept as a `BlockCast` in
+    `block` (a Float8Tensor holds one scale_inv), cast into fresh buffers when it is cast;
+    a kept cast without the transposed copy gets its tiles transposed (no second cast).
     """
 
     def __init__(self):
         self.fp8: Optional[Float8Tensor] = None
         self.compiled: Optional[Cast] = None  # the kept cast of compiled calls (data, data_t, scale_inv)
+        self.block: Optional[BlockCast] = None  # the kept block cast (BlockScaling)
 
     def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
-            need_transpose: bool, skip: Optional[torch.Tensor] = None) -> Union[Float8Tensor, Cast]:
+            need_transpose: bool, skip: Optional[torch.Tensor] = None) -> Union[Float8Tensor, Cast, BlockCast]:
         """skip: the device flag of a graphed layer with FP8 weight caching (graphs.py): the
         cast is issued on every call and the kernels skip it while the flag is nonzero.
         A weight that FSDP2 gathered in FP8 (distributed/fsdp.py) is its own FP8 copy: it is
@@ -42,6 +47,8 @@ class WeightWorkspace:
             return weight
         if torch.compiler.is_compiling():
             return self._get_traced(weight, quantizer, is_first_microbatch, need_transpose)
+        if quantizer.blockwise:
+            return self._get_block(weight, quantizer, is_first_microbatch, need_transpose, skip)
         ws = self.fp8
         fits = self.fits(weight, quantizer)
         if is_first_microbatch is False and fits:
@@ -87,18 +94,31 @@ class WeightWorkspace:
         return cast
 
 
-def weight_operands(w: Union[Float8Tensor, Cast]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _get_block(self, weight, quantizer, is_first_microbatch, need_transpose, skip) -> BlockCast:
+        if skip is not None:
+            raise NotImplementedError("fp8train: FP8 weight caching in CUDA graphs does not take BlockScaling yet")
+        kept = self.block
+        if is_first_microbatch is False and kept is not None and kept.data.shape == weight.shape \
+                and kept.data.dtype == quantizer.dtype and kept.data.device == weight.device:
+            self.block = kept = transpose_tiles(kept) if need_transpose else kept
+            return kept
+        self.block = quantizer.cast(weight, transpose=need_transpose)
+        return self.block
+
+
+def weight_operands(w: Union[Float8Tensor, Cast, BlockCast]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(W (N, K) fp8, scale_inv) for the fprop GEMM, from either form of the FP8 weight."""
     if isinstance(w, Float8Tensor):
         return w.fp8_data, w.scale_inv
     return w.data, w.scale_inv
 
 
-def weight_transposed(w: Union[Float8Tensor, Cast]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(W^T (K, N) fp8, scale_inv) for the dgrad GEMM, from either form of the FP8 weight."""
+def weight_transposed(w: Union[Float8Tensor, Cast, BlockCast]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(W^T (K, N) fp8, scale_inv) for the dgrad GEMM, from either form of the FP8 weight
+    (a block cast's scale_inv_t: W's tile scales transposed)."""
     if isinstance(w, Float8Tensor):
         return w.transpose_data(), w.scale_inv
-    return w.data_t, w.scale_inv
+    return w.data_t, w.transposed_scale_inv
 
 
 def high_precision_weight(layer, weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
