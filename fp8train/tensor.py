@@ -117,7 +117,7 @@ class Float8Tensor(torch.Tensor):
     def __repr__(self):
         return (f"Float8Tensor(shape={tuple(self.shape)}, fp8_dtype={self._data.dtype}, "
                 f"orig_dtype={self.dtype}, role={self._role.name if self._role else None}, "
-                f"scale_inv={self._scale_inv.item() if not self._scale_inv.is_cuda else '<cuda>'}, "
+                f"scale_inv={_scalar_repr(self._scale_inv)}, "
                 f"device={self.device})")
 
     def __reduce_ex__(self, protocol):
@@ -143,6 +143,17 @@ class Float8Tensor(torch.Tensor):
                 f"Float8Tensor does not support {func.overloadpacket.__name__}: FP8 data is never "
                 f"dequantized implicitly. Call .dequantize() and compute in high precision.")
         return handler(func, args, kwargs)
+
+
+def _scalar_repr(t: torch.Tensor) -> str:
+    """A () tensor's value for a repr, read only where that is free: not on a device (a sync),
+    and not under a trace, whose fake tensors hold no value (AOTAutograd's debug log reprs
+    its inputs' metadata, Float8Tensors included)."""
+    if t.device.type != "cpu":
+        return f"<{t.device.type}>"
+    if torch._subclasses.fake_tensor.is_fake(t):
+        return "<traced>"
+    return repr(t.item())
 
 
 def _rebuild_float8_tensor(data, scale_inv, orig_dtype, role):

@@ -276,3 +276,36 @@ def test_outside_autocast_compiles_to_plain_linear():
     y = torch.compile(module, fullgraph=True, backend="aot_eager")(torch.ones(4, 32))
     assert torch.equal(y, torch.nn.functional.linear(torch.ones(4, 32), module.weight, module.bias))
     assert module.input_quantizer is None
+
+
+def test_layers_compiled_between_graph_breaking_hooks_match_eager(device):
+    # FSDP2's pre-forward hooks (Dynamo-disabled) break the graph around each layer, so
+    # Linear.forward compiles once per layer: the second is a recompile, and Dynamo makes an
+    # FSDP2 module's int attributes dynamic (allow_unspec_int_on_nn_module, set here as FSDP2
+    # gets it). x's dim checked against `in_features` then became a symbol, which _LinearFn's
+    # backward specialised: Dynamo in torch 2.11 (the GPU machine) failed an internal assertion
+    # (overwrite_tensor_vt_proxy). Linear checks x against the weight's static dim instead.
+    # Both steps of the two-layer model compiled (aot_eager) are bitwise the eager ones.
+    def make():
+        torch.manual_seed(0)
+        layers = torch.nn.ModuleList([fp8train.Linear(64, 128, device=device), fp8train.Linear(128, 64, device=device)])
+        for layer in layers:
+            layer.register_forward_pre_hook(torch._dynamo.disable(lambda m, args: None))
+        return layers
+    recipe = fp8train.DelayedScaling()
+    eager, compiled = make(), make()
+    whole = torch.compile(lambda x: compiled[1](compiled[0](x)), backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        for step in range(3):
+            x = torch.randn(8, 6, 64, generator=g).to(device)
+            run = (lambda x: eager[1](eager[0](x)), lambda x: compiled[1](compiled[0](x)) if step == 0 else whole(x))
+            outs = []
+            for fn, layers in zip(run, (eager, compiled)):
+                xi = x.clone().requires_grad_(True)
+                with fp8train.autocast(recipe=recipe):
+                    y = fn(xi)
+                y.square().mean().backward()
+                outs.append([y.detach(), xi.grad] + [p.grad for p in layers.parameters()])
+                layers.zero_grad(set_to_none=True)
+            assert all(torch.equal(a, b) for a, b in zip(*outs)), f"step {step}"

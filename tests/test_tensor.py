@@ -158,3 +158,16 @@ def test_as_strided_is_a_layout_op_on_the_payload():
     assert torch.equal(v.fp8_data.view(torch.uint8), q.fp8_data.view(torch.uint8))
     w = torch.as_strided(q, (4, 32), (32, 1), storage_offset=32)  # rows 1..4 of the bytes
     assert torch.equal(w.fp8_data.view(torch.uint8), q.fp8_data[1:5].view(torch.uint8))
+
+
+def test_repr_reads_no_value_under_a_trace():
+    # AOTAutograd's debug log reprs its inputs' metadata: a CPU Float8Tensor's repr called
+    # scale_inv.item(), which a fake tensor cannot answer (aot_eager failed and Dynamo fell
+    # back to eager silently, in torch 2.11)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fp8train.tensor import Float8Tensor
+    t = Float8Tensor(torch.zeros(4, 4, dtype=torch.float8_e4m3fn), torch.tensor(0.5), torch.float32)
+    assert "scale_inv=0.5" in repr(t)
+    with FakeTensorMode() as mode:
+        fake = Float8Tensor(mode.from_tensor(t._data), mode.from_tensor(t._scale_inv), torch.float32)
+        assert "scale_inv=<traced>" in repr(fake)

@@ -115,10 +115,16 @@ class Linear(FP8Module, TPCheckpoints):
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if self.tp is not None:
             return parallel_linear_forward(self, x, is_first_microbatch)
-        recipe, act_dtype = self.fp8_plan(x, self.in_features)
+        weight = self.weight  # read once: each read of a parameter is a Module.__getattr__ call
+        # x checked against the weight's in dim, not self.in_features (the same number): under
+        # torch.compile a parameter's shape is static, but Dynamo makes an FSDP2 module's int
+        # attributes dynamic when it recompiles its forward (another layer's call), and x's last
+        # dim would be that symbol until _LinearFn's backward (dx.view) specialised it. Dynamo in
+        # torch 2.11 fails an internal assertion on that (overwrite_tensor_vt_proxy: a forward
+        # output traced as a symbol came back a constant); checked here, the dim is static first.
+        recipe, act_dtype = self.fp8_plan(x, weight.shape[-1])
         if recipe is None:
             return self.high_precision_forward(x, act_dtype)
-        weight = self.weight  # read once: each read of a parameter is a Module.__getattr__ call
         q_input, q_weight, q_grad = self.quantizers(recipe, weight.device)
         grad = torch.is_grad_enabled()
         bias = self.bias
