@@ -319,6 +319,17 @@ def execution_paths(model: nn.Module) -> Dict[str, str]:
     return {name: m._path[0] or "no eager FP8 call yet" for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
+def shared_input_casts(model: nn.Module) -> List[List[str]]:
+    """The groups of fp8train.Linear layers of `model` that share one input quantizer (sibling
+    layers that read the same tensor, tied on their first FP8 call: their input is cast once
+    per step), by module name, in module order; layers with their own input quantizer are left out."""
+    groups: Dict[int, List[str]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.input_quantizer is not None:
+            groups.setdefault(id(m.input_quantizer), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def load(path) -> List[dict]:
     """The records of an Inspector's JSON-lines file."""
     with open(path) as f:
@@ -326,4 +337,4 @@ def load(path) -> List[dict]:
 
 
 __all__ = ["FIELDS", "Inspector", "quantization_stats", "applied_scale", "activation_grad", "execution_paths",
-           "load"]
+           "shared_input_casts", "load"]

@@ -133,6 +133,41 @@ class Quantizer(nn.Module):
         self._cast(x, data, data_t, scale_inv, dbias_out)
         return Cast(data, data_t, scale_inv, dbias_out)
 
+    # Layers whose input quantizer this is: above 1 for sibling layers that read one tensor
+    # (modules/base.py ties their input quantizers), whose calls then go through cast_shared.
+    sharing = 1
+    _memo = None  # cast_shared's last cast: (weakref to x, x._version, x.shape, scale epoch, hits left, Cast)
+
+    def cast_shared(self, x: torch.Tensor, *, transpose: bool = False) -> "Cast":
+        """cast(x as (rows, x.shape[-1]), transpose=transpose) for an input that `sharing`
+        sibling layers read (the same tensor object): the first sibling's call casts and keeps
+        the Cast, the others' calls get it back (no cast, and no second amax record: delayed
+        scaling's would record the same amax), and it is dropped after the last of them.
+        Kept only while it holds what a cast now would write: x unchanged (its version), the
+        same scales (delayed scaling: no update since; current scaling's follows from x), and
+        the transposed copy if the call needs one. Traced code casts every time: the
+        siblings' traced casts are the same ops on the same tensors, the compiler's to merge."""
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+        if torch.compiler.is_compiling():
+            return self.cast(rows, transpose=transpose)
+        epoch = self._scale_epoch()
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            epoch = (epoch, "captured")  # a memo serves within a CUDA graph capture, or outside, not across
+        memo = self._memo
+        if memo is not None:
+            ref, version, shape, memo_epoch, left, cast = memo
+            if (ref() is x and version == x._version and shape == x.shape and memo_epoch == epoch
+                    and (cast.data_t is not None or not transpose)):
+                self._memo = (ref, version, shape, epoch, left - 1, cast) if left > 1 else None
+                return cast
+        cast = self.cast(rows, transpose=transpose)
+        self._memo = (weakref.ref(x), x._version, x.shape, epoch, self.sharing - 1, cast)
+        return cast
+
+    def _scale_epoch(self) -> int:
+        """What changes whenever the scale a cast applies may change without x changing."""
+        return 0
+
     def allocate(self, shape, device, *, transpose: bool = False) -> "Cast":
         """Uninitialised output buffers of one cast of a tensor of `shape` (for producers)."""
         return Cast(*self._buffers_for(shape, device, transpose))
@@ -275,6 +310,7 @@ class Quantizer(nn.Module):
 
     def _forget_prepared(self) -> None:
         self._prepared = {}
+        self._memo = None  # its scale may be stale too (a load, a move, a new rule)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -288,6 +324,7 @@ class Quantizer(nn.Module):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_prepared"] = {}  # compiled kernels and views of this copy's buffers stay behind
+        state["_memo"] = None
         return state
 
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:
@@ -366,6 +403,9 @@ class DelayedScalingQuantizer(Quantizer):
     @property
     def history_len(self) -> int:
         return self.amax_history.shape[0]
+
+    def _scale_epoch(self) -> int:
+        return delayed_updates()  # the scale changes at an update only (a kernel writes it: no version bump)
 
     def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
         if self.calibrated:

@@ -53,9 +53,13 @@ def cases(ext, dev):
         "cast_with: wrong shape": lambda: ext.cast_with(plan, x),
         "recast_with: the weight does not fit": lambda: ext.recast_with(plan, w, w8, None, one),
         "linear_forward: no input plan": lambda: ext.linear_forward(
-            x, w, None, w8, one, None, None, None, True, False, False, 1, False, None),
+            x, w, None, w8, one, None, None, None, True, False, False, 1, False, None, None, None, None),
         "linear_forward: bad dtype code": lambda: ext.linear_forward(
-            x, w, None, w8, one, None, plan, None, True, False, False, 9, False, None),
+            x, w, None, w8, one, None, plan, None, True, False, False, 9, False, None, None, None, None),
+        "linear_forward: a pre-cast input that does not fit": lambda: ext.linear_forward(
+            x, w, None, w8, one, None, None, None, True, False, False, 1, False, None, w8, None, one),
+        "linear_forward: a pre-cast input without its scale_inv": lambda: ext.linear_forward(
+            x, w, None, w8, one, None, None, None, True, False, False, 1, False, None, w8[:3], None, None),
         "mlp_forward: no plan": lambda: ext.mlp_forward(
             None, x, ln_w, None, w, None, w, None, w8, one, None, w8, one, None, None, None),
         "mlp_forward: wrong input shape": lambda: ext.mlp_forward(

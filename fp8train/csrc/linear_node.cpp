@@ -387,12 +387,15 @@ void launch(const Launch& l, int device, const std::optional<at::Tensor>& x, con
 // plain input tensor. The weight's FP8 workspace (w_data, w_scale_inv, w_t: its transposed
 // copy, needed when x requires grad) is re-cast first by `w_cast` (the weight quantizer's
 // cast plan, see recast) when given, else it holds what Python cast or kept. The grad plan is used
-// only when anything needs a gradient.
+// only when anything needs a gradient. x_data, x_data_t, x_scale_inv: x already cast (sibling
+// layers that read one tensor share its cast, Quantizer.cast_shared): x_data (M, K) fp8 and
+// its scale_inv, x_data_t (K, Mp) when need_wgrad; then x_plan is not used (may be None).
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const at::Tensor& w_data, const at::Tensor& w_scale_inv, const std::optional<at::Tensor>& w_t,
                           const std::shared_ptr<CastPlan>& x_plan, const std::shared_ptr<CastPlan>& grad_plan,
                           bool fast_fprop, bool fast_dgrad, bool fast_wgrad, int64_t act_code, bool need_wgrad,
-                          const CastPlan* w_cast) {
+                          const CastPlan* w_cast, const std::optional<at::Tensor>& x_data,
+                          const std::optional<at::Tensor>& x_data_t, const std::optional<at::Tensor>& x_scale_inv) {
   FP8_STAGE_START(t_all);
   const c10::ScalarType act_dtype = float_dtype(act_code);
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
@@ -400,21 +403,33 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   const bool need_dgrad = grad && x.requires_grad();
   need_wgrad = need_wgrad && grad && weight.requires_grad();
   const bool need_dbias = grad && b.defined() && b.requires_grad();
-  TORCH_CHECK(x_plan != nullptr && x_plan->device == x.get_device(), "fp8train native: no cast plan for this input");
-  at::Tensor y, x_t, x_scale_inv;
+  const bool pre_cast = x_data.has_value();
+  TORCH_CHECK(pre_cast || (x_plan != nullptr && x_plan->device == x.get_device()),
+              "fp8train native: no cast plan for this input");
+  TORCH_CHECK(!pre_cast || (x_scale_inv.has_value() && x_data->dim() == 2 && x.dim() > 0 &&
+                            x_data->size(1) == x.size(-1) && x_data->numel() == x.numel()),
+              "fp8train native: the pre-cast input does not fit x (want data (M, K) and its scale_inv)");
+  at::Tensor y, x_t, x_si;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     FP8_STAGE_START(t_wcast);
     if (w_cast != nullptr) recast(*w_cast, weight, w_data, w_t, w_scale_inv);
     FP8_STAGE_STOP(kFwdWeightCast, t_wcast);
-    FP8_STAGE_START(t_rows);
-    at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
-    if (!x2.is_contiguous()) x2 = x2.contiguous();
-    if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();  // the plan's binary wants 16 B
-    FP8_STAGE_STOP(kFwdInput, t_rows);
-    FP8_STAGE_START(t_cast);
-    CastOut xc = cast(*x_plan, x2, current_stream(x_plan->device));
-    FP8_STAGE_STOP(kFwdInputCast, t_cast);
+    CastOut xc;
+    if (pre_cast) {
+      xc.data = *x_data;
+      xc.scale_inv = *x_scale_inv;
+      if (x_data_t.has_value()) xc.data_t = *x_data_t;
+    } else {
+      FP8_STAGE_START(t_rows);
+      at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+      if (!x2.is_contiguous()) x2 = x2.contiguous();
+      if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();  // the plan's binary wants 16 B
+      FP8_STAGE_STOP(kFwdInput, t_rows);
+      FP8_STAGE_START(t_cast);
+      xc = cast(*x_plan, x2, current_stream(x_plan->device));
+      FP8_STAGE_STOP(kFwdInputCast, t_cast);
+    }
     FP8_STAGE_START(t_gemm);
     y = scaled_mm(xc.data, xc.scale_inv, w_data.t(), w_scale_inv, fast_fprop, act_dtype, b);  // (M, N)
     FP8_STAGE_STOP(kFwdGemm, t_gemm);
@@ -424,7 +439,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
       y = at::_unsafe_view(y, shape);  // not a view: in-place ops on the output stay legal (modules/base.py)
     }
     x_t = xc.data_t;
-    x_scale_inv = xc.scale_inv;
+    x_si = xc.scale_inv;
   }
   if (!(need_dgrad || need_wgrad || need_dbias)) return y;
   FP8_STAGE_START(t_node);
@@ -436,7 +451,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   node->grad_plan = grad_plan;
   if (need_wgrad) {
     node->x_t = x_t;
-    node->x_scale_inv = x_scale_inv;
+    node->x_scale_inv = x_si;
   }
   if (need_dgrad) {
     node->w_t = *w_t;

@@ -3,6 +3,7 @@ checkpoints), input checks, activation dtype and warn-once messages."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -24,6 +25,18 @@ QUANTIZER_NAMES: Dict[TensorRole, str] = {
     TensorRole.GRAD_OUTPUT: "grad_output_quantizer",
 }
 
+# Shared inputs (docs/design.md): sibling layers that read the same tensor (attention's q, k, v
+# projections; an MLP's gate and up) share one input quantizer, so that the tensor is cast
+# once per step (Quantizer.cast_shared). Read when a layer checks its quantizers (its first
+# FP8 call, a recipe change, quantizers replaced by a load); False: no new ties.
+# Off until its CUDA path (the C++ node taking the shared cast) has run on a GPU
+# (tests/gpu/test_shared_inputs_gpu.py); the CPU tests switch it on.
+SHARE_INPUT_CASTS = False
+
+# The last input seen there: (weakref to x, x._version, x.shape, recipe, weakref to the
+# layer's input quantizer). Weak references only: it keeps no tensor or layer alive.
+_last_input: list = [None]
+
 
 class FP8Module(nn.Module):
     """Base of fp8train layers. Quantizers are created on the first FP8 forward (the recipe
@@ -34,6 +47,9 @@ class FP8Module(nn.Module):
     """
 
     GEMMS: Tuple[str, ...] = ("",)
+    # Whether forward(x) passes x, its one GEMM's input, to quantizers(): sibling layers that
+    # read the same x then share one input quantizer (Linear; SHARE_INPUT_CASTS).
+    SHARES_INPUT = False
 
     def __init__(self):
         super().__init__()
@@ -68,8 +84,9 @@ class FP8Module(nn.Module):
         if recipe is None or not getattr(self, "_fp8_dims", False):
             return
         device = next(self.parameters()).device
+        x = args[0] if self.SHARES_INPUT and args and isinstance(args[0], torch.Tensor) else None
         for prefix in self.GEMMS:
-            self.quantizers(recipe, device, prefix)
+            self.quantizers(recipe, device, prefix, x=x)
 
     def _quantizer_names(self):
         return [prefix + name for prefix in self.GEMMS for name in QUANTIZER_NAMES.values()]
@@ -82,10 +99,12 @@ class FP8Module(nn.Module):
             self._warned.add(key)
             warnings.warn(f"{self.describe()}: {message}", stacklevel=3)
 
-    def quantizers(self, recipe: Recipe, device: torch.device, gemm: str = "") -> Tuple[Quantizer, Quantizer, Quantizer]:
+    def quantizers(self, recipe: Recipe, device: torch.device, gemm: str = "",
+                   x: Optional[torch.Tensor] = None) -> Tuple[Quantizer, Quantizer, Quantizer]:
         """The (input, weight, grad_output) quantizers of GEMM `gemm` (a GEMMS prefix) for
         `recipe`, rebuilt if the recipe kind, format or history length changed since they
-        were made (their scaling state resets)."""
+        were made (their scaling state resets). x: the GEMM's input, given by layers whose
+        input quantizer may be shared with siblings reading the same tensor (_share_input)."""
         mods = self._modules
         names = self._names[gemm]
         current = (mods[names[0]], mods[names[1]], mods[names[2]])
@@ -104,6 +123,7 @@ class FP8Module(nn.Module):
                         "fp8train.autocast with this recipe, or compile the module itself (torch.compile(module))")
                 if q is not None:
                     self.warn_once("recipe", f"recipe changed to {type(recipe).__name__}; its FP8 scaling state was reset")
+                    q.sharing = max(q.sharing - 1, 1)  # this layer leaves a tie, if it was in one
                 q = make_quantizer(recipe, role, device=device)
                 setattr(self, name, q)
                 if device.type == "cuda" and native.ENABLED:
@@ -111,8 +131,33 @@ class FP8Module(nn.Module):
             else:
                 q.configure(recipe)  # the recipe's scale rules (margin, algo, power of two)
             out.append(q)
+        if x is not None:
+            out[0] = self._share_input(x, recipe, out[0], names[0])
+        elif self.SHARES_INPUT and SHARE_INPUT_CASTS and not torch.compiler.is_compiling():
+            return tuple(out)  # made without x (convert(model, recipe)): the first forward checks for siblings
         self._matched[gemm] = (recipe, tuple(out))
         return self._matched[gemm][1]
+
+    def _share_input(self, x: torch.Tensor, recipe: Recipe, q: Quantizer, name: str) -> Quantizer:
+        """This layer's input quantizer: the one of the last layer that checked its quantizers
+        on this same x (same object, unchanged since) under an equal recipe, made this layer's
+        own too (a tie: one module under both layers, for good), or else q; noted for the next."""
+        if not SHARE_INPUT_CASTS or q.blockwise or isinstance(x, Float8Tensor) or torch.compiler.is_compiling():
+            return q
+        last = _last_input[0]
+        if last is not None:
+            ref, version, shape, last_recipe, q_ref = last
+            other = q_ref()
+            if (ref() is x and version == x._version and shape == x.shape and last_recipe == recipe
+                    and other is not None and other is not q and type(other) is type(q)
+                    and other.matches(recipe, TensorRole.INPUT) and other.fp8_max.device == q.fp8_max.device):
+                if q.sharing > 1:  # leaving another tie
+                    q.sharing -= 1
+                other.sharing += 1
+                setattr(self, name, other)
+                q = other
+        _last_input[0] = (weakref.ref(x), x._version, x.shape, recipe, weakref.ref(q))
+        return q
 
     def takes_block_scaling(self) -> bool:
         """Whether this layer runs fp8train.BlockScaling (Linear without tensor parallelism)."""
@@ -159,7 +204,9 @@ class FP8Module(nn.Module):
         if fp8 is None:
             if len(self._precision) >= 256:  # many token counts (variable lengths): start over
                 self._precision.clear()
+            last = _last_input[0]
             entry = precision.decide(self, rows, act_dtype, recipe, x.device)
+            _last_input[0] = last  # a measurement's twin layers are no siblings of the next layer
             fp8 = self._precision[key] = entry.choice == precision.FP8
         return fp8
 

@@ -68,6 +68,7 @@ class Linear(FP8Module, TPCheckpoints):
         # Module attribute store on this per-call path.
         self._path = [None]
         self._fp8_dims = gemm.dims_ok(local_in, local_out)
+        self.SHARES_INPUT = self.tp is None  # a TP layer's input is gathered or scattered first: no ties
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialisation, so converted and fresh layers start alike (a TP layer:
@@ -125,7 +126,7 @@ class Linear(FP8Module, TPCheckpoints):
         recipe, act_dtype = self.fp8_plan(x, weight.shape[-1])
         if recipe is None:
             return self.high_precision_forward(x, act_dtype)
-        q_input, q_weight, q_grad = self.quantizers(recipe, weight.device)
+        q_input, q_weight, q_grad = self.quantizers(recipe, weight.device, x=x)
         grad = torch.is_grad_enabled()
         bias = self.bias
         if q_weight.blockwise:
@@ -229,7 +230,9 @@ def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight
     done) where the Python node must run: a Float8Tensor input, traced code, launch hooks (a
     profiler), x off the current device, an activation dtype or cast the C++ side does not
     take, and the first calls of each input shape (the Python path prepares the launches the
-    C++ plans reuse). The weight's steady-state re-cast runs inside the C++ call too.
+    C++ plans reuse). The weight's steady-state re-cast runs inside the C++ call too; so does
+    x's cast, except for an input quantizer shared by sibling layers: x is cast once for them
+    all in Python (Quantizer.cast_shared) and the C++ call takes the cast.
     Eager calls note which node ran, or why not, in layer._path."""
     if torch.compiler.is_compiling():
         return None
@@ -249,20 +252,23 @@ def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight
     need_dgrad = grad and x.requires_grad
     need_wgrad = grad and weight.requires_grad
     need_dbias = grad and bias is not None and bias.requires_grad
-    x_plan = q_input.native_plan((m, k), x.dtype, need_wgrad, None)
+    shared = q_input.sharing > 1  # sibling layers read x: its one cast is Python's (cast_shared), passed in
+    x_plan = None if shared else q_input.native_plan((m, k), x.dtype, need_wgrad, None)
+    need_grad_plan = need_dgrad or need_wgrad or need_dbias
     grad_plan = None
-    if x_plan is not None and (need_dgrad or need_wgrad or need_dbias):
+    if (shared or x_plan is not None) and need_grad_plan:
         grad_plan = q_grad.native_plan((m, weight.shape[0]), act_dtype, need_wgrad, bias.dtype if need_dbias else None)
-    if x_plan is None or (grad_plan is None and (need_dgrad or need_wgrad or need_dbias)):
-        path[0] = _no_plan_reason(q_input if x_plan is None else q_grad, m)
+    if (x_plan is None and not shared) or (grad_plan is None and need_grad_plan):
+        path[0] = _no_plan_reason(q_input if x_plan is None and not shared else q_grad, m)
         return None
     path[0] = CPP_NODE
     w_fp8, w_cast = layer._workspace.for_native(weight, q_weight, is_first_microbatch, need_dgrad,
                                                 layer.weight_cast_skip)
     w_t = w_fp8.transpose_data() if need_dgrad else None
+    xc = q_input.cast_shared(x, transpose=need_wgrad)[:3] if shared else (None, None, None)  # (M, K), (K, Mp), (1,)
     return native.extension().linear_forward(
         x, weight, bias, w_fp8._data, w_fp8._scale_inv, w_t, x_plan, grad_plan, config.fprop_fast_accum,
-        config.dgrad_fast_accum, config.wgrad_fast_accum, code, need_wgrad, w_cast)
+        config.dgrad_fast_accum, config.wgrad_fast_accum, code, need_wgrad, w_cast, *xc)
 
 
 def _no_plan_reason(q: Quantizer, rows: int) -> str:
@@ -292,6 +298,9 @@ class _LinearFn(torch.autograd.Function):
             x_data, x_scale_inv = _rows(x.fp8_data), x.scale_inv
             x_t = x.transpose_data(padded=True) if need_wgrad else None
             x_t_scale_inv = x_scale_inv
+        elif q_input.sharing > 1:  # sibling layers read x: one cast for them all
+            xq = q_input.cast_shared(x, transpose=need_wgrad)  # (M, K), (K, Mp)
+            x_data, x_t, x_scale_inv, x_t_scale_inv = xq.data, xq.data_t, xq.scale_inv, xq.transposed_scale_inv
         else:
             xq = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
             x_data, x_t, x_scale_inv, x_t_scale_inv = xq.data, xq.data_t, xq.scale_inv, xq.transposed_scale_inv
