@@ -274,7 +274,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         if args.png:
             from fp8train import plots
             plots.plot_losses([{"name": r["recipe"], "train_loss": r["train_loss"], "val_loss": r["val_loss"]}
-                               for r in rows if r["seed"] == 0], f"{args.png}_{name}.png")
+                               for r in rows if r["seed"] == rows[0]["seed"]], f"{args.png}_{name}.png")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

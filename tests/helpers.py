@@ -1,6 +1,7 @@
 """Shared test helpers: SQNR, bf16 bit patterns, FP8 byte comparison, poisoned outputs, the
 TP backward's reduction / wgrad order."""
 import contextlib
+import math
 
 import pytest
 import torch
@@ -239,3 +240,17 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def make_input(shape, dtype, device="cuda") -> torch.Tensor:
+    """Random values over ~24 binades with NaN, +-inf, -0 and subnormals sprinkled in (the
+    kernels' GPU tests against their twins)."""
+    x = (torch.randn(shape, device=device) * torch.exp2(torch.randint(-12, 12, shape, device=device).float())).to(dtype)
+    flat = x.view(-1)
+    if flat.numel() >= 16:
+        tiny = torch.finfo(dtype).tiny
+        specials = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, -0.0, tiny / 8, -tiny / 2, 6e4, -5e5],
+                                device=device).to(dtype)
+        idx = torch.randint(0, flat.numel(), (specials.numel() * 4,), device=device)
+        flat[idx] = specials.repeat(4)
+    return x

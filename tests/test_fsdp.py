@@ -331,15 +331,8 @@ def case_weights_cast_once_per_step(ctx, recipe: str):
     fsdp.cast_consistent = counting
     try:
         for step in range(3):
-            x, y = _batch(g, ctx)
             casts.clear()
-            if recipe == "delayed":
-                reduce_delayed_amaxes(delayed_quantizers(model), dist.group.WORLD)
-            with fp8train.autocast(recipe=r):
-                loss = (model(x.chunk(ctx.world)[ctx.rank]) - y.chunk(ctx.world)[ctx.rank]).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            _train(model, opt, r, 1, ctx, g)
             weights = [m.weight_quantizer for m in model if isinstance(m, fp8train.Linear)]
             assert sorted(casts) == sorted(id(q) for q in weights), f"step {step}: {len(casts)} casts"
     finally:

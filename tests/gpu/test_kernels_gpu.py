@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from fp8train import kernels, scaling  # noqa: E402
 from fp8train.kernels import cast, reference  # noqa: E402
 from fp8train.kernels.scale_update import ScaleUpdateLaunch  # noqa: E402
-from helpers import all_bf16_values, assert_bitwise, poisoned  # noqa: E402
+from helpers import all_bf16_values, assert_bitwise, make_input, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -37,19 +37,6 @@ CURRENT = [pytest.param(("current", "x"), id="current-own-amax"), pytest.param((
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def make_input(shape, dtype) -> torch.Tensor:
-    """Random values over ~24 binades with NaN, +-inf, -0 and subnormals sprinkled in."""
-    x = (torch.randn(shape, device=DEV) * torch.exp2(torch.randint(-12, 12, shape, device=DEV).float())).to(dtype)
-    flat = x.view(-1)
-    if flat.numel() >= 16:
-        tiny = torch.finfo(dtype).tiny
-        specials = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, -0.0, tiny / 8, -tiny / 2, 6e4, -5e5],
-                                device=DEV).to(dtype)
-        idx = torch.randint(0, flat.numel(), (specials.numel() * 4,), device=DEV)
-        flat[idx] = specials.repeat(4)
-    return x
 
 
 class Scalars:

@@ -24,7 +24,7 @@ from fp8train.kernels import activation, cast, norm, reference  # noqa: E402
 from fp8train.kernels import activation_reference as act_ref  # noqa: E402
 from fp8train.kernels import norm_reference as norm_ref  # noqa: E402
 from fp8train.kernels.scale_update import ScaleUpdateLaunch  # noqa: E402
-from helpers import assert_bitwise, fp8_order, poisoned  # noqa: E402
+from helpers import assert_bitwise, fp8_order, make_input, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -42,18 +42,6 @@ PREV_SCALE = 0.5  # a power of two, as every scale of a pow2 quantizer is
 
 def f32(v) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float32, device=DEV)
-
-
-def make_input(shape, dtype) -> torch.Tensor:
-    """Random values over ~24 binades with NaN, +-inf, -0 and subnormals sprinkled in."""
-    x = (torch.randn(shape, device=DEV) * torch.exp2(torch.randint(-12, 12, shape, device=DEV).float())).to(dtype)
-    flat = x.view(-1)
-    if flat.numel() >= 16:
-        tiny = torch.finfo(dtype).tiny
-        specials = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, -0.0, tiny / 8, -tiny / 2, 6e4, -5e5],
-                                device=DEV).to(dtype)
-        flat[torch.randint(0, flat.numel(), (specials.numel() * 4,), device=DEV)] = specials.repeat(4)
-    return x
 
 
 def from_amax_of(x: torch.Tensor, amax) -> torch.Tensor:
