@@ -7,7 +7,8 @@ from .graphs import make_graphed_callables
 from .modules import LayerNormLinear, LayerNormMLP, Linear
 from . import inspect  # fp8train.inspect: Inspector, execution_paths
 from .quantize import quantize
-from .quantizer import BlockScalingQuantizer, CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
+from .block_quantizer import BlockScalingQuantizer
+from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, update_delayed_scales
 from .recipe import BlockScaling, CurrentScaling, DelayedScaling, Format, GemmConfig
 from .roles import GemmRole, TensorRole
 from .tensor import Float8Tensor

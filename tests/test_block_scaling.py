@@ -12,7 +12,8 @@ import torch
 
 import fp8train
 from fp8train import BlockScaling, CurrentScaling, DelayedScaling, Format, TensorRole, gemm
-from fp8train.quantizer import BlockScalingQuantizer, make_quantizer
+from fp8train.block_quantizer import BlockScalingQuantizer
+from fp8train.quantizer_factory import make_quantizer
 from fp8train.recipe import GemmConfig, check_recipe
 from helpers import sqnr_db
 from numpy_block_cast import numpy_block_cast, numpy_dequantized

@@ -191,7 +191,7 @@ STATES = ["delayed", "delayed-calibrating", "current"]
 
 
 def _quantizer(kind: str, role=fp8train.TensorRole.INPUT):
-    q = fp8train.quantizer.make_quantizer(CURRENT if kind == "current" else DELAYED, role)
+    q = fp8train.quantizer_factory.make_quantizer(CURRENT if kind == "current" else DELAYED, role)
     if kind == "delayed":
         q.calibrated = True
         q.scale.fill_(3.25)

@@ -11,7 +11,7 @@ import torch
 import fp8train
 from fp8train.kernels import native
 from fp8train.modules import layernorm_mlp_native as mlp_native
-from fp8train.quantizer import make_quantizer
+from fp8train.quantizer_factory import make_quantizer
 from fp8train.roles import TensorRole
 
 

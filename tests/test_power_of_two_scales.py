@@ -18,7 +18,8 @@ from fp8train import CurrentScaling, CurrentScalingQuantizer, DelayedScaling, De
 from fp8train import inspect as fp8_inspect
 from fp8train import scaling
 from fp8train.kernels import reference
-from fp8train.quantizer import Quantizer, make_quantizer
+from fp8train.quantizer import Quantizer
+from fp8train.quantizer_factory import make_quantizer
 from helpers import fp8_bytes
 
 E4M3 = torch.float8_e4m3fn

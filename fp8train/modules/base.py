@@ -12,7 +12,8 @@ from torch import nn
 from .. import gemm, precision
 from ..autocast import active_recipe
 from ..kernels import native
-from ..quantizer import Quantizer, make_quantizer, quantizer_from_state
+from ..quantizer import Quantizer
+from ..quantizer_factory import make_quantizer, quantizer_from_state
 from ..recipe import BlockScaling, Format, Recipe
 from ..roles import TensorRole
 from ..tensor import Float8Tensor

@@ -5,7 +5,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..quantizer import BlockCast, Cast, Quantizer, transpose_tiles
+from ..block_quantizer import BlockCast, transpose_tiles
+from ..quantizer import Cast, Quantizer
 from ..tensor import Float8Tensor
 
 

@@ -15,7 +15,7 @@ import torch
 
 import fp8train
 from fp8train import BlockScaling, Format, TensorRole, gemm
-from fp8train.quantizer import make_quantizer
+from fp8train.quantizer_factory import make_quantizer
 from fp8train.recipe import GemmConfig
 from helpers import sqnr_db
 

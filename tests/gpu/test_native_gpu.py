@@ -14,7 +14,7 @@ import torch
 import fp8train
 from fp8train import CurrentScaling, DelayedScaling
 from fp8train.kernels import native
-from fp8train.quantizer import make_quantizer
+from fp8train.quantizer_factory import make_quantizer
 from fp8train.roles import TensorRole
 from tests.helpers import assert_bitwise
 

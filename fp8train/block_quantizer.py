@@ -1,0 +1,124 @@
+"""Block-scaled quantizers (recipe.BlockScaling): per-block scales from each block's own amax,
+no state; their casts return a BlockCast (per-block scale_invs, and data_t's own)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import kernels
+from .kernels.block_reference import Block, blocks_of
+from .quantizer import Quantizer
+from .recipe import BlockScaling, Recipe
+from .roles import TensorRole
+from .tensor import padded_rows
+
+
+class BlockCast(NamedTuple):
+    """A block-scaled cast's outputs (BlockScalingQuantizer.cast): Cast's fields with per-block
+    2-D scale_invs, and data_t with its own. (data, scale_inv) and (data_t, scale_inv_t) are
+    each an FP8 tensor with its blocks laid along its rows, in its own frame.
+    Note: a separate type, not a fifth field of Cast, so that code unpacking a per-tensor
+    Cast into four names stays as it is."""
+
+    data: torch.Tensor                # x's shape, fp8, row-major
+    data_t: Optional[torch.Tensor]    # (cols, padded rows) fp8 transposed copy, zero padded; or None
+    scale_inv: torch.Tensor           # (blocks of rows, blocks of cols) float32, one 1/scale per block
+    dbias: Optional[torch.Tensor] = None        # (cols,) float32 column sums of x's rows
+    scale_inv_t: Optional[torch.Tensor] = None  # data_t's per-block scale_inv (with data_t)
+
+    @property
+    def transposed_scale_inv(self) -> Optional[torch.Tensor]:
+        return self.scale_inv_t
+
+
+ROW_BLOCKS: Block = (1, 128)    # inputs and gradients: 128 along each row (the GEMM's reduction dim)
+TILE_BLOCKS: Block = (128, 128)  # weights
+
+
+class BlockScalingQuantizer(Quantizer):
+    """Block-scaled casts (recipe.BlockScaling; the blocks and edge cases are
+    kernels/block_reference.py's): one scale per block from the block's own amax, so like
+    current scaling it keeps no state; its state_dict holds fp8_max alone (the format).
+
+    `block`: ROW_BLOCKS (1 x 128) for INPUT and GRAD_OUTPUT, TILE_BLOCKS (128 x 128) for
+    WEIGHT. cast(x, transpose=True) returns with data_t the operand of the GEMM that reduces
+    over x's rows (docs/design.md, "Block scaling"), each with its blocks along its rows:
+      row blocks   x cast again with 128 x 1 blocks (a second read of x), written transposed
+                   into data_t (cols, rows rounded up to 128, zero padded: the wgrad's
+                   reduction dim holds whole blocks), scale_inv_t (cols, ceil(rows / 128)),
+                   a transposed view of the (ceil(rows / 128), cols) scales the cast writes;
+      tiles        the same tiles transposed, no second cast: data_t (cols, padded_rows(rows))
+                   the payload's bytes transposed, scale_inv_t = scale_inv.t().
+    No Float8Tensor form (its scale_inv is one number): `quantize` refuses; layers use `cast`.
+    """
+
+    blockwise = True
+
+    def __init__(self, role: TensorRole, dtype: torch.dtype, device=None, power_of_two: bool = False):
+        super().__init__(role, dtype, device, power_of_two)
+        self.block = TILE_BLOCKS if role is TensorRole.WEIGHT else ROW_BLOCKS
+
+    def cast(self, x: torch.Tensor, *, transpose: bool = False, dbias: bool = False) -> BlockCast:
+        x = self._checked(x)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("fp8train.BlockScaling does not run under torch.compile yet; "
+                                      "run the model eagerly (or use DelayedScaling / CurrentScaling)")
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+        data, scale_inv = self._block_cast(rows, self.block)
+        data_t = scale_inv_t = None
+        if transpose and self.block == TILE_BLOCKS:
+            data_t = transpose_padded(data, padded_rows(rows.shape[0]))  # (K, Mp)
+            scale_inv_t = scale_inv.t()  # (Kb, Mb)
+        elif transpose:
+            again, scale_inv_cols = self._block_cast(rows, (128, 1))  # (M, K), (Mb, K)
+            data_t = transpose_padded(again, padded_rows(rows.shape[0], 128))  # (K, Mb * 128)
+            scale_inv_t = scale_inv_cols.t()  # (K, Mb)
+        db = rows.sum(0, dtype=torch.float32) if dbias else None
+        return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
+
+    def _block_cast(self, rows: torch.Tensor, block: Block):
+        data = torch.empty(rows.shape, dtype=self.dtype, device=rows.device)
+        scale_inv = torch.empty(blocks_of(rows.shape, block), dtype=torch.float32, device=rows.device)
+        kernels.block_cast(rows, data, scale_inv, block, self.power_of_two)
+        return data, scale_inv
+
+    def quantize(self, x, *, transpose=False, out=None):
+        raise NotImplementedError(f"{self.role.name} quantizer: a block-scaled cast has no Float8Tensor form "
+                                  "(its scale_inv is one number); use .cast(x), which returns data and per-block "
+                                  "scale_inv")
+
+    def requantize(self, x, out, *, transpose=False, skip=None):
+        self.quantize(x)
+
+    def allocate(self, shape, device, *, transpose=False):
+        raise NotImplementedError(f"{self.role.name} quantizer: block-scaled casts are not written by producer "
+                                  "kernels (norm, activation) yet")
+
+    def produce(self, first_pass, cast, amax_hook=None):
+        self.allocate(None, None)
+
+    def _steady_launches(self, shape, dtype, transpose, dbias):
+        return None  # no C++ cast plans: the C++ node does not take block scales
+
+    def matches(self, recipe: Recipe, role: TensorRole) -> bool:
+        return isinstance(recipe, BlockScaling) and self.dtype == recipe.fp8_format.dtype(role)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block={self.block[0]}x{self.block[1]}"
+
+
+def transpose_padded(data: torch.Tensor, cols: int) -> torch.Tensor:
+    """(K, cols) fp8: data (M, K)'s bytes transposed, zero in columns M.. (cols >= M)."""
+    out = torch.empty(data.shape[1], cols, dtype=data.dtype, device=data.device)
+    kernels.byte_transpose(data, out)
+    return out
+
+
+def transpose_tiles(cast: BlockCast) -> BlockCast:
+    """A WEIGHT's block cast with its transposed copy added from its own bytes (the same
+    tiles, no second cast): what cast(w, transpose=True) returns, from cast(w)."""
+    if cast.data_t is not None:
+        return cast
+    data = cast.data
+    return cast._replace(data_t=transpose_padded(data, padded_rows(data.shape[0])), scale_inv_t=cast.scale_inv.t())
