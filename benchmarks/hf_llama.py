@@ -19,6 +19,9 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                the same, torch.compile(model) after one eager step
   fp8 compile delayed aten-mm                  the same, compiled GEMMs through torch._scaled_mm
                                                instead of the extension's operator (an A/B of it)
+  fp8 {eager,compile} delayed shared           with shared input casts (q/k/v and gate/up tie their
+                                               input quantizers: modules.base.SHARE_INPUT_CASTS on
+                                               while the variant is built; an A/B of it)
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -51,6 +54,7 @@ import torch
 import fp8train
 from fp8train.data import ByteCorpus
 from fp8train.kernels import native
+from fp8train.modules import base as module_base
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ SHAPES = {
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
-            "torchao compile",
+            "fp8 eager delayed shared", "fp8 compile delayed shared", "torchao compile",
             "torchao compile-ro"]
 
 
@@ -145,14 +149,19 @@ class Runner:
         self.count = 0
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
-        self.model, self.recipe = prepare(variant, model, self.step)
-        self.losses: List[float] = []
-        for _ in range(3):  # warm-up (compiles)
-            self.step(self.model, self.recipe)
+        sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "shared" in variant.split()
+        try:  # ties form at the first FP8 forward (here) and stay
+            self.model, self.recipe = prepare(variant, model, self.step)
+            self.losses: List[float] = []
+            for _ in range(3):  # warm-up (compiles)
+                self.step(self.model, self.recipe)
+        finally:
+            module_base.SHARE_INPUT_CASTS = sharing
         self.sync()
         # what this variant allocated at its peak, above what the variants built before it hold
         self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
         self.fp8_layers = sum(isinstance(m, fp8train.Linear) for m in self.model.modules())
+        self.shared_groups = len(fp8train.inspect.shared_input_casts(self.model))
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -231,7 +240,8 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
         rows.append({"variant": v, "wall_ms": wall, "rounds_ms": times[v], "device_ms": device_ms,
                      "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": run.peak_gib,
                      "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
-                     "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers})
+                     "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
+                     "shared_input_groups": run.shared_groups})
     return rows
 
 
