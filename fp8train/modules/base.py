@@ -161,15 +161,16 @@ class FP8Module(nn.Module):
         return q
 
     def takes_block_scaling(self) -> bool:
-        """Whether this layer runs fp8train.BlockScaling (Linear without tensor parallelism)."""
+        """Whether this layer runs fp8train.BlockScaling (Linear, LayerNormLinear, LayerNormMLP
+        without tensor parallelism)."""
         return False
 
     def _check_block_scaling(self, recipe: BlockScaling, device: torch.device) -> None:
         if not self.takes_block_scaling():
             raise NotImplementedError(
-                f"{self.describe()}: fp8train.BlockScaling runs in fp8train.Linear without tensor parallelism "
-                "only, so far; use DelayedScaling or CurrentScaling for this layer (or keep it outside "
-                "fp8train.autocast)")
+                f"{self.describe()}: fp8train.BlockScaling runs in fp8train.Linear, LayerNormLinear and "
+                "LayerNormMLP without tensor parallelism only, so far; use DelayedScaling or CurrentScaling for "
+                "this layer (or keep it outside fp8train.autocast)")
         if device.type == "cuda" and recipe.fp8_format is not Format.E4M3:
             raise NotImplementedError(
                 f"{self.describe()}: BlockScaling(fp8_format={recipe.fp8_format}) casts gradients to e5m2, which "

@@ -16,7 +16,7 @@ from ..recipe import GemmConfig
 from ..tensor import Float8Tensor
 from . import high_node
 from .base import FP8Module, in_dtype, mark_calibrated, unsafe_view
-from .linear import _rows, init_linear_params, linear_parts
+from .linear import _rows, block_scaled_gemm, init_linear_params, linear_parts, refuse_per_tensor_fp8
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision, \
     norm_high_precision_in
 from .tp_checkpoint import TPCheckpoints
@@ -131,6 +131,9 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
         weight, ln_weight = self.weight, self.layer_norm_weight  # read once: parameters are Module.__getattr__ calls
         q_input, q_weight, q_grad = self.quantizers(recipe, weight.device)
         grad = torch.is_grad_enabled()
+        if q_weight.blockwise:
+            return _block_scaled_layernorm_linear(self, x, (q_input, q_weight, q_grad), recipe.gemm, act_dtype, grad,
+                                                  is_first_microbatch)
         need_dgrad = grad and (x.requires_grad or ln_weight.requires_grad)
         w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad,
                                     skip=self.weight_cast_skip)
@@ -143,6 +146,9 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
         if self.out_parts is not None:
             y = y.split(self.local_out_parts, -1)  # views of the one GEMM's output
         return layernorm_linear_outputs(y, ln_out, self.return_layernorm_output)
+
+    def takes_block_scaling(self) -> bool:
+        return self.tp is None
 
     def precision_dims(self) -> tuple:
         out = self.out_features if self.out_parts is None else "+".join(map(str, self.out_parts))
@@ -182,6 +188,22 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
             gemm_in, w, b = in_dtype(ln, dtype), in_dtype(w, dtype), in_dtype(b, dtype)
         y = linear_parts(gemm_in, w, b, self.out_parts)
         return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
+
+
+@torch.compiler.disable  # eager under torch.compile too: a graph break around the layer
+def _block_scaled_layernorm_linear(layer: LayerNormLinear, x, quantizers, config: GemmConfig, act_dtype: torch.dtype,
+                                   grad: bool, is_first_microbatch: Optional[bool]):
+    """LayerNormLinear under BlockScaling: the norm in high precision (as the layer's
+    high-precision path computes it), then one block-scaled GEMM with its own backward
+    (linear.block_scaled_gemm), whose block cast reads the norm output. Not fused."""
+    weight = layer.weight
+    refuse_per_tensor_fp8(layer, x, weight)
+    ln = norm_high_precision_in(x, layer.layer_norm_weight, layer.layer_norm_bias, layer.normalization, layer.eps)
+    y = block_scaled_gemm(layer._workspace, ln, weight, layer.bias, *quantizers, config, act_dtype, grad,
+                          is_first_microbatch)
+    if layer.out_parts is not None:
+        y = y.split(layer.local_out_parts, -1)
+    return layernorm_linear_outputs(y, ln, layer.return_layernorm_output)
 
 
 def layernorm_linear_outputs(y, ln_out, want_ln: bool):

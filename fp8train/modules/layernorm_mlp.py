@@ -20,7 +20,7 @@ from . import high_node
 from . import layernorm_mlp_native as mlp_native
 from .activation import ACTIVATIONS, activation_backward_fp8, activation_fp8, activation_high_precision
 from .base import FP8Module, in_dtype, mark_calibrated, unsafe_view
-from .linear import _rows, init_linear_params
+from .linear import _rows, block_scaled_gemm, init_linear_params, refuse_per_tensor_fp8
 from .norm import check_norm_args, make_norm_params, norm_backward, norm_fp8, norm_high_precision, \
     norm_high_precision_in
 from .tp_checkpoint import TPCheckpoints
@@ -116,6 +116,9 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
                 f"bias={self.fc1_bias is not None}, normalization={self.normalization}, "
                 f"activation={self.activation}, eps={self.eps}{tp}")
 
+    def takes_block_scaling(self) -> bool:
+        return self.fc1_tp is None
+
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         tp1 = self.fc1_tp
         recipe, act_dtype = self.fp8_plan(x, self.hidden_size) if tp1 is None else tp_plan(self, x, self.hidden_size)
@@ -126,6 +129,8 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
         q1 = self.quantizers(recipe, fc1_weight.device, "fc1_")
         q2 = self.quantizers(recipe, fc2_weight.device, "fc2_")
         grad = torch.is_grad_enabled()
+        if q1[1].blockwise:
+            return _block_scaled_mlp(self, x, q1, q2, recipe.gemm, act_dtype, grad, is_first_microbatch)
         need_dgrad1 = grad and (x.requires_grad or ln_weight.requires_grad)
         skip = self.weight_cast_skip
         ln_bias, fc1_bias, fc2_bias = self.layer_norm_bias, self.fc1_bias, self.fc2_bias
@@ -214,6 +219,24 @@ def _tp_configs(tp_group, sequence_parallel, tp_overlap, reduce_dtype, hidden: i
     fc1 = TPConfig(tp_group, ParallelMode.COLUMN, hidden, fc1_out, sequence_parallel, tp_overlap, "LayerNormMLP fc1",
                    reduce_dtype)
     return fc1, fc2
+
+
+
+@torch.compiler.disable  # eager under torch.compile too: a graph break around the layer
+def _block_scaled_mlp(layer: LayerNormMLP, x, q1, q2, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
+                      is_first_microbatch: Optional[bool]) -> torch.Tensor:
+    """LayerNormMLP under BlockScaling: the norm and the activation in high precision (as the
+    layer's high-precision path computes them), fc1 and fc2 as block-scaled GEMMs with their
+    own backward (linear.block_scaled_gemm). Not fused: the norm and activation outputs are
+    cast by the GEMMs' block casts."""
+    w1, w2 = layer.fc1_weight, layer.fc2_weight
+    refuse_per_tensor_fp8(layer, x, w1, w2)
+    ln = norm_high_precision_in(x, layer.layer_norm_weight, layer.layer_norm_bias, layer.normalization, layer.eps)
+    h = block_scaled_gemm(layer._fc1_workspace, ln, w1, layer.fc1_bias, *q1, config, act_dtype, grad,
+                          is_first_microbatch)
+    a = activation_high_precision(h, layer.activation)
+    return block_scaled_gemm(layer._fc2_workspace, a, w2, layer.fc2_bias, *q2, config, act_dtype, grad,
+                             is_first_microbatch)
 
 
 class _LayerNormMLPFn(torch.autograd.Function):

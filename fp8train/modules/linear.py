@@ -210,16 +210,31 @@ def _block_scaled_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_
                           config: GemmConfig, act_dtype: torch.dtype, grad: bool,
                           is_first_microbatch: Optional[bool]) -> torch.Tensor:
     """The layer's FP8 forward under BlockScaling: the Python node with block-scaled operands
-    that the layer casts itself. The per-tensor scaled FP8 forms (a Float8Tensor input, a
-    weight FSDP2 gathered in FP8) are refused with a message."""
-    if isinstance(x, Float8Tensor) or isinstance(weight, Float8Tensor):
+    that the layer casts itself."""
+    refuse_per_tensor_fp8(layer, x, weight)
+    layer._path[0] = _BLOCK_SCALING
+    return block_scaled_gemm(layer._workspace, x, weight, bias, q_input, q_weight, q_grad, config, act_dtype, grad,
+                             is_first_microbatch)
+
+
+def refuse_per_tensor_fp8(layer: FP8Module, x, *weights) -> None:
+    """BlockScaling casts the high-precision tensors itself, block by block: the per-tensor
+    scaled FP8 forms (a Float8Tensor input, a weight FSDP2 gathered in FP8) are refused."""
+    if isinstance(x, Float8Tensor) or any(isinstance(w, Float8Tensor) for w in weights):
         what = "input is a Float8Tensor" if isinstance(x, Float8Tensor) else \
             "weight was gathered in FP8 by FSDP2 (fp8_all_gather)"
         raise TypeError(f"{layer.describe()}: its {what}, with one scale per tensor; BlockScaling casts the "
                         "high-precision tensor itself, block by block (pass the high-precision input; leave "
                         "fp8_all_gather out)")
-    layer._path[0] = _BLOCK_SCALING
-    w_fp8 = layer._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad)
+
+
+def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quantizer, q_weight: Quantizer,
+                      q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
+                      is_first_microbatch: Optional[bool]) -> torch.Tensor:
+    """One block-scaled GEMM (x @ weight^T + bias) with its backward: the Python node with the
+    weight's block cast kept in `workspace`. The fused modules under BlockScaling compose
+    their norm and activation in high precision around it (layernorm_linear.py, layernorm_mlp.py)."""
+    w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad)
     return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, grad and weight.requires_grad)
 
 

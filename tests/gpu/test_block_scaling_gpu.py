@@ -10,6 +10,8 @@
 The GEMM and Linear tests need torch's blockwise scaled_mm (torch >= 2.10, CUDA >= 12.9,
 SM90): `_blockwise_reason` skips them elsewhere, saying why.
 """
+import copy
+
 import pytest
 import torch
 
@@ -154,6 +156,29 @@ def test_linear_on_cuda_against_float64(shape, n):
     assert sqnr_db(x.grad, x64.grad) >= 26.0
     assert sqnr_db(layer.weight.grad, ref.weight.grad) >= 26.0
     assert sqnr_db(layer.bias.grad, ref.bias.grad) >= 40.0
+
+
+# The fused modules: norm (and activation) in high precision around block-scaled GEMMs; the
+# CPU test's thresholds (tests/test_block_scaling.py::test_fused_modules_against_float64).
+@needs_blockwise
+@pytest.mark.parametrize("kind, floor", [("layernorm_linear", 26.0), ("layernorm_mlp", 22.0)])
+def test_fused_modules_on_cuda_against_float64(kind, floor):
+    torch.manual_seed(0)
+    layer = {"layernorm_linear": lambda: fp8train.LayerNormLinear(512, 384, normalization="RMSNorm", device=CUDA),
+             "layernorm_mlp": lambda: fp8train.LayerNormMLP(512, 1024, activation="swiglu", normalization="RMSNorm",
+                                                           device=CUDA)}[kind]()
+    ref = copy.deepcopy(layer).double()
+    x = torch.randn(4, 77, 512, dtype=torch.bfloat16, device=CUDA, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(recipe=BlockScaling()):
+        y = layer(x)
+    dy = torch.randn(y.shape, device=CUDA)
+    y.backward(dy.to(y.dtype))
+    x64 = x.detach().double().requires_grad_()
+    y64 = ref(x64)
+    y64.backward(dy.double())
+    assert sqnr_db(y, y64) >= floor and sqnr_db(x.grad, x64.grad) >= floor
+    for (name, p), (_, p64) in zip(layer.named_parameters(), ref.named_parameters()):
+        assert sqnr_db(p.grad, p64.grad) >= floor, name
 
 
 def test_hybrid_format_is_refused_on_cuda():
