@@ -19,6 +19,8 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                the same, torch.compile(model) after one eager step
   fp8 compile delayed aten-mm                  the same, compiled GEMMs through torch._scaled_mm
                                                instead of the extension's operator (an A/B of it)
+  fp8 eager block                              BlockScaling (1x128 / 128x128 block scales; its
+                                               layers run the Python node)
   fp8 {eager,compile} delayed shared           with shared input casts (q/k/v and gate/up tie their
                                                input quantizers: modules.base.SHARE_INPUT_CASTS on
                                                while the variant is built; an A/B of it)
@@ -74,10 +76,10 @@ SHAPES = {
     "h4096": Shape(4096, 14336, 2, 32, 8),
     "tiny": Shape(64, 128, 2, 4, 2, batch=2, seq=64),
 }
-RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling}
+RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
-            "fp8 eager delayed shared", "fp8 compile delayed shared", "torchao compile",
+            "fp8 eager delayed shared", "fp8 compile delayed shared", "fp8 eager block", "torchao compile",
             "torchao compile-ro"]
 
 

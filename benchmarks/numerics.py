@@ -10,9 +10,10 @@ trains from the same initial weights on the same batches:
   torchao tensorwise, torchao rowwise
                              torchao.float8 convert_to_float8_training (not lm_head), when
                              torchao imports (TARGETS.md: carry its wheel)
-  fp8 <delayed|current> e4m3 / pow2
-                             on request (--recipes): e4m3 for every role (gradients too), or
-                             scales rounded down to powers of two (power_of_two_scales)
+  fp8 <delayed|current> e4m3 / pow2, fp8 block
+                             on request (--recipes): e4m3 for every role (gradients too),
+                             scales rounded down to powers of two (power_of_two_scales), or
+                             fp8train.BlockScaling (1x128 / 128x128 block scales)
 
 Runs (`--shapes`, as the issue's first measurements):
   h1024  hidden 1024, 4 layers, 1000 steps of 8 x 1024 tokens
@@ -66,7 +67,7 @@ RUNS = {
 RECIPES = ["bf16", "fp8 delayed", "fp8 current", "torchao tensorwise", "torchao rowwise"]
 # Run on request (--recipes), to find what a gap comes from: every format in e4m3 (the
 # gradients too), and scales rounded down to powers of two
-EXTRA_RECIPES = ["fp8 delayed e4m3", "fp8 current e4m3", "fp8 delayed pow2", "fp8 current pow2"]
+EXTRA_RECIPES = ["fp8 delayed e4m3", "fp8 current e4m3", "fp8 delayed pow2", "fp8 current pow2", "fp8 block"]
 _OPTIONS = {"e4m3": {"fp8_format": fp8train.Format.E4M3}, "pow2": {"power_of_two_scales": True}}
 
 
