@@ -151,6 +151,7 @@ def test_inductor_rounds_scales_down_to_powers_of_two_as_eager():
     assert torch.equal(got, fp8train.scaling.round_down_pow2(got))
 
 
+@pytest.mark.slow  # 26 s cold (Inductor's C++ for a whole LayerNormMLP step); make test keeps the traced-cast Inductor case
 def test_inductor_compiles_layernorm_mlp_to_the_same_bits():
     # Inductor generates C++ for the glue around the custom ops and _scaled_mm; the ops
     # themselves stay calls, so the bits are unchanged.
