@@ -33,7 +33,8 @@ each variant back to back (one sync at each end), the order reversed every other
 that the host's drift between rounds (up to 2x here) falls on every variant alike. Per
 variant: wall ms per step (the median round), device ms per step (the kernels' time under
 torch.profiler over `--profile-steps` more steps), their ratio (T7: wall <= 1.10x device),
-peak memory above what the variants built before it hold, the last round's mean loss, and
+device events (kernels, copies) per step, with `--host-top N` the N largest host self times per
+step, peak memory above what the variants built before it hold, the last round's mean loss, and
 the median over rounds of the within-round ratio to BF16 eager and to torchao compile (T7:
 fp8train <= 0.85x torchao). A variant that fails prints its error in the table instead of
 ending the run. Writes JSON; never asserts on time.
@@ -199,18 +200,24 @@ class Runner:
         self.losses = [float(v) for v in out]
         return (time.perf_counter() - t0) * 1e3 / steps
 
-    def device_ms(self, steps: int) -> Optional[float]:
-        """The kernels' time per step under torch.profiler (the device's own events only: a
-        CPU op's self device time would count its kernels a second time)."""
+    def profile(self, steps: int, host_top: int = 0) -> Dict:
+        """Under torch.profiler: the kernels' time per step (the device's own events only: a
+        CPU op's self device time would count its kernels a second time), the device events
+        (kernels, copies) per step, and with host_top the `host_top` largest host self times
+        per step (where a host-bound step spends its time)."""
         if self.device.type != "cuda" or steps <= 0:
-            return None
+            return {"device_ms": None, "kernels_per_step": None, "host_top": []}
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 self.step(self.model, self.recipe)
             self.sync()
-        kernels_us = sum(e.self_device_time_total for e in prof.key_averages() if is_device_work(e))
-        return kernels_us / 1e3 / steps
+        events = [e for e in prof.key_averages() if is_device_work(e)]
+        top = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+                     key=lambda e: -e.self_cpu_time_total)[:host_top]
+        return {"device_ms": sum(e.self_device_time_total for e in events) / 1e3 / steps,
+                "kernels_per_step": sum(e.count for e in events) / steps,
+                "host_top": [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in top]}
 
 
 def is_device_work(event) -> bool:
@@ -220,7 +227,7 @@ def is_device_work(event) -> bool:
     return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
 
 
-def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: int) -> List[Dict]:
+def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: int, host_top: int = 0) -> List[Dict]:
     """Rounds of `steps` timed steps per variant, the order reversed every other round (the
     host's speed drifts between rounds: every variant sees the same drift). Per variant: the
     median round, and the median over rounds of its ratio to BF16 eager's and to torchao
@@ -238,9 +245,11 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
     rows = []
     for v, run in runners.items():
         wall = statistics.median(times[v])
-        device_ms = run.device_ms(profile_steps)
+        prof = run.profile(profile_steps, host_top)
+        device_ms = prof["device_ms"]
         rows.append({"variant": v, "wall_ms": wall, "rounds_ms": times[v], "device_ms": device_ms,
                      "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": run.peak_gib,
+                     "kernels_per_step": prof["kernels_per_step"], "host_top": prof["host_top"],
                      "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
                      "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
                      "shared_input_groups": run.shared_groups})
@@ -250,7 +259,7 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
 def print_table(name: str, rows: List[Dict]) -> None:
     print(f"\n{name}: {SHAPES[name]} (vs: the median over rounds of the ratio within a round)")
     print(f"{'variant':<24}{'wall ms':>9}{'device ms':>10}{'wall/dev':>9}{'vs bf16 eager':>14}"
-          f"{'vs torchao':>11}{'peak GiB':>9}{'loss':>8}")
+          f"{'vs torchao':>11}{'peak GiB':>9}{'kernels':>8}{'loss':>8}")
 
     def cell(v: Optional[float], width: int, spec: str, unit: str = "") -> str:
         return " " * width if v is None else f"{format(v, spec) + unit:>{width}}"
@@ -261,7 +270,11 @@ def print_table(name: str, rows: List[Dict]) -> None:
             continue
         print(f"{r['variant']:<24}{cell(r['wall_ms'], 9, '.2f')}{cell(r['device_ms'], 10, '.2f')}"
               f"{cell(r['wall_over_device'], 9, '.2f')}{cell(r['vs_bf16_eager'], 14, '.2f', 'x')}"
-              f"{cell(r['vs_torchao'], 11, '.2f', 'x')}{cell(r['peak_gib'], 9, '.1f')}{r['loss']:>8.3f}")
+              f"{cell(r['vs_torchao'], 11, '.2f', 'x')}{cell(r['peak_gib'], 9, '.1f')}"
+              f"{cell(r['kernels_per_step'], 8, '.0f')}{r['loss']:>8.3f}")
+    for r in rows:
+        for key, ms, count in r.get("host_top", []):
+            print(f"  host {r['variant']:<24}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
@@ -271,6 +284,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--rounds", type=int, default=5, help="timing rounds (variants alternate)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     p.add_argument("--profile-steps", type=int, default=5, help="profiled steps per variant (device time)")
+    p.add_argument("--host-top", type=int, default=0, help="print each variant's N largest host self times per step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -301,7 +315,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                 failed.append({"variant": v, "error": f"{type(e).__name__}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
             print(f"  {name} {v}: {'ready' if v in runners else failed[-1]['error']}", flush=True)
-        rows = measure(runners, args.rounds, args.steps, args.profile_steps) + failed
+        rows = measure(runners, args.rounds, args.steps, args.profile_steps, args.host_top) + failed
         results["shapes"][name] = {"shape": asdict(shape), "rounds": args.rounds, "steps_per_round": args.steps,
                                    "rows": rows}
         print_table(name, rows)

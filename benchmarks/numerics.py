@@ -269,17 +269,23 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                 rows.append(train(recipe, run, seed, corpus, device, args))
                 print(f"  {name} seed {seed} {recipe}: final train {rows[-1]['final_train']:.4f}, "
                       f"val {rows[-1]['final_val']:.4f}", flush=True)
-        summary = summarise(rows)
-        print_summary(name, run, summary, args.schedule)
-        results["shapes"][name] = {"shape": asdict(run.shape), "steps": run.steps, "summary": summary, "runs": rows}
+                # written after every run: a run cut short by a time limit keeps what finished
+                results["shapes"][name] = {"shape": asdict(run.shape), "steps": run.steps,
+                                           "summary": summarise(rows), "runs": rows}
+                _write(results, args.json)
+        print_summary(name, run, results["shapes"][name]["summary"], args.schedule)
         if args.png:
             from fp8train import plots
             plots.plot_losses([{"name": r["recipe"], "train_loss": r["train_loss"], "val_loss": r["val_loss"]}
                                for r in rows if r["seed"] == rows[0]["seed"]], f"{args.png}_{name}.png")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    _write(results, args.json)
     return results
+
+
+def _write(results: Dict, path: Optional[str]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
