@@ -192,8 +192,8 @@ def block_scaled(a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor) -> bool:
 
 
 def block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor, bt_scale_inv: torch.Tensor,
-                    bt_block: Tuple[int, int], *, role: GemmRole, config: GemmConfig, out_dtype: torch.dtype,
-                    bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    bt_block: Tuple[int, int], *, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(a * its block scale_invs) @ (bt * its block scale_invs)^T [+ bias], each operand with
     its blocks along its rows (the reduction dim K):
 
@@ -202,24 +202,25 @@ def block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor
           (ceil(N / 128), ceil(K / 128)); bt_block ROW: bt_scale_inv (N, ceil(K / 128))
 
     Scale tensors may be strided views. CPU: emulated_block_scaled_mm (the specification);
-    CUDA: torch.nn.functional.scaled_mm's blockwise scaling. `out`: written in place."""
+    CUDA: torch.nn.functional.scaled_mm's blockwise scaling. `out`: written in place. Always
+    FP32 promotion, whatever a GemmConfig says: cuBLASLt has no fast accumulation with
+    128 x 128 blocks ("scaled_gemm doesn't support fast accum with 128x128 blockwise scaling")."""
     if bt_block not in (ROW, TILE):
         raise ValueError(f"block_scaled_mm: bt_block must be {ROW} or {TILE}, got {bt_block!r}")
     if a.is_cuda:
-        y = _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias,
-                                  config.fast_accum(role))
+        y = _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias)
     else:
         b_block = (bt_block[1], bt_block[0])  # B (K, N) = bt^T: its blocks run along K, its columns
         y = emulated_block_scaled_mm(a, a_scale_inv, ROW, bt.t(), bt_scale_inv.t(), b_block, out_dtype, bias)
     return y if out is None else out.copy_(y)
 
 
-def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias, fast_accum) -> torch.Tensor:
+def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias) -> torch.Tensor:
     """block_scaled_mm on CUDA through torch.nn.functional.scaled_mm (torch >= 2.10, cuBLASLt
     >= 12.9, SM90: "DeepSeek style" scaling), with the scale layouts torch checks (ATen
     ScaledBlas.cpp, torch 2.13): a 1 x 128 operand's (rows, Kb) scales column-major (strides
     (1, rows)); 128 x 128 tiles as a (round_up(Kb, 4), Nb) view with strides (1, round_up(Kb, 4)).
-    Not run on a GPU yet: tests/gpu/test_block_scaling_gpu.py checks it against the emulation."""
+    tests/gpu/test_block_scaling_gpu.py checks it against the emulation."""
     F = torch.nn.functional
     kinds = getattr(F, "ScalingType", None)
     if not hasattr(F, "scaled_mm") or not hasattr(kinds, "BlockWise128x128"):
@@ -236,7 +237,7 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
         scale_b, kind_b = _column_major(bt_scale_inv), kinds.BlockWise1x128
     fuse_bias = bias is not None and out_dtype in _BIAS_OUT_DTYPES
     y = F.scaled_mm(a, bt.t(), _column_major(a_scale_inv), kinds.BlockWise1x128, scale_b, kind_b,
-                    bias=bias.to(out_dtype) if fuse_bias else None, output_dtype=out_dtype, use_fast_accum=fast_accum)
+                    bias=bias.to(out_dtype) if fuse_bias else None, output_dtype=out_dtype, use_fast_accum=False)
     if bias is not None and not fuse_bias:
         y += bias.to(out_dtype)
     return y
@@ -262,8 +263,7 @@ def fprop(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_i
     """Y (M, N) = X (M, K) @ W^T; x (M, K) and w (N, K) fp8 row-major (block-scaled: X in
     1 x 128 blocks, W in 128 x 128 tiles)."""
     if block_scaled(x_scale_inv, w_scale_inv):
-        return block_scaled_mm(x, x_scale_inv, w, w_scale_inv, TILE, role=GemmRole.FPROP, config=config,
-                               out_dtype=out_dtype, bias=bias, out=out)
+        return block_scaled_mm(x, x_scale_inv, w, w_scale_inv, TILE, out_dtype=out_dtype, bias=bias, out=out)
     return scaled_mm(x, x_scale_inv, w.t(), w_scale_inv, role=GemmRole.FPROP, config=config,
                      out_dtype=out_dtype, bias=bias, out=out)
 
@@ -273,8 +273,7 @@ def dgrad(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w_t: torch.Tensor, w_sca
     """dX (M, K) = dY (M, N) @ W; dy (M, N) fp8 row-major, w_t (K, N) W's transposed copy, row-major
     (block-scaled: dY in 1 x 128 blocks, w_t in W's tiles transposed, w_scale_inv (Kb, Nb))."""
     if block_scaled(dy_scale_inv, w_scale_inv):
-        return block_scaled_mm(dy, dy_scale_inv, w_t, w_scale_inv, TILE, role=GemmRole.DGRAD, config=config,
-                               out_dtype=out_dtype, out=out)
+        return block_scaled_mm(dy, dy_scale_inv, w_t, w_scale_inv, TILE, out_dtype=out_dtype, out=out)
     return scaled_mm(dy, dy_scale_inv, w_t.t(), w_scale_inv, role=GemmRole.DGRAD, config=config,
                      out_dtype=out_dtype, out=out)
 
@@ -285,7 +284,6 @@ def wgrad(dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, x_t: torch.Tensor, x_s
     (block-scaled: both in 1 x 128 blocks along Mp, scale_invs (N, Mb) and (K, Mb): the
     transposed copies' own, Cast.scale_inv_t)."""
     if block_scaled(dy_scale_inv, x_scale_inv):
-        return block_scaled_mm(dy_t, dy_scale_inv, x_t, x_scale_inv, ROW, role=GemmRole.WGRAD, config=config,
-                               out_dtype=out_dtype)
+        return block_scaled_mm(dy_t, dy_scale_inv, x_t, x_scale_inv, ROW, out_dtype=out_dtype)
     return scaled_mm(dy_t, dy_scale_inv, x_t.t(), x_scale_inv, role=GemmRole.WGRAD, config=config,
                      out_dtype=out_dtype)

@@ -14,6 +14,11 @@ def sqnr_db(actual: torch.Tensor, reference: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / noise)) if noise > 0 else float("inf")
 
 
+def rel_err(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """||actual - reference|| / ||reference||, in float64."""
+    return ((actual.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
 def all_bf16_values(device="cpu") -> torch.Tensor:
     """Every one of the 65536 bfloat16 bit patterns (NaNs, infs, subnormals included)."""
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=device).to(torch.int16)

@@ -19,7 +19,7 @@ import fp8train
 from fp8train import BlockScaling, Format, TensorRole, gemm
 from fp8train.quantizer_factory import make_quantizer
 from fp8train.recipe import GemmConfig
-from helpers import sqnr_db
+from helpers import rel_err, sqnr_db
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -37,10 +37,6 @@ def _blockwise_reason():
 
 
 needs_blockwise = pytest.mark.skipif(_blockwise_reason() is not None, reason=str(_blockwise_reason()))
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def assert_same_cast(got, want, what):

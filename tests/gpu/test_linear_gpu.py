@@ -6,13 +6,10 @@ import torch
 import fp8train
 from fp8train import CurrentScaling, DelayedScaling, GemmConfig, gemm
 from fp8train.quantizer import _REGISTRY
+from helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("m, k, n", [(13, 64, 48), (4096, 1024, 2048), (1000, 4096, 16)], ids=str)
