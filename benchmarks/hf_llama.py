@@ -21,9 +21,10 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                instead of the extension's operator (an A/B of it)
   fp8 eager block                              BlockScaling (1x128 / 128x128 block scales; its
                                                layers run the Python node)
-  fp8 {eager,compile} delayed shared           with shared input casts (q/k/v and gate/up tie their
-                                               input quantizers: modules.base.SHARE_INPUT_CASTS on
-                                               while the variant is built; an A/B of it)
+  fp8 {eager,compile} delayed unshared         without shared input casts (every fp8 variant but
+                                               these ties q/k/v's and gate/up's input quantizers:
+                                               modules.base.SHARE_INPUT_CASTS, off while these
+                                               are built; an A/B of it)
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -80,7 +81,7 @@ SHAPES = {
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
-            "fp8 eager delayed shared", "fp8 compile delayed shared", "fp8 eager block", "torchao compile",
+            "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "torchao compile",
             "torchao compile-ro"]
 
 
@@ -152,7 +153,7 @@ class Runner:
         self.count = 0
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
-        sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "shared" in variant.split()
+        sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
             self.losses: List[float] = []

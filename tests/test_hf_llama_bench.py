@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all
 
 def test_hf_llama_benchmark_runs_on_cpu(tmp_path):
     out = tmp_path / "hf_llama.json"
-    variants = ["bf16 eager", "fp8 eager delayed", "fp8 eager delayed shared"]
+    variants = ["bf16 eager", "fp8 eager delayed", "fp8 eager delayed unshared"]
     hf_llama.main(["--device", "cpu", "--shapes", "tiny", "--variants", ",".join(variants),
                    "--rounds", "2", "--steps", "1", "--profile-steps", "0", "--json", str(out)])
     rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
@@ -25,6 +25,7 @@ def test_hf_llama_benchmark_runs_on_cpu(tmp_path):
     # 2 layers x 7 projections (q, k, v, o, gate, up, down); lm_head stays high precision
     assert rows[0]["fp8train_layers"] == 0 and rows[1]["fp8train_layers"] == 14
     assert abs(rows[1]["loss"] - rows[0]["loss"]) < 0.05  # same weights and batches, ~log(256)
-    # shared input casts: q/k/v and gate/up of each layer tied, and the same training bit for bit
-    assert rows[1]["shared_input_groups"] == 0 and rows[2]["shared_input_groups"] == 4
+    # shared input casts (the default): q/k/v and gate/up of each layer tied, and the same
+    # training bit for bit as without
+    assert rows[1]["shared_input_groups"] == 4 and rows[2]["shared_input_groups"] == 0
     assert rows[2]["loss"] == rows[1]["loss"]

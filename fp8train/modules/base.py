@@ -29,10 +29,9 @@ QUANTIZER_NAMES: Dict[TensorRole, str] = {
 # Shared inputs (docs/design.md): sibling layers that read the same tensor (attention's q, k, v
 # projections; an MLP's gate and up) share one input quantizer, so that the tensor is cast
 # once per step (Quantizer.cast_shared). Read when a layer checks its quantizers (its first
-# FP8 call, a recipe change, quantizers replaced by a load); False: no new ties.
-# Off until its CUDA path (the C++ node taking the shared cast) has run on a GPU
-# (tests/gpu/test_shared_inputs_gpu.py); the CPU tests switch it on.
-SHARE_INPUT_CASTS = False
+# FP8 call, a recipe change, quantizers replaced by a load); False: no new ties (an A/B
+# switch for benchmarks/hf_llama.py; existing ties stay).
+SHARE_INPUT_CASTS = True
 
 # The last input seen there: (weakref to x, x._version, x.shape, recipe, weakref to the
 # layer's input quantizer). Weak references only: it keeps no tensor or layer alive.
