@@ -19,8 +19,8 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                the same, torch.compile(model) after one eager step
   fp8 compile delayed aten-mm                  the same, compiled GEMMs through torch._scaled_mm
                                                instead of the extension's operator (an A/B of it)
-  fp8 eager block                              BlockScaling (1x128 / 128x128 block scales; its
-                                               layers run the Python node)
+  fp8 eager block, fp8 compile block           BlockScaling (1x128 / 128x128 block scales; eager:
+                                               its layers run the Python node)
   fp8 {eager,compile} delayed unshared         without shared input casts (every fp8 variant but
                                                these ties q/k/v's and gate/up's input quantizers:
                                                modules.base.SHARE_INPUT_CASTS, off while these
@@ -81,7 +81,8 @@ SHAPES = {
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
-            "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "torchao compile",
+            "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
+            "torchao compile",
             "torchao compile-ro"]
 
 

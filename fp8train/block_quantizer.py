@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import kernels
+from . import kernels, ops
 from .kernels.block_reference import Block, blocks_of
 from .quantizer import Quantizer
 from .recipe import BlockScaling, Recipe
@@ -61,10 +61,11 @@ class BlockScalingQuantizer(Quantizer):
 
     def cast(self, x: torch.Tensor, *, transpose: bool = False, dbias: bool = False) -> BlockCast:
         x = self._checked(x)
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("fp8train.BlockScaling does not run under torch.compile yet; "
-                                      "run the model eagerly (or use DelayedScaling / CurrentScaling)")
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
+        if torch.compiler.is_compiling():  # traced code: the twin's torch ops, for Inductor to fuse
+            data, data_t, scale_inv, db, scale_inv_t = ops.block_cast(rows, self.dtype, self.block, self.power_of_two,
+                                                                      transpose, dbias)
+            return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
         data, scale_inv = self._block_cast(rows, self.block)
         data_t = scale_inv_t = None
         if transpose and self.block == TILE_BLOCKS:

@@ -15,7 +15,7 @@ entry points, which pass them to `block_scaled_mm`: in every role A is the row-b
 (1 x 128) operand and B's transpose holds 128 x 128 tiles (fprop, dgrad) or row blocks
 (wgrad), each operand with its blocks along the reduction dim K (docs/design.md, "Block
 scaling"). On the CPU it runs as `emulated_block_scaled_mm`; on CUDA through
-torch.nn.functional.scaled_mm's blockwise scaling (`_cuda_block_scaled_mm`, not GPU-run yet).
+torch.nn.functional.scaled_mm's blockwise scaling (`_cuda_block_scaled_mm`).
 
 On the GPU the GEMM runs through the C++ extension's `scaled_mm` (csrc/lt_gemm.cpp: cuBLASLt
 with its algorithm cached, the bytes torch._scaled_mm gives, less host time), the one the C++
@@ -27,7 +27,7 @@ _scaled_mm runs at ~0.04 GFLOP/s through oneDNN on some CPUs, AVX-512 + AMX Xeon
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -151,6 +151,18 @@ def emulated_block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block
     kb; the bias (first rounded to out_dtype, as emulated_scaled_mm) is added in float32 and
     the total rounded once to out_dtype.
     """
+    return torch.ops.fp8train.emulated_block_scaled_mm(a, a_scale_inv, list(a_block), b, b_scale_inv, list(b_block),
+                                                       out_dtype, bias)
+
+
+# A custom op, as emulated_scaled_mm: Inductor calls it as it is, so that compiled code gives
+# eager's bits (traced, the bias's rounding to out_dtype would be dropped, and the scales'
+# repeat_interleave + cut below is a form Inductor miscompiles: block_reference.expand).
+@torch.library.custom_op("fp8train::emulated_block_scaled_mm", mutates_args=())
+def _emulated_block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block: List[int], b: torch.Tensor,
+                              b_scale_inv: torch.Tensor, b_block: List[int], out_dtype: torch.dtype,
+                              bias: Optional[torch.Tensor]) -> torch.Tensor:
+    a_block, b_block = tuple(a_block), tuple(b_block)
     m, k = a.shape
     n = b.shape[1]
     if a_block not in ((1, 128), (128, 128)) or b_block not in ((128, 1), (128, 128)):
@@ -172,6 +184,11 @@ def emulated_block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block
         if bias is not None:
             acc += bias.to(out_dtype).float()
     return acc.to(out_dtype)
+
+
+@_emulated_block_scaled_mm.register_fake
+def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype, bias):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 ROW = (1, 128)     # 1 x 128 blocks: one scale per row and 128-wide slice of K

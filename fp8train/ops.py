@@ -3,8 +3,10 @@
 Eager layers launch kernels through prepared launches that write into buffers they allocate
 (kernels/__init__.py, Quantizer._launch): fast on the host, but opaque to Dynamo. Under
 `torch.compiler.is_compiling()` the quantizer and producer helpers call this module instead
-(one branch each: Quantizer.cast, norm_fp8/norm_backward, activation_fp8/activation_backward):
-  * the cast is the twin's torch ops (`cast`), which Inductor fuses and launches itself;
+(one branch each: Quantizer.cast, BlockScalingQuantizer.cast, norm_fp8/norm_backward,
+activation_fp8/activation_backward):
+  * the casts are the twins' torch ops (`cast`, `block_cast`), which Inductor fuses and
+    launches itself;
   * the fused norm and activation kernels are `torch.library` custom ops, whose
     implementation calls the same `fp8train.kernels` function as the eager path (Triton on
     CUDA, the twin elsewhere) in the same order; Inductor calls each as an opaque kernel.
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import kernels, scaling
-from .kernels import reference
+from .kernels import block_reference, reference
 from .kernels.activation_reference import out_features
 from .tensor import padded_rows
 
@@ -100,6 +102,33 @@ def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool
         data_t = reference.saturating_cast(F.pad(rows.t(), (0, pad)), scale, fp8_dtype).contiguous()
     db = rows.float().sum(0) if dbias else None
     return data, data_t, scaling.scale_inverse(scale).reshape(1), db
+
+
+def block_cast(x: Tensor, fp8_dtype: torch.dtype, block: Tuple[int, int], power_of_two: bool, transpose: bool,
+               dbias: bool):
+    """BlockScalingQuantizer.cast of x (M, K) in traced code: (data, data_t or None,
+    scale_inv, dbias or None, scale_inv_t or None), the twin's torch ops
+    (kernels/block_reference.py) as `cast` above, so that Inductor fuses them. The transposed
+    copies are eager's: 128 x 128 tiles, the payload's bytes transposed (no second cast), and
+    1 x 128 blocks, x cast again in 128 x 1 blocks; zero padded to padded_rows(M) and
+    padded_rows(M, 128) columns."""
+    x = x.detach()
+    data, scale_inv = block_reference.block_cast(x, fp8_dtype, block, power_of_two)
+    data_t = scale_inv_t = None
+    m = x.shape[0]
+    if transpose and block == (128, 128):
+        data_t, scale_inv_t = _bytes_transposed(data, padded_rows(m)), scale_inv.t()
+    elif transpose:
+        again, scale_inv_cols = block_reference.block_cast(x, fp8_dtype, (128, 1), power_of_two)
+        data_t, scale_inv_t = _bytes_transposed(again, padded_rows(m, 128)), scale_inv_cols.t()
+    db = x.sum(0, dtype=torch.float32) if dbias else None
+    return data, data_t, scale_inv, db, scale_inv_t
+
+
+def _bytes_transposed(data: Tensor, cols: int) -> Tensor:
+    """(K, cols) fp8: data (M, K) transposed, zero bytes in columns M.. (kernels.byte_transpose)."""
+    raw = F.pad(data.view(torch.uint8).t(), (0, cols - data.shape[0]))
+    return raw.contiguous().view(data.dtype)
 
 
 # ------------------------------------------------------------------------------- normalization

@@ -161,9 +161,10 @@ class BlockScaling:
 
     power_of_two_scales: as for DelayedScaling, per block (kernels/block_reference.py).
 
-    Taken by fp8train.Linear (and so by fp8train.convert's layers) without tensor
-    parallelism; the other layers, CUDA graphs, torch.compile, FSDP2's fp8_all_gather and
-    ONNX export refuse it with an error that says so.
+    Taken by fp8train.Linear (and so by fp8train.convert's layers), LayerNormLinear and
+    LayerNormMLP without tensor parallelism, eagerly and under torch.compile; tensor
+    parallelism, CUDA graphs, FSDP2's fp8_all_gather and ONNX export refuse it with an error
+    that says so.
     """
 
     fp8_format: Format = Format.E4M3

@@ -62,8 +62,16 @@ def block_scale(amax: torch.Tensor, fp8_max: float, power_of_two: bool = False) 
 
 def expand(per_block: torch.Tensor, shape, block: Block) -> torch.Tensor:
     """Per-block values repeated over each block's elements, cut to `shape`."""
-    out = per_block.repeat_interleave(block[0], dim=0)[: shape[0]]
-    return out.repeat_interleave(block[1], dim=1)[:, : shape[1]]
+    # Rows by a gather, columns as a concatenation of each column block's values broadcast:
+    # Inductor (CPU, torch 2.13) miscompiles the other forms of these values that were tried
+    # (repeat_interleave or expand + reshape, then cut; a gather along the columns), x * them
+    # reading wrong elements in a tail block (tests/test_block_scaling_compile.py).
+    if block[0] > 1:
+        per_block = per_block[torch.arange(shape[0], device=per_block.device) // block[0]]
+    if block[1] == 1:
+        return per_block
+    widths = [min(block[1], shape[1] - j * block[1]) for j in range(per_block.shape[1])]
+    return torch.cat([per_block[:, j:j + 1].expand(shape[0], w) for j, w in enumerate(widths)], 1)
 
 
 def block_cast(x: torch.Tensor, fp8_dtype: torch.dtype, block: Block,

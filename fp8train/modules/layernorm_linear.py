@@ -190,7 +190,6 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
         return layernorm_linear_outputs(y, ln, self.return_layernorm_output)
 
 
-@torch.compiler.disable  # eager under torch.compile too: a graph break around the layer
 def _block_scaled_layernorm_linear(layer: LayerNormLinear, x, quantizers, config: GemmConfig, act_dtype: torch.dtype,
                                    grad: bool, is_first_microbatch: Optional[bool]):
     """LayerNormLinear under BlockScaling: the norm in high precision (as the layer's

@@ -222,7 +222,6 @@ def _tp_configs(tp_group, sequence_parallel, tp_overlap, reduce_dtype, hidden: i
 
 
 
-@torch.compiler.disable  # eager under torch.compile too: a graph break around the layer
 def _block_scaled_mlp(layer: LayerNormMLP, x, q1, q2, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
                       is_first_microbatch: Optional[bool]) -> torch.Tensor:
     """LayerNormMLP under BlockScaling: the norm and the activation in high precision (as the

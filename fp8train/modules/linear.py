@@ -205,14 +205,14 @@ _SWITCHED_OFF = "Python node: the C++ node is switched off (kernels.native.ENABL
 _BLOCK_SCALING = "Python node: BlockScaling (the C++ node takes per-tensor scales only)"
 
 
-@torch.compiler.disable  # eager under torch.compile too: a graph break around the layer
 def _block_scaled_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
                           config: GemmConfig, act_dtype: torch.dtype, grad: bool,
                           is_first_microbatch: Optional[bool]) -> torch.Tensor:
     """The layer's FP8 forward under BlockScaling: the Python node with block-scaled operands
     that the layer casts itself."""
     refuse_per_tensor_fp8(layer, x, weight)
-    layer._path[0] = _BLOCK_SCALING
+    if not torch.compiler.is_compiling():
+        layer._path[0] = _BLOCK_SCALING
     return block_scaled_gemm(layer._workspace, x, weight, bias, q_input, q_weight, q_grad, config, act_dtype, grad,
                              is_first_microbatch)
 

@@ -1,11 +1,12 @@
-"""BlockScaling on the GPU (not run yet: written in the session that built the CPU path):
+"""BlockScaling on the GPU (first run 2026-12-01: casts, GEMMs and layers passed):
 
 * the quantizer's casts on CUDA (the Triton block cast, kernels/block_kernel.py, and the
   Triton byte transpose) against the same quantizer on the CPU (the twins), bit for bit;
 * the blockwise GEMMs (gemm.fprop / dgrad / wgrad -> torch.nn.functional.scaled_mm's
   BlockWise1x128 x BlockWise128x128 and 1x128 x 1x128) against the CPU emulation
   (gemm.emulated_block_scaled_mm) on the same FP8 operands;
-* fp8train.Linear forward and backward on CUDA against float64, by SQNR.
+* fp8train.Linear forward and backward on CUDA against float64, by SQNR;
+* Linear under torch.compile against eager, bit for bit.
 
 The GEMM and Linear tests need torch's blockwise scaled_mm (torch >= 2.10, CUDA >= 12.9,
 SM90): `_blockwise_reason` skips them elsewhere, saying why.
@@ -185,3 +186,33 @@ def test_hybrid_format_is_refused_on_cuda():
     with pytest.raises(NotImplementedError, match="e5m2"):
         with fp8train.autocast(recipe=BlockScaling(fp8_format=Format.HYBRID)):
             layer(torch.randn(8, 256, device=CUDA))
+
+
+# torch.compile on CUDA: Inductor's Triton code of the traced casts (ops.block_cast, the
+# twin's ops) against the Triton block cast kernel, the same F.scaled_mm GEMMs. Bit for bit
+# but for the bias gradient (a float32 column sum: Inductor's order, not torch's).
+@needs_blockwise
+@pytest.mark.parametrize("shape", [(300, 512), (4, 77, 1024)], ids=["2d-m300", "3d-m308"])
+def test_compiled_linear_on_cuda_is_eager(shape):
+    torch.manual_seed(0)
+    eager = fp8train.Linear(shape[-1], 384, device=CUDA)  # FP32 master weights
+    module = copy.deepcopy(eager)
+    with fp8train.autocast(recipe=BlockScaling()):  # quantizers made eagerly, before the trace
+        eager(torch.randn(64, shape[-1], dtype=torch.bfloat16, device=CUDA))
+        module(torch.randn(64, shape[-1], dtype=torch.bfloat16, device=CUDA))
+    compiled = torch.compile(module, fullgraph=True)
+    x = torch.randn(shape, dtype=torch.bfloat16, device=CUDA)
+    dy = torch.randn(*shape[:-1], 384, dtype=torch.bfloat16, device=CUDA)
+    outs = []
+    for fn, layer in ((eager, eager), (compiled, module)):
+        xi = x.clone().requires_grad_(True)
+        with fp8train.autocast(recipe=BlockScaling()):
+            y = fn(xi)
+        y.backward(dy)
+        outs.append({"y": y.detach(), "x.grad": xi.grad, **{n: p.grad for n, p in layer.named_parameters()}})
+    for name, want in outs[0].items():
+        got = outs[1][name]
+        if name == "bias":
+            assert rel_err(got, want) < 1e-6, name
+        else:
+            assert torch.equal(got, want), f"{name}: max |diff| {(got - want).abs().max():.3g}"
