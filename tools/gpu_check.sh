@@ -16,9 +16,10 @@
 #          precision, compile, fused-module, graph, MLP-node and replay tests (two shards where
 #          there are two GPUs), then tools/probe_high_mlp.py
 #   hf     the HF Llama GPU tests (tests/gpu/test_hf_llama_gpu.py), then benchmarks/hf_llama.py
-#          at h1024 with every variant (about 5 minutes: one compile per compiled variant)
-#   hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape, every variant (hf steps: VARIANTS
-#          picks some, HOST_TOP=N adds each variant's largest host self times)
+#          at h1024 (one compile per compiled variant)
+#   hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape. hf steps: VARIANTS picks the
+#          variants (default: the eight of $HF_CORE below; all of them took over 10 minutes at
+#          h1024 with the tests before them), HOST_TOP=N adds each variant's largest host self times
 #   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: seeds SEEDS (default
 #          "0"; several run side by side on the one GPU, losses are not timed), recipes RECIPES
 #          (default: the script's; torchao's need its wheel carried), JSON per seed into $OUT
@@ -38,6 +39,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+HF_CORE="bf16 eager,bf16 compile,fp8 eager delayed,fp8 compile delayed,fp8 compile delayed unshared,\
+fp8 compile-ro delayed,torchao compile,torchao compile-ro"
 if compgen -G ".whl/torchao-*.whl" > /dev/null && [[ ! -d /tmp/site/torchao ]]; then
   python3 -m pip install -q --no-deps --target /tmp/site .whl/torchao-*.whl 2>&1 | tail -2
 fi
@@ -87,12 +90,12 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_hf_llama_gpu.py \
         2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --host-top "${HOST_TOP:-0}" \
-        ${VARIANTS:+--variants "$VARIANTS"} --json "$OUT/hf_h1024.json" 2>&1 \
+        --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_h1024.json" 2>&1 \
         | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host)|failed" ;;
     hf-h2048|hf-h4096)
       shape=${step#hf-}
       timeout 560 python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" \
-        ${VARIANTS:+--variants "$VARIANTS"} --json "$OUT/hf_$shape.json" 2>&1 \
+        --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
         | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host)|failed" ;;
     numerics-h1024|numerics-h2048)
       shape=${step#numerics-}
