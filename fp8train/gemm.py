@@ -118,8 +118,13 @@ def emulated_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
 
 # A custom op, so that Inductor calls it as it is: traced, its bias rounding would be dropped
 # (Inductor keeps float32 through a cast to bf16 that feeds float32 math), and compiled code
-# would no longer give eager's bits.
-@torch.library.custom_op("fp8train::emulated_scaled_mm", mutates_args=())
+# would no longer give eager's bits. Fixed stride order rather than the default exact strides
+# (as the CUDA operator, csrc/lt_gemm.cpp): with exact strides Inductor copied a one-element
+# scale_inv computed in the graph once per GEMM reading it.
+_GEMM_TAGS = (torch.Tag.needs_fixed_stride_order,)
+
+
+@torch.library.custom_op("fp8train::emulated_scaled_mm", mutates_args=(), tags=_GEMM_TAGS)
 def _emulated_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
                         out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
     # Autocast would run this mm in bf16 (a custom op's body runs under the caller's autocast
@@ -158,7 +163,7 @@ def emulated_block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block
 # A custom op, as emulated_scaled_mm: Inductor calls it as it is, so that compiled code gives
 # eager's bits (traced, the bias's rounding to out_dtype would be dropped, and the scales'
 # repeat_interleave + cut below is a form Inductor miscompiles: block_reference.expand).
-@torch.library.custom_op("fp8train::emulated_block_scaled_mm", mutates_args=())
+@torch.library.custom_op("fp8train::emulated_block_scaled_mm", mutates_args=(), tags=_GEMM_TAGS)
 def _emulated_block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, a_block: List[int], b: torch.Tensor,
                               b_scale_inv: torch.Tensor, b_block: List[int], out_dtype: torch.dtype,
                               bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -340,9 +340,13 @@ std::tuple<int64_t, int64_t, int64_t> lt_counts() {
 // its wrapper through the dispatcher, with no Python in between, where torch._scaled_mm would
 // ask cuBLASLt's heuristic on every call. Its shape function (the fake) is registered from
 // Python (kernels/native.py). CUDA only: the CPU's GEMM is gemm.emulated_scaled_mm.
+// needs_fixed_stride_order, not the default exact strides: under those Inductor made a copy of
+// a one-element scale_inv computed in the graph for each GEMM reading it (dY's: two per layer
+// in backward); padded operand strides (lda > K) are taken by lt_takes.
 TORCH_LIBRARY(fp8train_lt, m) {
   m.def("scaled_mm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, bool fast_accum, "
-        "ScalarType out_dtype, Tensor? bias) -> Tensor");
+        "ScalarType out_dtype, Tensor? bias) -> Tensor",
+        {at::Tag::needs_fixed_stride_order});
 }
 
 TORCH_LIBRARY_IMPL(fp8train_lt, CUDA, m) {
