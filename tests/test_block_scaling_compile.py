@@ -66,7 +66,8 @@ def _layers():
             "layernorm_mlp": fp8train.LayerNormMLP(160, 304, activation="swiglu", normalization="RMSNorm")}
 
 
-@pytest.mark.parametrize("kind", ["linear", pytest.param("qkv_parts", marks=pytest.mark.slow), "layernorm_mlp"])
+@pytest.mark.parametrize("kind", ["linear", pytest.param("qkv_parts", marks=pytest.mark.slow),
+                                  pytest.param("layernorm_mlp", marks=pytest.mark.slow)])
 def test_compiled_layers_train_as_eager(kind):
     # FP32 master weights under bf16 autocast, 3-D inputs whose rows (135) and K are not
     # multiples of 128; fullgraph: no graph break around the block-scaled GEMMs
