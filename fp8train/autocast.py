@@ -54,6 +54,7 @@ class autocast:
         outer_enabled = any(enabled for enabled, _ in stack)
         stack.append((self.enabled, self.recipe))
         if self.enabled and not outer_enabled:
+            _local.regions = region() + 1
             if self.amax_reduction is not None:
                 from .distributed.amax_sync import reduce_delayed_amaxes  # torch.distributed only when asked
                 reduce_delayed_amaxes(_REGISTRY.live(), self.amax_reduction)
@@ -75,6 +76,12 @@ def recipe_without_step(recipe: Recipe) -> Iterator[None]:
         yield
     finally:
         stack.pop()
+
+
+def region() -> int:
+    """How many outermost enabled autocast regions this thread has entered: what tells two
+    calls of one step (one region) from calls of different steps."""
+    return getattr(_local, "regions", 0)
 
 
 def active_recipe() -> Optional[Recipe]:

@@ -1,8 +1,8 @@
 """Shared inputs (issue 24 item 4): sibling Linears that read the same tensor (attention's
 q/k/v, an MLP's gate/up) tie their input quantizers on their first FP8 call, and the tensor is
 cast once per step (Quantizer.cast_shared). Trained side by side with the detection off, the
-losses, gradients and state are bit for bit the same. The GPU side (the C++ node leaves tied
-layers to the Python node) is tests/gpu/test_shared_inputs_gpu.py."""
+losses, gradients and state are bit for bit the same. The GPU side (the C++ node taking the
+group's one cast) is tests/gpu/test_shared_inputs_gpu.py."""
 from __future__ import annotations
 
 import copy
@@ -21,7 +21,7 @@ from fp8train.roles import TensorRole
 
 @pytest.fixture(autouse=True)
 def sharing_on(monkeypatch):
-    # the switch is off by default until the GPU run; these tests are about it switched on
+    # on by default; set here so that these tests hold whatever the default
     monkeypatch.setattr(base, "SHARE_INPUT_CASTS", True)
 
 
@@ -150,14 +150,17 @@ def test_auto_precision_measurements_do_not_split_siblings(tmp_path, monkeypatch
     assert fp8train.inspect.shared_input_casts(layers) == [["0", "1", "2"]]
 
 
-def _three_calls(between=None, recipes=(fp8train.DelayedScaling(),) * 3, xs=None):
+def _three_calls(between=None, recipes=(fp8train.DelayedScaling(),) * 3, xs=None, one_region=True):
+    # one_region: the three calls in one outermost autocast region (one step), each under its
+    # recipe in a nested region; else each call in a region of its own (three steps)
     layers = [fp8train.Linear(32, 32) for _ in range(3)]
     x = torch.randn(4, 32)
-    for i, layer in enumerate(layers):
-        if between is not None and i:
-            between(x)
-        with fp8train.autocast(recipe=recipes[i]):
-            layer(x if xs is None else xs[i])
+    with fp8train.autocast(recipe=recipes[0], enabled=one_region):
+        for i, layer in enumerate(layers):
+            if between is not None and i:
+                between(x)
+            with fp8train.autocast(recipe=recipes[i]):
+                layer(x if xs is None else xs[i])
     return fp8train.inspect.shared_input_casts(nn.ModuleList(layers))
 
 
@@ -167,6 +170,7 @@ def test_non_siblings_do_not_tie():
     assert _three_calls(between=lambda x: x.mul_(1.0)) == []                                # modified in place
     assert _three_calls(recipes=(fp8train.DelayedScaling(), fp8train.DelayedScaling(margin=1),
                                  fp8train.CurrentScaling())) == []                           # different recipes
+    assert _three_calls(one_region=False) == []  # one tensor fed to layers in separate steps (two models in turn)
 
 
 def test_switched_off(no_sharing):

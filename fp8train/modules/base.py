@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import gemm, precision
-from ..autocast import active_recipe
+from ..autocast import active_recipe, region
 from ..kernels import native
 from ..quantizer import Quantizer
 from ..quantizer_factory import make_quantizer, quantizer_from_state
@@ -33,8 +33,9 @@ QUANTIZER_NAMES: Dict[TensorRole, str] = {
 # switch for benchmarks/hf_llama.py; existing ties stay).
 SHARE_INPUT_CASTS = True
 
-# The last input seen there: (weakref to x, x._version, x.shape, recipe, weakref to the
-# layer's input quantizer). Weak references only: it keeps no tensor or layer alive.
+# The last input seen there: (weakref to x, x._version, x.shape, recipe, autocast region,
+# weakref to the layer's input quantizer). Weak references only: it keeps no tensor or layer
+# alive. The region keeps layers of separate steps (two models fed one tensor in turn) apart.
 _last_input: list = [None]
 
 
@@ -140,15 +141,17 @@ class FP8Module(nn.Module):
 
     def _share_input(self, x: torch.Tensor, recipe: Recipe, q: Quantizer, name: str) -> Quantizer:
         """This layer's input quantizer: the one of the last layer that checked its quantizers
-        on this same x (same object, unchanged since) under an equal recipe, made this layer's
-        own too (a tie: one module under both layers, for good), or else q; noted for the next."""
+        on this same x (same object, unchanged since) under an equal recipe in the same
+        autocast region, made this layer's own too (a tie: one module under both layers, for
+        good), or else q; noted for the next."""
         if not SHARE_INPUT_CASTS or q.blockwise or isinstance(x, Float8Tensor) or torch.compiler.is_compiling():
             return q
         last = _last_input[0]
         if last is not None:
-            ref, version, shape, last_recipe, q_ref = last
+            ref, version, shape, last_recipe, last_region, q_ref = last
             other = q_ref()
             if (ref() is x and version == x._version and shape == x.shape and last_recipe == recipe
+                    and last_region == region()
                     and other is not None and other is not q and type(other) is type(q)
                     and other.matches(recipe, TensorRole.INPUT) and other.fp8_max.device == q.fp8_max.device):
                 if q.sharing > 1:  # leaving another tie
@@ -156,7 +159,7 @@ class FP8Module(nn.Module):
                 other.sharing += 1
                 setattr(self, name, other)
                 q = other
-        _last_input[0] = (weakref.ref(x), x._version, x.shape, recipe, weakref.ref(q))
+        _last_input[0] = (weakref.ref(x), x._version, x.shape, recipe, region(), weakref.ref(q))
         return q
 
     def takes_block_scaling(self) -> bool:
