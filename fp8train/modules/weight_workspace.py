@@ -82,6 +82,8 @@ class WeightWorkspace:
                 and ws.dtype == weight.dtype and ws.fp8_dtype == quantizer.dtype)
 
     def _get_traced(self, weight, quantizer, is_first_microbatch, need_transpose) -> Cast:
+        if is_first_microbatch is None:  # cast on every call; `compiled` not read: no guard on it
+            return quantizer.cast(weight, transpose=need_transpose)
         kept = self.compiled
         fits = (kept is not None and kept.data.shape == weight.shape and kept.data.dtype == quantizer.dtype
                 and (kept.data_t is not None or not need_transpose))
@@ -89,11 +91,8 @@ class WeightWorkspace:
             return kept
         # A kept cast without the transposed copy that is now needed is cast again (eager
         # transposes the FP8 payload instead); the result is the same bytes.
-        cast = quantizer.cast(weight, transpose=need_transpose)
-        if is_first_microbatch is not None:
-            self.compiled = cast
+        self.compiled = cast = quantizer.cast(weight, transpose=need_transpose)
         return cast
-
 
     def _get_block(self, weight, quantizer, is_first_microbatch, need_transpose, skip) -> BlockCast:
         if skip is not None:
