@@ -91,7 +91,9 @@ def _assert_same_state(sa: dict, sb: dict):
         assert torch.equal(sa[name], sb[name]), name
 
 
-def _count_input_casts(monkeypatch) -> list:
+def count_input_casts(monkeypatch) -> list:
+    """The INPUT quantizers' Quantizer.cast calls from now on, one entry (the quantizer) each
+    (also tests/gpu/test_shared_inputs_gpu.py's)."""
     calls = []
     cast = Quantizer.cast
 
@@ -187,7 +189,7 @@ def test_switched_off(no_sharing):
 def test_training_is_bitwise_that_of_untied_layers(recipe, dtype, autocast_bf16, monkeypatch):
     tied, untied = _block(dtype), _block(dtype)
     batches = _batches(4, dtype)
-    calls = _count_input_casts(monkeypatch)
+    calls = count_input_casts(monkeypatch)
     want = None
     with monkeypatch.context() as m:
         m.setattr(base, "SHARE_INPUT_CASTS", False)
@@ -210,7 +212,7 @@ def test_memo_serves_the_siblings_and_nothing_stale(kind, monkeypatch):
     q = (DelayedScalingQuantizer(TensorRole.INPUT, torch.float8_e4m3fn, 4) if kind == "delayed" else
          CurrentScalingQuantizer(TensorRole.INPUT, torch.float8_e4m3fn))
     q.sharing = 3
-    calls = _count_input_casts(monkeypatch)
+    calls = count_input_casts(monkeypatch)
     x = torch.randn(2, 24, 32)
     first = q.cast_shared(x)
     assert first.data.shape == (48, 32) and first.data_t is None

@@ -12,10 +12,8 @@ import torch
 import fp8train
 from fp8train.kernels import native
 from fp8train.modules import base
-from fp8train.quantizer import Quantizer
-from fp8train.roles import TensorRole
 from tests.helpers import assert_bitwise
-from tests.test_shared_inputs import GROUPS, Block
+from tests.test_shared_inputs import GROUPS, Block, count_input_casts
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -58,15 +56,7 @@ def test_block_casts_each_shared_input_once_and_matches_untied_layers(recipe, pa
         m.setattr(base, "SHARE_INPUT_CASTS", False)
         want = _steps(untied, recipe, xs, params_dtype)
 
-    casts = []
-    cast = Quantizer.cast
-
-    def counting(self, x, **kw):
-        if self.role is TensorRole.INPUT:
-            casts.append(self)
-        return cast(self, x, **kw)
-
-    monkeypatch.setattr(Quantizer, "cast", counting)
+    casts = count_input_casts(monkeypatch)
     got = _steps(tied, recipe, xs, params_dtype)
     assert fp8train.inspect.shared_input_casts(tied) == GROUPS
     paths = fp8train.inspect.execution_paths(tied)
