@@ -238,14 +238,11 @@ def block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor
 
 
 def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias) -> torch.Tensor:
-    """block_scaled_mm on CUDA through torch.nn.functional.scaled_mm (torch >= 2.10, cuBLASLt
-    >= 12.9, SM90: "DeepSeek style" scaling), with the scale layouts torch checks (ATen
-    ScaledBlas.cpp, torch 2.13): a 1 x 128 operand's (rows, Kb) scales column-major (strides
-    (1, rows)); 128 x 128 tiles as a (round_up(Kb, 4), Nb) view with strides (1, round_up(Kb, 4)).
-    tests/gpu/test_block_scaling_gpu.py checks it against the emulation."""
+    """block_scaled_mm on CUDA: the checks, then the operator fp8train::cuda_block_scaled_mm
+    (Dynamo cannot trace torch._scaled_mm_v2, which F.scaled_mm calls, in torch 2.11; as an
+    operator the scale layouts it makes are also its own, whatever strides Inductor picks)."""
     F = torch.nn.functional
-    kinds = getattr(F, "ScalingType", None)
-    if not hasattr(F, "scaled_mm") or not hasattr(kinds, "BlockWise128x128"):
+    if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise128x128"):
         raise NotImplementedError(
             f"fp8train: block-scaled FP8 GEMMs on CUDA need torch.nn.functional.scaled_mm with blockwise "
             f"ScalingType (BlockWise1x128, BlockWise128x128; torch >= 2.10); this torch is {torch.__version__}")
@@ -253,7 +250,20 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
         raise NotImplementedError(
             f"fp8train: torch's blockwise GEMM takes e4m3 operands only, got {a.dtype} x {bt.dtype}; use "
             "BlockScaling(fp8_format=Format.E4M3) (its default) on CUDA")
-    if bt_block == TILE:
+    return torch.ops.fp8train.cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, list(bt_block), out_dtype, bias)
+
+
+@torch.library.custom_op("fp8train::cuda_block_scaled_mm", mutates_args=(), device_types="cuda", tags=_GEMM_TAGS)
+def _cuda_block_scaled_mm_op(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor, bt_scale_inv: torch.Tensor,
+                             bt_block: List[int], out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """torch.nn.functional.scaled_mm's blockwise scaling (torch >= 2.10, cuBLASLt >= 12.9, SM90:
+    "DeepSeek style"), with the scale layouts torch checks (ATen ScaledBlas.cpp, torch 2.13):
+    a 1 x 128 operand's (rows, Kb) scales column-major (strides (1, rows)); 128 x 128 tiles as
+    a (round_up(Kb, 4), Nb) view with strides (1, round_up(Kb, 4)).
+    tests/gpu/test_block_scaling_gpu.py checks it against the emulation."""
+    F = torch.nn.functional
+    kinds = F.ScalingType
+    if tuple(bt_block) == TILE:
         scale_b, kind_b = _tile_scales(bt_scale_inv), kinds.BlockWise128x128
     else:
         scale_b, kind_b = _column_major(bt_scale_inv), kinds.BlockWise1x128
@@ -263,6 +273,11 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
     if bias is not None and not fuse_bias:
         y += bias.to(out_dtype)
     return y
+
+
+@_cuda_block_scaled_mm_op.register_fake
+def _(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias):
+    return a.new_empty((a.shape[0], bt.shape[0]), dtype=out_dtype)
 
 
 def _column_major(s: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,13 @@
 """fp8train.BlockScaling under torch.compile on the CPU: the traced block cast (ops.block_cast,
 the twin's torch ops) gives the eager cast's bytes and scales, also as Inductor's generated
 code; Linear, LayerNormLinear and LayerNormMLP compile fullgraph (no graph break) and train
-bit for bit as eagerly; the kept weight cast of is_first_microbatch holds under compile.
-(The CUDA GEMM under compile, torch.nn.functional.scaled_mm's blockwise scaling, is
-tests/gpu/test_block_scaling_gpu.py's.)"""
+bit for bit as eagerly; the kept weight cast of is_first_microbatch holds under compile; the
+CUDA GEMM traces as one operator (its numbers, torch.nn.functional.scaled_mm's blockwise
+scaling, and a compiled Linear on CUDA are tests/gpu/test_block_scaling_gpu.py's)."""
 import copy
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import pytest
 import torch
@@ -146,3 +149,24 @@ def test_kept_weight_cast_under_compile():
             with torch.no_grad():  # an optimizer step between microbatches: not seen while the cast is kept
                 module.weight.mul_(1.5)
                 eager.weight.mul_(1.5)
+
+
+# (a, a's scale_inv, bt, bt's scale_inv, bt's blocks): fprop X (300, 512) @ W^T, W in tiles;
+# wgrad dY^T (384, Mp 384) @ X with X^T (512, 384) in row blocks
+@pytest.mark.parametrize("shapes", [((300, 512), (300, 4), (384, 512), (3, 4), (128, 128)),
+                                    ((384, 384), (384, 3), (512, 384), (512, 3), (1, 128))], ids=["fprop", "wgrad"])
+def test_cuda_block_gemm_traces_as_one_operator(shapes):
+    # torch 2.11's Dynamo cannot trace torch._scaled_mm_v2 (F.scaled_mm's call): a compiled
+    # BlockScaling Linear on CUDA broke the graph there (2026-12-02). Traced over fake CUDA
+    # tensors (no GPU needed), the GEMM is the operator fp8train::cuda_block_scaled_mm with
+    # the output's shape and dtype, and the scale layouts are made inside it.
+    from fp8train import gemm
+    a, sa, bt, sb, block = shapes
+    with FakeTensorMode():
+        args = (torch.empty(a, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(sa, device="cuda"),
+                torch.empty(bt, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(sb, device="cuda"))
+        graph = make_fx(lambda *t: gemm.block_scaled_mm(*t, block, out_dtype=torch.bfloat16))(*args)
+        y = graph(*args)
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == ["fp8train.cuda_block_scaled_mm.default"], targets
+    assert y.shape == (a[0], bt[0]) and y.dtype == torch.bfloat16 and y.is_cuda
