@@ -35,9 +35,11 @@ that the host's drift between rounds (up to 2x here) falls on every variant alik
 variant: wall ms per step (the median round), device ms per step (the kernels' time under
 torch.profiler over `--profile-steps` more steps), their ratio (T7: wall <= 1.10x device),
 device events (kernels, copies) per step, with `--host-top N` the N largest host self times per
-step, peak memory above what the variants built before it hold, the last round's mean loss, and
-the median over rounds of the within-round ratio to BF16 eager and to torchao compile (T7:
-fp8train <= 0.85x torchao). A variant that fails prints its error in the table instead of
+step, with `--device-top N` the device time per step by kernel kind (GEMM, attention, ...)
+and the N largest kernels, peak memory above what the variants built before it hold, the
+last round's mean loss, and the median over rounds of the within-round ratio to BF16 eager
+and to torchao compile (T7: fp8train <= 0.85x torchao). A variant that fails prints its
+error in the table instead of
 ending the run. Writes JSON; never asserts on time.
 """
 from __future__ import annotations
@@ -202,13 +204,16 @@ class Runner:
         self.losses = [float(v) for v in out]
         return (time.perf_counter() - t0) * 1e3 / steps
 
-    def profile(self, steps: int, host_top: int = 0) -> Dict:
+    def profile(self, steps: int, host_top: int = 0, device_top: int = 0) -> Dict:
         """Under torch.profiler: the kernels' time per step (the device's own events only: a
         CPU op's self device time would count its kernels a second time), the device events
-        (kernels, copies) per step, and with host_top the `host_top` largest host self times
-        per step (where a host-bound step spends its time)."""
+        (kernels, copies) per step, with host_top the `host_top` largest host self times per
+        step (where a host-bound step spends its time), and with device_top the device time per
+        step of each kernel_kind and of the `device_top` largest kernels (where a GPU-bound step
+        spends it)."""
         if self.device.type != "cuda" or steps <= 0:
-            return {"device_ms": None, "kernels_per_step": None, "host_top": []}
+            return {"device_ms": None, "kernels_per_step": None, "host_top": [], "device_kinds": {},
+                    "device_top": []}
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
@@ -217,19 +222,34 @@ class Runner:
         events = [e for e in prof.key_averages() if is_device_work(e)]
         top = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
                      key=lambda e: -e.self_cpu_time_total)[:host_top]
+        kinds: Dict[str, float] = {}
+        for e in events:
+            kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e3 / steps
+        largest = sorted(events, key=lambda e: -e.self_device_time_total)[:device_top]
         return {"device_ms": sum(e.self_device_time_total for e in events) / 1e3 / steps,
                 "kernels_per_step": sum(e.count for e in events) / steps,
-                "host_top": [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in top]}
+                "host_top": [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in top],
+                "device_kinds": kinds if device_top else {},
+                "device_top": [(e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in largest]}
 
 
-def is_device_work(event) -> bool:
-    """A profiler event that is device work (kernel, memcpy, memset): not a CPU op, and not a
-    user annotation's GPU range (record_function's, e.g. "Optimizer.step#AdamW.step" or
-    FSDP2's "FSDP::pre_forward"), which spans idle gaps and the kernels counted already."""
-    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+# Kernel names by kind, first match wins: cuBLAS(Lt)'s GEMMs (nvjet / sm90 xmma / cutlass),
+# SDPA's flash attention, the fused AdamW, Inductor's generated kernels (triton_{poi,red,per}_),
+# fp8train's own Triton kernels (named _<what>_kernel), ATen's, copies.
+KERNEL_KINDS = (("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")), ("attention", ("flash", "fmha", "attention")),
+                ("optimizer", ("multi_tensor", "adam")), ("inductor", ("triton_",)), ("copy", ("memcpy", "memset")),
+                ("aten", ("at::", "void ")))
 
 
-def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: int, host_top: int = 0) -> List[Dict]:
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    if name.startswith("_") and low.endswith("_kernel"):
+        return "fp8train"
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: int, host_top: int = 0,
+            device_top: int = 0) -> List[Dict]:
     """Rounds of `steps` timed steps per variant, the order reversed every other round (the
     host's speed drifts between rounds: every variant sees the same drift). Per variant: the
     median round, and the median over rounds of its ratio to BF16 eager's and to torchao
@@ -247,11 +267,12 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
     rows = []
     for v, run in runners.items():
         wall = statistics.median(times[v])
-        prof = run.profile(profile_steps, host_top)
+        prof = run.profile(profile_steps, host_top, device_top)
         device_ms = prof["device_ms"]
         rows.append({"variant": v, "wall_ms": wall, "rounds_ms": times[v], "device_ms": device_ms,
                      "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": run.peak_gib,
                      "kernels_per_step": prof["kernels_per_step"], "host_top": prof["host_top"],
+                     "device_kinds": prof["device_kinds"], "device_top": prof["device_top"],
                      "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
                      "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
                      "shared_input_groups": run.shared_groups})
@@ -277,6 +298,12 @@ def print_table(name: str, rows: List[Dict]) -> None:
     for r in rows:
         for key, ms, count in r.get("host_top", []):
             print(f"  host {r['variant']:<24}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
+    for r in rows:
+        if r.get("device_kinds"):
+            kinds = "  ".join(f"{k} {ms:.2f}" for k, ms in sorted(r["device_kinds"].items(), key=lambda kv: -kv[1]))
+            print(f"  dev  {r['variant']:<24}{kinds}")
+        for key, ms, count in r.get("device_top", []):
+            print(f"  dev  {r['variant']:<24}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
@@ -287,6 +314,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     p.add_argument("--profile-steps", type=int, default=5, help="profiled steps per variant (device time)")
     p.add_argument("--host-top", type=int, default=0, help="print each variant's N largest host self times per step")
+    p.add_argument("--device-top", type=int, default=0,
+                   help="print each variant's device time per step by kernel kind and its N largest kernels")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -317,7 +346,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                 failed.append({"variant": v, "error": f"{type(e).__name__}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
             print(f"  {name} {v}: {'ready' if v in runners else failed[-1]['error']}", flush=True)
-        rows = measure(runners, args.rounds, args.steps, args.profile_steps, args.host_top) + failed
+        rows = measure(runners, args.rounds, args.steps, args.profile_steps, args.host_top, args.device_top) + failed
         results["shapes"][name] = {"shape": asdict(shape), "rounds": args.rounds, "steps_per_round": args.steps,
                                    "rows": rows}
         print_table(name, rows)
