@@ -259,10 +259,17 @@ def _cuda_block_scaled_mm_op(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: tor
     """torch.nn.functional.scaled_mm's blockwise scaling (torch >= 2.10, cuBLASLt >= 12.9, SM90:
     "DeepSeek style"), with the scale layouts torch checks (ATen ScaledBlas.cpp, torch 2.13):
     a 1 x 128 operand's (rows, Kb) scales column-major (strides (1, rows)); 128 x 128 tiles as
-    a (round_up(Kb, 4), Nb) view with strides (1, round_up(Kb, 4)).
+    a (round_up(Kb, 4), Nb) view with strides (1, round_up(Kb, 4)). A's rows padded with zeros
+    to a multiple of 4 (a copy of A where M is not; the output cut back): cuBLASLt's heuristic
+    found no algorithm for M = 70 (torch 2.11, 2026-12-01).
     tests/gpu/test_block_scaling_gpu.py checks it against the emulation."""
     F = torch.nn.functional
     kinds = F.ScalingType
+    m = a.shape[0]
+    if m % 4:  # cuBLASLt refuses A's row count unless a multiple of 4 (70 was refused, 72 and 300 taken)
+        rows = -(-m // 4) * 4
+        a = F.pad(a.view(torch.uint8), (0, 0, 0, rows - m)).view(a.dtype)  # zero rows (F.pad takes no fp8)
+        a_scale_inv = F.pad(a_scale_inv, (0, 0, 0, rows - m), value=1.0)
     if tuple(bt_block) == TILE:
         scale_b, kind_b = _tile_scales(bt_scale_inv), kinds.BlockWise128x128
     else:
@@ -272,7 +279,7 @@ def _cuda_block_scaled_mm_op(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: tor
                     bias=bias.to(out_dtype) if fuse_bias else None, output_dtype=out_dtype, use_fast_accum=False)
     if bias is not None and not fuse_bias:
         y += bias.to(out_dtype)
-    return y
+    return y[:m] if y.shape[0] != m else y
 
 
 @_cuda_block_scaled_mm_op.register_fake
