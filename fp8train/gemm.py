@@ -238,9 +238,10 @@ def block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor
 
 
 def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias) -> torch.Tensor:
-    """block_scaled_mm on CUDA: the checks, then the operator fp8train::cuda_block_scaled_mm
-    (Dynamo cannot trace torch._scaled_mm_v2, which F.scaled_mm calls, in torch 2.11; as an
-    operator the scale layouts it makes are also its own, whatever strides Inductor picks)."""
+    """block_scaled_mm on CUDA: the checks, then `_cuda_block_gemm`; in traced code as the
+    operator fp8train::cuda_block_scaled_mm (Dynamo cannot trace torch._scaled_mm_v2, which
+    F.scaled_mm calls, in torch 2.11; as an operator the scale layouts it makes are also its
+    own, whatever strides Inductor picks), eagerly without the operator's dispatch."""
     F = torch.nn.functional
     if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise128x128"):
         raise NotImplementedError(
@@ -250,12 +251,13 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
         raise NotImplementedError(
             f"fp8train: torch's blockwise GEMM takes e4m3 operands only, got {a.dtype} x {bt.dtype}; use "
             "BlockScaling(fp8_format=Format.E4M3) (its default) on CUDA")
-    return torch.ops.fp8train.cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, list(bt_block), out_dtype, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.fp8train.cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, list(bt_block), out_dtype, bias)
+    return _cuda_block_gemm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias)  # eager: no dispatch
 
 
-@torch.library.custom_op("fp8train::cuda_block_scaled_mm", mutates_args=(), device_types="cuda", tags=_GEMM_TAGS)
-def _cuda_block_scaled_mm_op(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor, bt_scale_inv: torch.Tensor,
-                             bt_block: List[int], out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _cuda_block_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor, bt_scale_inv: torch.Tensor,
+                     bt_block: List[int], out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """torch.nn.functional.scaled_mm's blockwise scaling (torch >= 2.10, cuBLASLt >= 12.9, SM90:
     "DeepSeek style"), with the scale layouts torch checks (ATen ScaledBlas.cpp, torch 2.13):
     a 1 x 128 operand's (rows, Kb) scales column-major (strides (1, rows)); 128 x 128 tiles as
@@ -280,6 +282,10 @@ def _cuda_block_scaled_mm_op(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: tor
     if bias is not None and not fuse_bias:
         y += bias.to(out_dtype)
     return y[:m] if y.shape[0] != m else y
+
+
+_cuda_block_scaled_mm_op = torch.library.custom_op("fp8train::cuda_block_scaled_mm", _cuda_block_gemm, mutates_args=(),
+                                                   device_types="cuda", tags=_GEMM_TAGS)
 
 
 @_cuda_block_scaled_mm_op.register_fake

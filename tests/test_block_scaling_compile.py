@@ -155,12 +155,14 @@ def test_kept_weight_cast_under_compile():
 # wgrad dY^T (384, Mp 384) @ X with X^T (512, 384) in row blocks
 @pytest.mark.parametrize("shapes", [((300, 512), (300, 4), (384, 512), (3, 4), (128, 128)),
                                     ((384, 384), (384, 3), (512, 384), (512, 3), (1, 128))], ids=["fprop", "wgrad"])
-def test_cuda_block_gemm_traces_as_one_operator(shapes):
+def test_cuda_block_gemm_traces_as_one_operator(shapes, monkeypatch):
     # torch 2.11's Dynamo cannot trace torch._scaled_mm_v2 (F.scaled_mm's call): a compiled
     # BlockScaling Linear on CUDA broke the graph there (2026-12-02). Traced over fake CUDA
-    # tensors (no GPU needed), the GEMM is the operator fp8train::cuda_block_scaled_mm with
-    # the output's shape and dtype, and the scale layouts are made inside it.
+    # tensors (no GPU needed) as under torch.compile (is_compiling: make_fx alone is not
+    # Dynamo), the GEMM is the operator fp8train::cuda_block_scaled_mm with the output's shape
+    # and dtype, and the scale layouts are made inside it.
     from fp8train import gemm
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     a, sa, bt, sb, block = shapes
     with FakeTensorMode():
         args = (torch.empty(a, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(sa, device="cuda"),
