@@ -14,7 +14,8 @@ Block-scaled operands (recipe.BlockScaling: 2-D scale_invs, one per block) take 
 entry points, which pass them to `block_scaled_mm`: in every role A is the row-blocked
 (1 x 128) operand and B's transpose holds 128 x 128 tiles (fprop, dgrad) or row blocks
 (wgrad), each operand with its blocks along the reduction dim K (docs/design.md, "Block
-scaling"). On the CPU it runs as `emulated_block_scaled_mm`; on CUDA through
+scaling"). On the CPU it runs as `emulated_block_scaled_mm`; on CUDA through the extension's
+`block_scaled_mm` (cuBLASLt's block scaling, the algorithm cached as below), or without it
 torch.nn.functional.scaled_mm's blockwise scaling (`_cuda_block_scaled_mm`).
 
 On the GPU the GEMM runs through the C++ extension's `scaled_mm` (csrc/lt_gemm.cpp: cuBLASLt
@@ -30,6 +31,7 @@ import functools
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from .kernels import native
 from .recipe import GemmConfig
@@ -238,58 +240,65 @@ def block_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor
 
 
 def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias) -> torch.Tensor:
-    """block_scaled_mm on CUDA: the checks, then `_cuda_block_gemm`; in traced code as the
-    operator fp8train::cuda_block_scaled_mm (Dynamo cannot trace torch._scaled_mm_v2, which
-    F.scaled_mm calls, in torch 2.11; as an operator the scale layouts it makes are also its
-    own, whatever strides Inductor picks), eagerly without the operator's dispatch."""
-    F = torch.nn.functional
-    if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise128x128"):
-        raise NotImplementedError(
-            f"fp8train: block-scaled FP8 GEMMs on CUDA need torch.nn.functional.scaled_mm with blockwise "
-            f"ScalingType (BlockWise1x128, BlockWise128x128; torch >= 2.10); this torch is {torch.__version__}")
+    """block_scaled_mm on CUDA. First the operands as cuBLASLt's block scaling takes them, in
+    torch ops (in traced code Inductor makes them): A's rows zero-padded to a multiple of 4
+    where M is not (a copy of A; the output cut back: cuBLASLt found no algorithm for M = 70,
+    took 64, 72 and 300, torch 2.11, 2026-12-01); a 1 x 128 operand's (rows, Kb) scales
+    column-major (strides (1, rows)); 128 x 128 tiles as a (round_up(Kb, 4), Nb) view with
+    strides (1, round_up(Kb, 4)) (the layouts ATen's ScaledBlas.cpp checks, torch 2.13). Then
+    the GEMM: the extension's (csrc/lt_gemm.cpp: cuBLASLt with its algorithm cached; traced
+    code calls its operator fp8train_lt::block_scaled_mm), or without the extension
+    torch.nn.functional.scaled_mm's blockwise scaling (torch >= 2.10; traced code calls it
+    through the operator fp8train::cuda_block_scaled_mm: Dynamo in torch 2.11 cannot trace
+    torch._scaled_mm_v2). tests/gpu/test_block_scaling_gpu.py checks them against the emulation."""
     if a.dtype != torch.float8_e4m3fn or bt.dtype != torch.float8_e4m3fn:
         raise NotImplementedError(
-            f"fp8train: torch's blockwise GEMM takes e4m3 operands only, got {a.dtype} x {bt.dtype}; use "
+            f"fp8train: the blockwise GEMM takes e4m3 operands only, got {a.dtype} x {bt.dtype}; use "
             "BlockScaling(fp8_format=Format.E4M3) (its default) on CUDA")
-    if torch.compiler.is_compiling():
-        return torch.ops.fp8train.cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, list(bt_block), out_dtype, bias)
-    return _cuda_block_gemm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias)  # eager: no dispatch
-
-
-def _cuda_block_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, bt: torch.Tensor, bt_scale_inv: torch.Tensor,
-                     bt_block: List[int], out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """torch.nn.functional.scaled_mm's blockwise scaling (torch >= 2.10, cuBLASLt >= 12.9, SM90:
-    "DeepSeek style"), with the scale layouts torch checks (ATen ScaledBlas.cpp, torch 2.13):
-    a 1 x 128 operand's (rows, Kb) scales column-major (strides (1, rows)); 128 x 128 tiles as
-    a (round_up(Kb, 4), Nb) view with strides (1, round_up(Kb, 4)). A's rows padded with zeros
-    to a multiple of 4 (a copy of A where M is not; the output cut back): cuBLASLt's heuristic
-    found no algorithm for M = 70 (torch 2.11, 2026-12-01).
-    tests/gpu/test_block_scaling_gpu.py checks it against the emulation."""
-    F = torch.nn.functional
-    kinds = F.ScalingType
     m = a.shape[0]
-    if m % 4:  # cuBLASLt refuses A's row count unless a multiple of 4 (70 was refused, 72 and 300 taken)
+    if m % 4:
         rows = -(-m // 4) * 4
         a = F.pad(a.view(torch.uint8), (0, 0, 0, rows - m)).view(a.dtype)  # zero rows (F.pad takes no fp8)
         a_scale_inv = F.pad(a_scale_inv, (0, 0, 0, rows - m), value=1.0)
-    if tuple(bt_block) == TILE:
-        scale_b, kind_b = _tile_scales(bt_scale_inv), kinds.BlockWise128x128
+    tiles = tuple(bt_block) == TILE
+    scale_a = _column_major(a_scale_inv)
+    scale_b = _tile_scales(bt_scale_inv) if tiles else _column_major(bt_scale_inv)
+    ext = native.gemm()
+    if ext is not None and out_dtype in native.DTYPE_CODES:
+        y = ext.block_scaled_mm(a, scale_a, bt.t(), scale_b, tiles, native.DTYPE_CODES[out_dtype], bias)
+    elif out_dtype in native.DTYPE_CODES and native.gemm_op_loaded():  # traced code
+        y = torch.ops.fp8train_lt.block_scaled_mm(a, scale_a, bt.t(), scale_b, tiles, out_dtype, bias)
     else:
-        scale_b, kind_b = _column_major(bt_scale_inv), kinds.BlockWise1x128
+        if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise128x128"):
+            raise NotImplementedError(
+                f"fp8train: block-scaled FP8 GEMMs on CUDA need the C++ extension ({native.failure()}) or "
+                "torch.nn.functional.scaled_mm with blockwise ScalingType (BlockWise1x128, BlockWise128x128; "
+                f"torch >= 2.10); this torch is {torch.__version__}")
+        gemm_fn = torch.ops.fp8train.cuda_block_scaled_mm if torch.compiler.is_compiling() else _torch_block_gemm
+        y = gemm_fn(a, scale_a, bt, scale_b, tiles, out_dtype, bias)
+    return y if y.shape[0] == m else y[:m]
+
+
+def _torch_block_gemm(a: torch.Tensor, scale_a: torch.Tensor, bt: torch.Tensor, scale_b: torch.Tensor, tiles: bool,
+                      out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """torch.nn.functional.scaled_mm's blockwise GEMM of operands laid out by _cuda_block_scaled_mm."""
+    kinds = F.ScalingType
     fuse_bias = bias is not None and out_dtype in _BIAS_OUT_DTYPES
-    y = F.scaled_mm(a, bt.t(), _column_major(a_scale_inv), kinds.BlockWise1x128, scale_b, kind_b,
+    y = F.scaled_mm(a, bt.t(), scale_a, kinds.BlockWise1x128, scale_b,
+                    kinds.BlockWise128x128 if tiles else kinds.BlockWise1x128,
                     bias=bias.to(out_dtype) if fuse_bias else None, output_dtype=out_dtype, use_fast_accum=False)
     if bias is not None and not fuse_bias:
         y += bias.to(out_dtype)
-    return y[:m] if y.shape[0] != m else y
+    return y
 
 
-_cuda_block_scaled_mm_op = torch.library.custom_op("fp8train::cuda_block_scaled_mm", _cuda_block_gemm, mutates_args=(),
-                                                   device_types="cuda", tags=_GEMM_TAGS)
+# fixed stride order: the scales keep the layouts made for them
+_cuda_block_scaled_mm_op = torch.library.custom_op("fp8train::cuda_block_scaled_mm", _torch_block_gemm,
+                                                   mutates_args=(), device_types="cuda", tags=_GEMM_TAGS)
 
 
 @_cuda_block_scaled_mm_op.register_fake
-def _(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype, bias):
+def _(a, scale_a, bt, scale_b, tiles, out_dtype, bias):
     return a.new_empty((a.shape[0], bt.shape[0]), dtype=out_dtype)
 
 

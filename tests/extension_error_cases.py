@@ -66,6 +66,14 @@ def cases(ext, dev):
             mlp_plan, x, ln_w, None, w, None, w, None, w8, one, None, w8, one, None, None, None),
         "scaled_mm: not FP8 operands": lambda: ext.scaled_mm(x, one, w.t(), one, True, 1, None, None),
         "scaled_mm: bad output dtype code": lambda: ext.scaled_mm(w8, one, w8.t(), one, True, 9, None, None),
+        "block_scaled_mm: not e4m3 operands": lambda: ext.block_scaled_mm(
+            x, torch.ones(1, 3, device=dev).t(), w.t(), torch.ones(4, 1, device=dev), True, 1, None),
+        "block_scaled_mm: M not a multiple of 4": lambda: ext.block_scaled_mm(
+            w8[:3], torch.ones(1, 3, device=dev).t(), w8.t(), torch.ones(4, 1, device=dev), True, 1, None),
+        "block_scaled_mm: scales of the wrong shape": lambda: ext.block_scaled_mm(
+            w8, torch.ones(16, 2, device=dev), w8.t(), torch.ones(4, 1, device=dev), True, 1, None),
+        "block_scaled_mm: bad output dtype code": lambda: ext.block_scaled_mm(
+            w8, torch.ones(1, 16, device=dev).t(), w8.t(), torch.ones(4, 1, device=dev), True, 9, None),
         "high_mlp_forward: bad activation code": lambda: ext.high_mlp_forward(
             x, ln_w, None, w, None, w, None, 1e-5, 99),
         "high_mlp_forward: 4-D input": lambda: ext.high_mlp_forward(

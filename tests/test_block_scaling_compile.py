@@ -151,24 +151,31 @@ def test_kept_weight_cast_under_compile():
                 eager.weight.mul_(1.5)
 
 
-# (a, a's scale_inv, bt, bt's scale_inv, bt's blocks): fprop X (300, 512) @ W^T, W in tiles;
-# wgrad dY^T (384, Mp 384) @ X with X^T (512, 384) in row blocks
-@pytest.mark.parametrize("shapes", [((300, 512), (300, 4), (384, 512), (3, 4), (128, 128)),
-                                    ((384, 384), (384, 3), (512, 384), (512, 3), (1, 128))], ids=["fprop", "wgrad"])
-def test_cuda_block_gemm_traces_as_one_operator(shapes, monkeypatch):
+@pytest.mark.parametrize("extension", [True, False], ids=["extension-op", "torch-op"])
+def test_cuda_block_gemm_traces_as_one_operator(extension, monkeypatch):
     # torch 2.11's Dynamo cannot trace torch._scaled_mm_v2 (F.scaled_mm's call): a compiled
     # BlockScaling Linear on CUDA broke the graph there (2026-12-02). Traced over fake CUDA
     # tensors (no GPU needed) as under torch.compile (is_compiling: make_fx alone is not
-    # Dynamo), the GEMM is the operator fp8train::cuda_block_scaled_mm with the output's shape
-    # and dtype, and the scale layouts are made inside it.
+    # Dynamo), the GEMM is one operator with the output's shape and dtype: the extension's
+    # (fp8train_lt::block_scaled_mm) where it is loaded, else fp8train::cuda_block_scaled_mm.
+    # A wgrad GEMM (dY^T (384, Mp 384) @ X, X^T (512, 384) in row blocks) with its scales laid
+    # out already: a CPU-only torch cannot run the layout copies on fake CUDA tensors.
     from fp8train import gemm
+    from fp8train.kernels import native
+    if extension and native.extension() is None:
+        pytest.skip(f"the C++ extension did not build: {native.failure()}")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    a, sa, bt, sb, block = shapes
+    monkeypatch.setattr(native, "gemm_op_loaded", lambda: extension)
     with FakeTensorMode():
-        args = (torch.empty(a, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(sa, device="cuda"),
-                torch.empty(bt, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(sb, device="cuda"))
-        graph = make_fx(lambda *t: gemm.block_scaled_mm(*t, block, out_dtype=torch.bfloat16))(*args)
+        args = (torch.empty(384, 384, dtype=torch.float8_e4m3fn, device="cuda"),
+                torch.empty(3, 384, device="cuda").t(),  # (384, 3) with strides (1, 384)
+                torch.empty(512, 384, dtype=torch.float8_e4m3fn, device="cuda"),
+                torch.empty(3, 512, device="cuda").t())
+        graph = make_fx(lambda *t: gemm.block_scaled_mm(*t, gemm.ROW, out_dtype=torch.bfloat16))(*args)
         y = graph(*args)
     targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
-    assert targets == ["fp8train.cuda_block_scaled_mm.default"], targets
-    assert y.shape == (a[0], bt[0]) and y.dtype == torch.bfloat16 and y.is_cuda
+    # the extension's operator takes B (K, N) column-major (bt.t()), torch's bt
+    want = ["aten.t.default", "fp8train_lt.block_scaled_mm.default"] if extension else \
+        ["fp8train.cuda_block_scaled_mm.default"]
+    assert targets == want, targets
+    assert y.shape == (384, 512) and y.dtype == torch.bfloat16 and y.is_cuda

@@ -842,6 +842,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return scaled_mm(a, a_scale_inv, b, b_scale_inv, fast_accum, float_dtype(out_code), bias.value_or(at::Tensor()),
                      out.value_or(at::Tensor()));
   });
+  m.def("block_scaled_mm", [](const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                              const at::Tensor& b_scale, bool b_tiles, int64_t out_code,
+                              std::optional<at::Tensor> bias) {
+    return block_scaled_mm(a, a_scale, b, b_scale, b_tiles, float_dtype(out_code), bias.value_or(at::Tensor()));
+  });
   m.def("set_lt_gemm", &set_lt_gemm);
   m.def("lt_version", &lt_version);
   m.def("lt_counts", &lt_counts);

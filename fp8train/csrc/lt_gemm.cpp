@@ -11,6 +11,9 @@
 // kernel torch._scaled_mm runs and the outputs are its bytes (tests/gpu/test_lt_gemm_gpu.py).
 // A process that changes torch's limit (CUBLASLT_WORKSPACE_SIZE) may see other kernels here.
 //
+// block_scaled_mm is the same call with cuBLASLt's block scale modes (1 x 128 vectors, 128 x
+// 128 tiles: BlockScaling), where torch's F.scaled_mm also asks the heuristic on every call.
+//
 // No CUDA headers on a CPU-only machine: the entry points come from libcublasLt at run time
 // (torch has loaded it) and the few types and values used are declared below as cublasLt.h
 // and library_types.h define them (the same in CUDA 12 and 13).
@@ -52,7 +55,9 @@ constexpr int kR32F = 0, kR16F = 2, kR16BF = 14, kR8E4M3 = 28, kR8E5M2 = 29;  //
 constexpr int kOpN = 0, kOpT = 1;                                      // cublasOperation_t
 // cublasLtMatmulDescAttributes_t
 constexpr int kTransA = 3, kTransB = 4, kEpilogue = 7, kBiasPointer = 8, kAScalePointer = 17,
-              kBScalePointer = 18, kFastAccum = 25, kBiasDataType = 26;
+              kBScalePointer = 18, kFastAccum = 25, kBiasDataType = 26, kAScaleMode = 31, kBScaleMode = 32;
+// cublasLtMatmulMatrixScale_t (cuBLAS >= 12.9): what a scale pointer points to
+constexpr int kScaleScalar = 0, kScaleVec128 = 4, kScaleBlk128x128 = 5;
 constexpr int kEpilogueBias = 4;      // CUBLASLT_EPILOGUE_BIAS
 constexpr int kPrefMaxWorkspace = 1;  // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
 constexpr uint64_t kWorkspaceLimit = 1024 * 1024;  // torch's default (CUBLASLT_WORKSPACE_SIZE unset)
@@ -124,10 +129,11 @@ struct Problem {
   int64_t lda, ldb, ldd;  // b.stride(1), a.stride(0), out.stride(0)
   int type_a, type_b, type_d;
   bool bias, fast;
+  int mode_a = kScaleScalar, mode_b = kScaleScalar;  // cuBLAS's A and B scale modes (block scaling)
   bool operator==(const Problem& o) const {
     return device == o.device && m == o.m && n == o.n && k == o.k && lda == o.lda && ldb == o.ldb &&
            ldd == o.ldd && type_a == o.type_a && type_b == o.type_b && type_d == o.type_d && bias == o.bias &&
-           fast == o.fast;
+           fast == o.fast && mode_a == o.mode_a && mode_b == o.mode_b;
   }
 };
 
@@ -151,6 +157,11 @@ void describe(Descs& s, const Problem& p, const void* scale_a, const void* scale
   set(kAScalePointer, &scale_a, sizeof(scale_a));
   set(kBScalePointer, &scale_b, sizeof(scale_b));
   set(kFastAccum, &fast, sizeof(fast));
+  if (p.mode_a != kScaleScalar || p.mode_b != kScaleScalar) {  // unset for tensorwise: torch's descriptor
+    const int32_t mode_a = p.mode_a, mode_b = p.mode_b;
+    set(kAScaleMode, &mode_a, sizeof(mode_a));
+    set(kBScaleMode, &mode_b, sizeof(mode_b));
+  }
   if (p.bias) {
     const int32_t epilogue = kEpilogueBias, bias_type = p.type_d;
     set(kBiasPointer, &bias, sizeof(bias));
@@ -260,7 +271,8 @@ bool lt_takes(const at::Tensor& a, const at::Tensor& a_si, const at::Tensor& b, 
 // a @ b through cuBLASLt into out (allocated here when undefined); false where the heuristic
 // has no algorithm for the problem.
 bool lt_matmul(const at::Tensor& a, const at::Tensor& a_si, const at::Tensor& b, const at::Tensor& b_si,
-               bool fast_accum, c10::ScalarType out_dtype, const at::Tensor& bias, at::Tensor& out) {
+               bool fast_accum, c10::ScalarType out_dtype, const at::Tensor& bias, at::Tensor& out,
+               int mode_a = kScaleScalar, int mode_b = kScaleScalar) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   const int device = a.get_device();
   // A thread whose first CUDA work this is has no current context, and cuBLASLt needs one
@@ -268,7 +280,8 @@ bool lt_matmul(const at::Tensor& a, const at::Tensor& a_si, const at::Tensor& b,
   FP8_STAGE_START(t_prep);
   ensure_context(device);
   Problem p{device, N, M, K, b.stride(1), a.stride(0), out.defined() ? out.stride(0) : N,
-            lt_type(b.scalar_type()), lt_type(a.scalar_type()), lt_type(out_dtype), bias.defined(), fast_accum};
+            lt_type(b.scalar_type()), lt_type(a.scalar_type()), lt_type(out_dtype), bias.defined(), fast_accum,
+            mode_a, mode_b};
   FP8_STAGE_STOP(kGemmPrep, t_prep);
   FP8_STAGE_START(t_choose);
   // cuBLAS's A is b, so A's scale is b's
@@ -325,6 +338,55 @@ at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_scale_inv, const a
   return result;
 }
 
+at::Tensor block_scaled_mm(const at::Tensor& a_in, const at::Tensor& a_scale, const at::Tensor& b_in,
+                           const at::Tensor& b_scale, bool b_tiles, c10::ScalarType out_dtype, const at::Tensor& bias) {
+  const char* what = "fp8train native block_scaled_mm: ";
+  TORCH_CHECK(a_in.dim() == 2 && b_in.dim() == 2 && b_in.device() == a_in.device(), what,
+              "a and b must be 2-D tensors on one device");
+  TORCH_CHECK(a_in.scalar_type() == at::kFloat8_e4m3fn && b_in.scalar_type() == at::kFloat8_e4m3fn, what,
+              "cuBLASLt's block scaling takes e4m3 x e4m3 operands, got ", a_in.scalar_type(), " x ",
+              b_in.scalar_type());
+  const int64_t M = a_in.size(0), K = a_in.size(1), N = b_in.size(1), kb = (K + 127) / 128;
+  TORCH_CHECK(b_in.size(0) == K && a_in.stride(1) == 1 && b_in.stride(0) == 1 && K % 16 == 0 && N % 16 == 0 &&
+                  M % 4 == 0,
+              what, "a (M, K) row-major and b (K, N) column-major with K and N multiples of 16 and M of 4, got a ",
+              a_in.sizes(), " strides ", a_in.strides(), ", b ", b_in.sizes(), " strides ", b_in.strides());
+  const int td = lt_type(out_dtype);
+  TORCH_CHECK(td == kR16BF || td == kR16F || td == kR32F, what, "out_dtype must be bf16, fp16 or fp32");
+  auto laid_out = [&](const at::Tensor& s, int64_t rows, int64_t cols, int64_t s0, int64_t s1) {
+    return s.scalar_type() == at::kFloat && s.device() == a_in.device() && s.dim() == 2 && s.size(0) == rows &&
+           s.size(1) == cols && (rows == 1 || s.stride(0) == s0) && (cols == 1 || s.stride(1) == s1);
+  };
+  // a's 1 x 128 scales (M, Kb) M-major; b's 128 x 128 tiles (round_up(Kb, 4), Nb) Kb-major, or its
+  // 1 x 128 scales (N, Kb) N-major: the layouts torch's blockwise scaled_mm checks (gemm.py makes them)
+  TORCH_CHECK(laid_out(a_scale, M, kb, 1, M), what, "a_scale must be (M, ceil(K / 128)) = (", M, ", ", kb,
+              ") float32 with strides (1, M), got ", a_scale.sizes(), " strides ", a_scale.strides());
+  const int64_t kb4 = (kb + 3) / 4 * 4, nb = (N + 127) / 128;
+  TORCH_CHECK(b_tiles ? laid_out(b_scale, kb4, nb, 1, kb4) : laid_out(b_scale, N, kb, 1, N), what,
+              b_tiles ? "b_scale (tiles) must be (round_up(ceil(K / 128), 4), ceil(N / 128)) float32 with strides "
+                        "(1, rows)"
+                      : "b_scale must be (N, ceil(K / 128)) float32 with strides (1, N)",
+              ", got ", b_scale.sizes(), " strides ", b_scale.strides());
+  TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.numel() == N), what, "bias must be an (N,) vector");
+  TORCH_CHECK(a_in.is_cuda(), what, "the operands must be CUDA tensors");
+  TORCH_CHECK(lt() != nullptr, what, "libcublasLt was not found");
+  // cuBLASLt's heuristic assumes 256-byte aligned operands: a view that is not is copied (its
+  // strides kept), which fresh casts never need
+  const at::Tensor a = aligned(a_in) ? a_in : a_in.clone(), b = aligned(b_in) ? b_in : b_in.clone();
+  at::Tensor b16 = !bias.defined() || bias.scalar_type() == out_dtype ? bias : bias.to(out_dtype);
+  const bool fuse = out_dtype == at::kBFloat16 || out_dtype == at::kHalf;  // cuBLASLt fuses a bias into these only
+  if (b16.defined() && fuse && (b16.stride(0) != 1 || !aligned(b16))) b16 = b16.clone(at::MemoryFormat::Contiguous);
+  at::Tensor result;
+  // cuBLAS's A is b (its scales b's), its B is a
+  const bool ran = lt_matmul(a, a_scale, b, b_scale, false, out_dtype, fuse ? b16 : at::Tensor(), result,
+                             b_tiles ? kScaleBlk128x128 : kScaleVec128, kScaleVec128);
+  TORCH_CHECK(ran, what, "cuBLASLt has no algorithm for M=", M, " N=", N, " K=", K,
+              b_tiles ? " (1x128 x 128x128 blocks)" : " (1x128 x 1x128 blocks)");
+  g_lt_calls += 1;
+  if (b16.defined() && !fuse) result.add_(b16);
+  return result;
+}
+
 void set_lt_gemm(bool on) { g_on = on; }
 
 int64_t lt_version() { return lt() == nullptr ? 0 : static_cast<int64_t>(lt()->version()); }
@@ -347,6 +409,10 @@ TORCH_LIBRARY(fp8train_lt, m) {
   m.def("scaled_mm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, bool fast_accum, "
         "ScalarType out_dtype, Tensor? bias) -> Tensor",
         {at::Tag::needs_fixed_stride_order});
+  // fixed stride order keeps the scales' layouts (M-major, Kb-major) that it checks
+  m.def("block_scaled_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool b_tiles, "
+        "ScalarType out_dtype, Tensor? bias) -> Tensor",
+        {at::Tag::needs_fixed_stride_order});
 }
 
 TORCH_LIBRARY_IMPL(fp8train_lt, CUDA, m) {
@@ -355,5 +421,10 @@ TORCH_LIBRARY_IMPL(fp8train_lt, CUDA, m) {
                          const std::optional<at::Tensor>& bias) {
     return fp8train_native::scaled_mm(a, a_scale_inv, b, b_scale_inv, fast_accum, out_dtype,
                                       bias.value_or(at::Tensor()));
+  });
+  m.impl("block_scaled_mm", [](const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                               const at::Tensor& b_scale, bool b_tiles, c10::ScalarType out_dtype,
+                               const std::optional<at::Tensor>& bias) {
+    return fp8train_native::block_scaled_mm(a, a_scale, b, b_scale, b_tiles, out_dtype, bias.value_or(at::Tensor()));
   });
 }

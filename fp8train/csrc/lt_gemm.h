@@ -24,6 +24,17 @@ at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_scale_inv, const a
                      const at::Tensor& b_scale_inv, bool fast_accum, c10::ScalarType out_dtype,
                      const at::Tensor& bias = at::Tensor(), const at::Tensor& out = at::Tensor());
 
+// (a * its 1 x 128 scales) @ (b * its 128 x 128 tile or 1 x 128 scales) [+ bias] through
+// cuBLASLt's block scaling (cuBLAS >= 12.9, Hopper), the algorithm cached as scaled_mm's: a (M,
+// K) row-major e4m3 with M a multiple of 4, a_scale (M, Kb) with strides (1, M); b (K, N)
+// column-major e4m3; b_tiles: b_scale (round_up(Kb, 4), Nb) with strides (1, rows), else
+// (N, Kb) with strides (1, N) (Kb = ceil(K / 128), Nb = ceil(N / 128)). These are the scale
+// inverses (dequantizing factors). Always FP32 promotion. Errors name what does not fit,
+// including a problem cuBLASLt has no algorithm for; the set_lt_gemm switch does not apply.
+at::Tensor block_scaled_mm(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                           const at::Tensor& b_scale, bool b_tiles, c10::ScalarType out_dtype,
+                           const at::Tensor& bias = at::Tensor());
+
 // The cuBLASLt path on or off for the process (off: every call is at::_scaled_mm's).
 void set_lt_gemm(bool on);
 // Whether libcublasLt was found (the path can run at all), and its version (0 if not found).

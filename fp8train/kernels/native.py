@@ -83,9 +83,13 @@ def extension():
 
 
 def _register_gemm_fake() -> None:
-    """The shape function of the extension's GEMM operator (lt_gemm.cpp), for tracing."""
+    """The shape functions of the extension's GEMM operators (lt_gemm.cpp), for tracing."""
     @torch.library.register_fake("fp8train_lt::scaled_mm")
     def _(a, a_scale_inv, b, b_scale_inv, fast_accum, out_dtype, bias):
+        return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)  # (M, N) row-major
+
+    @torch.library.register_fake("fp8train_lt::block_scaled_mm")
+    def _(a, a_scale, b, b_scale, b_tiles, out_dtype, bias):
         return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)  # (M, N) row-major
 
 

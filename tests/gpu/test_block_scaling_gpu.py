@@ -2,9 +2,10 @@
 
 * the quantizer's casts on CUDA (the Triton block cast, kernels/block_kernel.py, and the
   Triton byte transpose) against the same quantizer on the CPU (the twins), bit for bit;
-* the blockwise GEMMs (gemm.fprop / dgrad / wgrad -> torch.nn.functional.scaled_mm's
-  BlockWise1x128 x BlockWise128x128 and 1x128 x 1x128) against the CPU emulation
-  (gemm.emulated_block_scaled_mm) on the same FP8 operands;
+* the blockwise GEMMs (gemm.fprop / dgrad / wgrad -> the extension's cuBLASLt block scaling,
+  csrc/lt_gemm.cpp, and without it torch.nn.functional.scaled_mm's BlockWise1x128 x
+  BlockWise128x128 and 1x128 x 1x128) against the CPU emulation
+  (gemm.emulated_block_scaled_mm) on the same FP8 operands, both paths;
 * fp8train.Linear forward and backward on CUDA against float64, by SQNR;
 * Linear under torch.compile against eager, bit for bit.
 
@@ -18,6 +19,7 @@ import torch
 
 import fp8train
 from fp8train import BlockScaling, Format, TensorRole, gemm
+from fp8train.kernels import native
 from fp8train.quantizer_factory import make_quantizer
 from fp8train.recipe import GemmConfig
 from helpers import rel_err, sqnr_db
@@ -99,7 +101,12 @@ TOL = {torch.float32: 5e-4, torch.bfloat16: 4e-3}
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16-out", "fp32-out"])
 # (70, 304, 272): M not a multiple of 4 (the GEMM pads A's rows), K and N with tail blocks
 @pytest.mark.parametrize("m, k, n", [(256, 512, 384), (300, 1024, 256), (70, 304, 272), (4096, 2048, 1024)], ids=str)
-def test_blockwise_gemms_match_the_emulation(m, k, n, out_dtype):
+@pytest.mark.parametrize("path", ["extension", "torch"])
+def test_blockwise_gemms_match_the_emulation(m, k, n, out_dtype, path, monkeypatch):
+    if path == "torch":  # as without the C++ extension: F.scaled_mm
+        monkeypatch.setattr(native, "gemm", lambda: None)
+    elif native.extension() is None:
+        pytest.fail(f"the C++ extension did not build on the GPU machine: {native.failure()}")
     qx, qw, qdy = _operands(m, k, n)
     cfg = GemmConfig()
     bias = torch.randn(n, device=CUDA)
