@@ -247,7 +247,8 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
     column-major (strides (1, rows)); 128 x 128 tiles as a (round_up(Kb, 4), Nb) view with
     strides (1, round_up(Kb, 4)) (the layouts ATen's ScaledBlas.cpp checks, torch 2.13). Then
     the GEMM: the extension's (csrc/lt_gemm.cpp: cuBLASLt with its algorithm cached; traced
-    code calls its operator fp8train_lt::block_scaled_mm), or without the extension
+    code calls its operator fp8train_lt::block_scaled_mm) where native.BLOCK_GEMM is on (not
+    yet GPU-checked: off), else
     torch.nn.functional.scaled_mm's blockwise scaling (torch >= 2.10; traced code calls it
     through the operator fp8train::cuda_block_scaled_mm: Dynamo in torch 2.11 cannot trace
     torch._scaled_mm_v2). tests/gpu/test_block_scaling_gpu.py checks them against the emulation."""
@@ -263,10 +264,10 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
     tiles = tuple(bt_block) == TILE
     scale_a = _column_major(a_scale_inv)
     scale_b = _tile_scales(bt_scale_inv) if tiles else _column_major(bt_scale_inv)
-    ext = native.gemm()
+    ext = native.gemm() if native.BLOCK_GEMM else None
     if ext is not None and out_dtype in native.DTYPE_CODES:
         y = ext.block_scaled_mm(a, scale_a, bt.t(), scale_b, tiles, native.DTYPE_CODES[out_dtype], bias)
-    elif out_dtype in native.DTYPE_CODES and native.gemm_op_loaded():  # traced code
+    elif native.BLOCK_GEMM and out_dtype in native.DTYPE_CODES and native.gemm_op_loaded():  # traced code
         y = torch.ops.fp8train_lt.block_scaled_mm(a, scale_a, bt.t(), scale_b, tiles, out_dtype, bias)
     else:
         if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise128x128"):

@@ -166,6 +166,7 @@ def test_cuda_block_gemm_traces_as_one_operator(extension, monkeypatch):
         pytest.skip(f"the C++ extension did not build: {native.failure()}")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     monkeypatch.setattr(native, "gemm_op_loaded", lambda: extension)
+    monkeypatch.setattr(native, "BLOCK_GEMM", extension)
     with FakeTensorMode():
         args = (torch.empty(384, 384, dtype=torch.float8_e4m3fn, device="cuda"),
                 torch.empty(3, 384, device="cuda").t(),  # (384, 3) with strides (1, 384)

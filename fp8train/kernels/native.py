@@ -13,7 +13,10 @@ and wherever the extension could not be built (one warning says why).
 `ENABLED = False` turns the C++ node off for the process (an A/B switch for benchmarks and
 tests; tools/run_with_flags.py sets it from the command line). `GEMM_OP = False` makes code
 traced from then on call torch._scaled_mm instead of the extension's GEMM operator (an A/B
-switch: benchmarks/hf_llama.py's "aten-mm" variant; Dynamo guards on it).
+switch: benchmarks/hf_llama.py's "aten-mm" variant; Dynamo guards on it). `BLOCK_GEMM` sends
+BlockScaling's CUDA GEMMs, eager and traced, through the extension's `block_scaled_mm`
+(cuBLASLt's block scale modes, the algorithm cached) instead of torch.nn.functional.scaled_mm:
+off until its GPU test (tests/gpu/test_block_scaling_gpu.py, which turns it on) has passed.
 
 The extension's FP8 GEMM (`scaled_mm`, lt_gemm.cpp: cuBLASLt with the algorithm cached per
 problem, torch._scaled_mm's bytes at a fraction of its host time) serves the C++ nodes and
@@ -36,6 +39,7 @@ from ..tensor import padded_rows
 
 ENABLED = True
 GEMM_OP = True
+BLOCK_GEMM = False  # written 2026-12-02, not yet run on a GPU (module docstring)
 
 _CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [str(_CSRC / "linear_node.cpp"), str(_CSRC / "lt_gemm.cpp"), str(_CSRC / "high_mlp.cpp")]
