@@ -44,8 +44,8 @@ class BlockScalingQuantizer(Quantizer):
     `block`: ROW_BLOCKS (1 x 128) for INPUT and GRAD_OUTPUT, TILE_BLOCKS (128 x 128) for
     WEIGHT. cast(x, transpose=True) returns with data_t the operand of the GEMM that reduces
     over x's rows (docs/design.md, "Block scaling"), each with its blocks along its rows:
-      row blocks   x cast again with 128 x 1 blocks (a second read of x), written transposed
-                   into data_t (cols, rows rounded up to 128, zero padded: the wgrad's
+      row blocks   x also cast with 128 x 1 blocks (on CUDA from the same read of x,
+                   kernels.block_cast_both), written transposed into data_t (cols, rows rounded up to 128, zero padded: the wgrad's
                    reduction dim holds whole blocks), scale_inv_t (cols, ceil(rows / 128)),
                    a transposed view of the (ceil(rows / 128), cols) scales the cast writes;
       tiles        the same tiles transposed, no second cast: data_t (cols, padded_rows(rows))
@@ -66,17 +66,26 @@ class BlockScalingQuantizer(Quantizer):
             data, data_t, scale_inv, db, scale_inv_t = ops.block_cast(rows, self.dtype, self.block, self.power_of_two,
                                                                       transpose, dbias)
             return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
-        data, scale_inv = self._block_cast(rows, self.block)
-        data_t = scale_inv_t = None
-        if transpose and self.block == TILE_BLOCKS:
-            data_t = transpose_padded(data, padded_rows(rows.shape[0]))  # (K, Mp)
-            scale_inv_t = scale_inv.t()  # (Kb, Mb)
-        elif transpose:
-            again, scale_inv_cols = self._block_cast(rows, (128, 1))  # (M, K), (Mb, K)
-            data_t = transpose_padded(again, padded_rows(rows.shape[0], 128))  # (K, Mb * 128)
-            scale_inv_t = scale_inv_cols.t()  # (K, Mb)
+        if transpose and self.block == ROW_BLOCKS:  # x also in 128 x 1 blocks, transposed
+            data, scale_inv, data_t, scale_inv_t = self._block_cast_both(rows)
+        else:
+            data, scale_inv = self._block_cast(rows, self.block)
+            data_t = scale_inv_t = None
+            if transpose:  # 128 x 128 tiles: the payload's bytes transposed, (K, Mp) and (Kb, Mb)
+                data_t, scale_inv_t = transpose_padded(data, padded_rows(rows.shape[0])), scale_inv.t()
         db = rows.sum(0, dtype=torch.float32) if dbias else None
         return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
+
+    def _block_cast_both(self, rows: torch.Tensor):
+        """rows in 1 x 128 blocks, and in 128 x 1 blocks transposed (K, Mb * 128) with their
+        scale_inv_t (K, Mb): one read of rows on CUDA (kernels.block_cast_both)."""
+        m, k = rows.shape
+        data = torch.empty(rows.shape, dtype=self.dtype, device=rows.device)
+        data_t = torch.empty((k, padded_rows(m, 128)), dtype=self.dtype, device=rows.device)
+        scale_inv = torch.empty(blocks_of(rows.shape, (1, 128)), dtype=torch.float32, device=rows.device)
+        scale_inv_cols = torch.empty(blocks_of(rows.shape, (128, 1)), dtype=torch.float32, device=rows.device)
+        kernels.block_cast_both(rows, data, data_t, scale_inv, scale_inv_cols, self.power_of_two)
+        return data, scale_inv, data_t, scale_inv_cols.t()
 
     def _block_cast(self, rows: torch.Tensor, block: Block):
         data = torch.empty(rows.shape, dtype=self.dtype, device=rows.device)

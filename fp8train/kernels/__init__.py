@@ -49,6 +49,22 @@ def block_cast(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, 
     scale_inv_out.copy_(scale_inv)
 
 
+def block_cast_both(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
+                    scale_inv_t_out: torch.Tensor, power_of_two: bool = False) -> None:
+    """x (M, K) cast in 1 x 128 blocks (out, scale_inv_out) and in 128 x 1 blocks, transposed
+    into out_t (K, Mp), Mp = M rounded up to 128, zero bytes beyond M (scale_inv_t_out (Mb, K)):
+    on CUDA one Triton kernel reading x once (kernels/block_kernel.py), elsewhere its twin,
+    two block_reference.block_cast calls and a byte transpose."""
+    if x.is_cuda:
+        from .block_kernel import block_cast_both_into
+        block_cast_both_into(x, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two)
+        return
+    block_cast(x, out, scale_inv_out, (1, 128), power_of_two)
+    again = torch.empty_like(out)
+    block_cast(x, again, scale_inv_t_out, (128, 1), power_of_two)
+    byte_transpose(again, out_t)
+
+
 def byte_transpose(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst (N, Mp)[:, :M] = src (M, N) transposed, zero beyond (transpose.transpose_reference):
     the Triton byte transpose on CUDA (kernels/transpose.py), a torch copy elsewhere."""

@@ -75,6 +75,47 @@ def _block_cast_kernel(
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _block_cast_both_kernel(
+    x_ptr,       # (M, K) bf16/fp16/fp32, row stride stride_xm, unit column stride
+    out_ptr,     # (M, K) fp8, row-major: x in 1 x 128 blocks
+    out_t_ptr,   # (K, Mp) fp8, row-major: x in 128 x 1 blocks, transposed; zero in columns M..Mp
+    sinv_ptr,    # (M, Kb) float32, row-major
+    sinv_t_ptr,  # (Mb, K) float32, row-major
+    M, K, stride_xm, sinv_cols, out_t_cols,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+):
+    """Modes 0 and 1 of _block_cast_kernel from one read of a 128 x 128 tile, the second cast
+    stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose give)."""
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, 128)
+    row0 = (pid // tiles_k) * 128
+    col0 = (pid % tiles_k) * 128
+    r = row0 + tl.arange(0, 128)
+    c = col0 + tl.arange(0, 128)
+    inside = (r < M)[:, None] & (c < K)[None, :]
+    x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
+                other=0.0).to(tl.float32)
+    bits = _abs_bits(x)
+    scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (128,): a row's block
+    scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (128,): a column's block
+    y = x * scale[:, None]
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))  # saturate, NaN kept
+    tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(sinv_ptr + tl.cast(r, tl.int64) * sinv_cols + col0 // 128, tl.math.div_rn(1.0, scale), mask=r < M)
+    y = x * scale_t[None, :]
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+    # rows M..Mp of the tile loaded 0: their bytes are the zero padding
+    y_t = tl.trans(y.to(out_t_ptr.dtype.element_ty))  # (128 columns, 128 rows)
+    tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
+    tl.store(sinv_t_ptr + (row0 // 128) * K + c, tl.math.div_rn(1.0, scale_t), mask=c < K)
+
+
+@functools.lru_cache(maxsize=None)
+def _both_kernel(fp8_max: float, pow2: bool) -> DirectKernel:
+    return DirectKernel(_block_cast_both_kernel, num_warps=8, FP8_MAX=fp8_max, POW2=pow2)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(mode: int, fp8_max: float, pow2: bool) -> DirectKernel:
     tile_m, tile_k, warps = _SHAPES[mode]
@@ -111,4 +152,34 @@ def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Ten
                                                    grid_shape[1])
 
 
-__all__ = ["block_cast_into"]
+def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
+                         scale_inv_t_out: torch.Tensor, power_of_two: bool = False) -> None:
+    """x (M, K) in 1 x 128 blocks into out (M, K) and scale_inv_out (M, Kb), and in 128 x 1
+    blocks transposed into out_t (K, Mp) (Mp = M rounded up to 128, zero bytes beyond M) and
+    scale_inv_t_out (Mb, K): one read of x, by the Triton kernel (twin: two block_cast calls
+    and a byte transpose; kernels.block_cast_both dispatches)."""
+    if x.dim() != 2:
+        raise ValueError(f"block_cast_both_into: x must be 2-D, got {tuple(x.shape)}")
+    m, k = x.shape
+    mp = -(-m // 128) * 128
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if out.shape != x.shape or out.dtype not in fp8 or not out.is_contiguous():
+        raise ValueError(f"block_cast_both_into: out must be a contiguous fp8 tensor of x's shape {tuple(x.shape)}")
+    if tuple(out_t.shape) != (k, mp) or out_t.dtype != out.dtype or not out_t.is_contiguous():
+        raise ValueError(f"block_cast_both_into: out_t must be a contiguous {out.dtype} tensor of shape {(k, mp)}")
+    for name, t, shape in (("scale_inv_out", scale_inv_out, block_reference.blocks_of(x.shape, (1, 128))),
+                           ("scale_inv_t_out", scale_inv_t_out, block_reference.blocks_of(x.shape, (128, 1)))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"block_cast_both_into: {name} must be a contiguous float32 tensor of shape {shape}")
+    if x.stride(1) != 1 and k > 1:
+        x = x.contiguous()
+    if x.numel() == 0:
+        return
+    grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
+    fp8_max = 448.0 if out.dtype == torch.float8_e4m3fn else 57344.0
+    with device_guard(x.device):
+        _both_kernel(fp8_max, bool(power_of_two))(grid, x, out, out_t, scale_inv_out, scale_inv_t_out, m, k,
+                                                  x.stride(0) if m > 1 else k, scale_inv_out.shape[1], mp)
+
+
+__all__ = ["block_cast_both_into", "block_cast_into"]

@@ -1,6 +1,7 @@
-"""The block-scaled cast kernel (kernels/block_kernel.py) on the GPU against its twin
+"""The block-scaled cast kernels (kernels/block_kernel.py) on the GPU against their twin
 (kernels/block_reference.py), bit for bit, with the hardware's fp8 conversion: every bf16
-pattern in shapes with tails, float32 and float16 inputs, both formats, power-of-two scales."""
+pattern in shapes with tails, float32 and float16 inputs, both formats, power-of-two scales;
+the one-read kernel (1 x 128 and transposed 128 x 1 casts) against the twin's composition."""
 import pytest
 import torch
 
@@ -26,3 +27,23 @@ def test_block_cast_kernel_is_the_twin_on_the_gpu(block, dtype, fp8, power_of_tw
     want, want_si = br.block_cast(x, fp8, block, power_of_two)  # the twin, in torch's CUDA ops
     assert torch.equal(scale_inv, want_si)
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_block_cast_both_kernel_is_the_twin_on_the_gpu(dtype, fp8, power_of_two):
+    v = all_bf16_values()
+    x = torch.cat([v, torch.zeros(259 * 255 - v.numel(), dtype=v.dtype)]).reshape(259, 255).to(dtype).to(CUDA)
+    mp = 384  # 259 rows rounded up to 128: 125 zero columns in the transposed copy
+    out, out_t = torch.empty(x.shape, dtype=fp8, device=CUDA), torch.full((255, mp), 0x55, dtype=torch.uint8, device=CUDA)
+    si = torch.full(br.blocks_of(x.shape, (1, 128)), -1.0, device=CUDA)
+    si_t = torch.full(br.blocks_of(x.shape, (128, 1)), -1.0, device=CUDA)
+    kernels.block_cast_both(x, out, out_t.view(fp8), si, si_t, power_of_two)
+    want, want_si = br.block_cast(x, fp8, (1, 128), power_of_two)
+    cols, want_si_t = br.block_cast(x, fp8, (128, 1), power_of_two)
+    want_t = torch.zeros((255, mp), dtype=torch.uint8, device=CUDA)
+    want_t[:, :259] = cols.view(torch.uint8).t()
+    assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(out_t, want_t)

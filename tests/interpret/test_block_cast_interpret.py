@@ -1,6 +1,6 @@
-"""The block-scaled cast kernel (kernels/block_kernel.py) under the Triton interpreter against
-its twin (kernels/block_reference.py), bit for bit: payload, every block's scale_inv, tails
-in both dims, NaN / inf / zero blocks, power-of-two scales, strided rows. The fp32 -> fp8
+"""The block-scaled cast kernels (kernels/block_kernel.py) under the Triton interpreter against
+their twin (kernels/block_reference.py), bit for bit: payload, every block's scale_inv, the
+one-read kernel's transposed copy and its zero padding, tails in both dims, NaN / inf / zero blocks, power-of-two scales, strided rows. The fp32 -> fp8
 conversion is swapped for an exact one (conftest `exact_conversions`: the interpreter's own
 rounds wrongly; it writes e5m2 NaN as ml_dtypes does, 0x7E, so NaN bytes are compared as
 NaN); the hardware's conversion is the GPU tests' to check."""
@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
 pytest.importorskip("triton")
 
 from fp8train.kernels import block_reference as br  # noqa: E402
-from fp8train.kernels.block_kernel import block_cast_into  # noqa: E402
+from fp8train.kernels.block_kernel import block_cast_both_into, block_cast_into  # noqa: E402
 
 BLOCKS = [pytest.param(b, id=f"{b[0]}x{b[1]}") for b in br.BLOCKS]
 
@@ -71,3 +71,52 @@ def test_block_cast_into_checks_its_buffers():
         block_cast_into(x, torch.empty(64, 255, dtype=torch.float8_e4m3fn), torch.empty(64, 2), (1, 128))
     with pytest.raises(ValueError, match="block one of"):
         block_cast_into(x, torch.empty(64, 256, dtype=torch.float8_e4m3fn), torch.empty(64, 2), (1, 64))
+
+
+def _both_twin(x, fp8, power_of_two=False):
+    """The twin of block_cast_both_into: 1 x 128 and 128 x 1 casts, the second's bytes transposed
+    into (K, Mp) with zero bytes beyond M."""
+    data, si = br.block_cast(x, fp8, (1, 128), power_of_two)
+    cols, si_t = br.block_cast(x, fp8, (128, 1), power_of_two)
+    mp = -(-x.shape[0] // 128) * 128
+    data_t = torch.zeros((x.shape[1], mp), dtype=torch.uint8)
+    data_t[:, :x.shape[0]] = cols.view(torch.uint8).t()
+    return data, si, data_t.view(fp8), si_t
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape, dtype", [((200, 300), torch.bfloat16), ((128, 256), torch.float32),
+                                          ((37, 144), torch.bfloat16)], ids=["tails-bf16", "whole-fp32", "short-bf16"])
+def test_block_cast_both_kernel_matches_the_twin(shape, dtype, fp8, power_of_two, exact_conversions):
+    # one read of x for both casts: tails in both dims (200 x 300), whole blocks (128 x 256),
+    # fewer rows than a block (37: 91 padding columns in the transposed copy)
+    x = _input(shape, dtype, seed=11)
+    m, k = shape
+    out, out_t = torch.empty(shape, dtype=fp8), torch.full((k, -(-m // 128) * 128), 0x55, dtype=torch.uint8).view(fp8)
+    si, si_t = torch.full(br.blocks_of(shape, (1, 128)), -1.0), torch.full(br.blocks_of(shape, (128, 1)), -1.0)
+    block_cast_both_into(x, out, out_t, si, si_t, power_of_two)
+    want, want_si, want_t, want_si_t = _both_twin(x, fp8, power_of_two)
+    assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
+    assert_fp8_equal(out, want)
+    assert_fp8_equal(out_t, want_t)  # the padding bytes (0x55 before) are zero
+
+
+def test_block_cast_both_kernel_reads_strided_rows(exact_conversions):
+    x = _input((150, 400), torch.bfloat16, seed=5)[:, 50:350]  # row stride 400, 300 columns
+    out, out_t = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(300, 256, dtype=torch.float8_e4m3fn)
+    si, si_t = torch.empty(br.blocks_of(x.shape, (1, 128))), torch.empty(br.blocks_of(x.shape, (128, 1)))
+    block_cast_both_into(x, out, out_t, si, si_t)
+    want, want_si, want_t, want_si_t = _both_twin(x, torch.float8_e4m3fn)
+    assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
+    assert_fp8_equal(out, want)
+    assert_fp8_equal(out_t, want_t)
+
+
+def test_block_cast_both_into_checks_its_buffers():
+    x, e4m3 = torch.zeros(64, 256), torch.float8_e4m3fn
+    out, si, si_t = torch.empty(64, 256, dtype=e4m3), torch.empty(64, 2), torch.empty(1, 256)
+    with pytest.raises(ValueError, match="out_t must be"):
+        block_cast_both_into(x, out, torch.empty(256, 64, dtype=e4m3), si, si_t)  # not padded to 128
+    with pytest.raises(ValueError, match="scale_inv_t_out must be"):
+        block_cast_both_into(x, out, torch.empty(256, 128, dtype=e4m3), si, torch.empty(256, 1))
