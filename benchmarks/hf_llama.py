@@ -21,6 +21,8 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                instead of the extension's operator (an A/B of it)
   fp8 eager block, fp8 compile block           BlockScaling (1x128 / 128x128 block scales; eager:
                                                its layers run the Python node)
+  fp8 {eager,compile} block ext-gemm           the same, the block GEMMs through the extension's
+                                               cuBLASLt call (native.BLOCK_GEMM on; an A/B of it)
   fp8 {eager,compile} delayed unshared         without shared input casts (every fp8 variant but
                                                these ties q/k/v's and gate/up's input quantizers:
                                                modules.base.SHARE_INPUT_CASTS, off while these
@@ -80,10 +82,12 @@ SHAPES = {
     "h4096": Shape(4096, 14336, 2, 32, 8),
     "tiny": Shape(64, 128, 2, 4, 2, batch=2, seq=64),
 }
+_BLOCK_GEMM = native.BLOCK_GEMM  # the library's default, restored after each step
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
+            "fp8 eager block ext-gemm", "fp8 compile block ext-gemm",
             "torchao compile",
             "torchao compile-ro"]
 
@@ -156,6 +160,7 @@ class Runner:
         self.count = 0
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
+        self.block_gemm = "ext-gemm" in variant.split() or _BLOCK_GEMM
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -176,11 +181,11 @@ class Runner:
 
     def step(self, m, recipe):
         # the A/B switch is set around each of this variant's steps: Dynamo guards on it
-        native.GEMM_OP = not self.aten_mm
+        native.GEMM_OP, native.BLOCK_GEMM = not self.aten_mm, self.block_gemm
         try:
             return self._step(m, recipe)
         finally:
-            native.GEMM_OP = True
+            native.GEMM_OP, native.BLOCK_GEMM = True, _BLOCK_GEMM
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]

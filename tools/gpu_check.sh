@@ -25,12 +25,14 @@
 #          (default: the script's; torchao's need its wheel carried), JSON per seed into $OUT
 #          (~1 minute per recipe at h1024); `python benchmarks/numerics.py --merge <the JSONs>`
 #          pairs gaps only within one run's JSON (each holds its own bf16)
+#   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, both GEMM paths, the
+#          compiled Linear), then benchmarks/hf_llama.py's block variants at h1024, each GEMM path
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048] [fsdp]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048] [block] [fsdp]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -106,6 +108,13 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       done
       wait
       for seed in ${SEEDS:-0}; do grep -v "Warn\|warn\|append" "$OUT/numerics_${shape}_s$seed.log" | tail -8; done ;;
+    block)
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_scaling_gpu.py \
+        tests/gpu/test_block_cast_gpu.py 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
+      timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
+        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block ext-gemm,fp8 compile block,\
+fp8 compile block ext-gemm}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
+        | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev)|failed" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \
         --host-top "${HOST_TOP:-0}" 2>&1 \
