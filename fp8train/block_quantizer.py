@@ -82,14 +82,14 @@ class BlockScalingQuantizer(Quantizer):
         m, k = rows.shape
         data = torch.empty(rows.shape, dtype=self.dtype, device=rows.device)
         data_t = torch.empty((k, padded_rows(m, 128)), dtype=self.dtype, device=rows.device)
-        scale_inv = torch.empty(blocks_of(rows.shape, (1, 128)), dtype=torch.float32, device=rows.device)
-        scale_inv_cols = torch.empty(blocks_of(rows.shape, (128, 1)), dtype=torch.float32, device=rows.device)
+        scale_inv = _scales(rows, ROW_BLOCKS)
+        scale_inv_cols = _scales(rows, (128, 1))
         kernels.block_cast_both(rows, data, data_t, scale_inv, scale_inv_cols, self.power_of_two)
         return data, scale_inv, data_t, scale_inv_cols.t()
 
     def _block_cast(self, rows: torch.Tensor, block: Block):
         data = torch.empty(rows.shape, dtype=self.dtype, device=rows.device)
-        scale_inv = torch.empty(blocks_of(rows.shape, block), dtype=torch.float32, device=rows.device)
+        scale_inv = _scales(rows, block)
         kernels.block_cast(rows, data, scale_inv, block, self.power_of_two)
         return data, scale_inv
 
@@ -116,6 +116,16 @@ class BlockScalingQuantizer(Quantizer):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, block={self.block[0]}x{self.block[1]}"
+
+
+def _scales(rows: torch.Tensor, block: Block) -> torch.Tensor:
+    """An empty float32 scale_inv for rows' blocks: 1 x 128 blocks' (M, Kb) column-major, the
+    layout the CUDA GEMM takes for its A operand (gemm._column_major: else a copy per GEMM);
+    the others row-major."""
+    n_rows, n_cols = blocks_of(rows.shape, block)
+    if tuple(block) == ROW_BLOCKS:
+        return torch.empty((n_cols, n_rows), dtype=torch.float32, device=rows.device).t()
+    return torch.empty((n_rows, n_cols), dtype=torch.float32, device=rows.device)
 
 
 def transpose_padded(data: torch.Tensor, cols: int) -> torch.Tensor:

@@ -44,8 +44,8 @@ def _scale_of(bits, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 def _block_cast_kernel(
     x_ptr,      # (M, K) bf16/fp16/fp32, row stride stride_xm, unit column stride
     out_ptr,    # (M, K) fp8, row-major
-    sinv_ptr,   # (blocks of M, blocks of K) float32 scale_inv, row-major
-    M, K, stride_xm, sinv_cols,
+    sinv_ptr,   # (blocks of M, blocks of K) float32 scale_inv, strides (stride_sr, stride_sc)
+    M, K, stride_xm, stride_sr, stride_sc,
     MODE: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     TILE_M: tl.constexpr, TILE_K: tl.constexpr,
 ):
@@ -62,15 +62,17 @@ def _block_cast_kernel(
     if MODE == 0:  # (1, 128): a scale per row; the tile is one block wide
         scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (TILE_M,)
         y = x * scale[:, None]
-        tl.store(sinv_ptr + tl.cast(r, tl.int64) * sinv_cols + col0 // 128, tl.math.div_rn(1.0, scale), mask=r < M)
+        tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
+                 mask=r < M)
     elif MODE == 1:  # (128, 1): a scale per column; the tile is one block tall
         scale = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (TILE_K,)
         y = x * scale[None, :]
-        tl.store(sinv_ptr + (row0 // 128) * sinv_cols + c, tl.math.div_rn(1.0, scale), mask=c < K)
+        tl.store(sinv_ptr + (row0 // 128) * stride_sr + tl.cast(c, tl.int64) * stride_sc, tl.math.div_rn(1.0, scale),
+                 mask=c < K)
     else:  # (128, 128): the tile is the block
         scale = _scale_of(tl.max(tl.max(bits, axis=1), axis=0), FP8_MAX, POW2)
         y = x * scale
-        tl.store(sinv_ptr + (row0 // 128) * sinv_cols + col0 // 128, tl.math.div_rn(1.0, scale))
+        tl.store(sinv_ptr + (row0 // 128) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale))
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))  # saturate, NaN kept
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -80,9 +82,9 @@ def _block_cast_both_kernel(
     x_ptr,       # (M, K) bf16/fp16/fp32, row stride stride_xm, unit column stride
     out_ptr,     # (M, K) fp8, row-major: x in 1 x 128 blocks
     out_t_ptr,   # (K, Mp) fp8, row-major: x in 128 x 1 blocks, transposed; zero in columns M..Mp
-    sinv_ptr,    # (M, Kb) float32, row-major
+    sinv_ptr,    # (M, Kb) float32, strides (stride_sr, stride_sc)
     sinv_t_ptr,  # (Mb, K) float32, row-major
-    M, K, stride_xm, sinv_cols, out_t_cols,
+    M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel from one read of a 128 x 128 tile, the second cast
@@ -102,7 +104,8 @@ def _block_cast_both_kernel(
     y = x * scale[:, None]
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))  # saturate, NaN kept
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
-    tl.store(sinv_ptr + tl.cast(r, tl.int64) * sinv_cols + col0 // 128, tl.math.div_rn(1.0, scale), mask=r < M)
+    tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
+             mask=r < M)
     y = x * scale_t[None, :]
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
     # rows M..Mp of the tile loaded 0: their bytes are the zero padding
@@ -123,6 +126,11 @@ def _kernel(mode: int, fp8_max: float, pow2: bool) -> DirectKernel:
                         TILE_K=tile_k)
 
 
+def _dense_2d(t: torch.Tensor) -> bool:
+    """t (rows, cols) row-major, or column-major (the GEMM's layout of 1 x 128 scales)."""
+    return t.is_contiguous() or t.t().is_contiguous()
+
+
 def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, block, power_of_two: bool = False
                     ) -> None:
     """block_reference.block_cast into given buffers, by the Triton kernel: out (M, K) fp8,
@@ -136,8 +144,9 @@ def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Ten
         raise ValueError(f"block_cast_into: out must be a contiguous fp8 tensor of x's shape {tuple(x.shape)}")
     grid_shape = block_reference.blocks_of(x.shape, block)
     if (tuple(scale_inv_out.shape) != grid_shape or scale_inv_out.dtype != torch.float32
-            or not scale_inv_out.is_contiguous()):
-        raise ValueError(f"block_cast_into: scale_inv_out must be a contiguous float32 tensor of shape {grid_shape}")
+            or not _dense_2d(scale_inv_out)):
+        raise ValueError(f"block_cast_into: scale_inv_out must be a float32 tensor of shape {grid_shape}, row- or "
+                         "column-major")
     if x.stride(1) != 1 and x.shape[1] > 1:
         x = x.contiguous()
     if x.numel() == 0:
@@ -149,7 +158,7 @@ def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Ten
     fp8_max = 448.0 if out.dtype == torch.float8_e4m3fn else 57344.0
     with device_guard(x.device):
         _kernel(mode, fp8_max, bool(power_of_two))(grid, x, out, scale_inv_out, m, k, x.stride(0) if m > 1 else k,
-                                                   grid_shape[1])
+                                                   *scale_inv_out.stride())
 
 
 def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
@@ -167,10 +176,13 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
         raise ValueError(f"block_cast_both_into: out must be a contiguous fp8 tensor of x's shape {tuple(x.shape)}")
     if tuple(out_t.shape) != (k, mp) or out_t.dtype != out.dtype or not out_t.is_contiguous():
         raise ValueError(f"block_cast_both_into: out_t must be a contiguous {out.dtype} tensor of shape {(k, mp)}")
-    for name, t, shape in (("scale_inv_out", scale_inv_out, block_reference.blocks_of(x.shape, (1, 128))),
-                           ("scale_inv_t_out", scale_inv_t_out, block_reference.blocks_of(x.shape, (128, 1)))):
-        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"block_cast_both_into: {name} must be a contiguous float32 tensor of shape {shape}")
+    for name, t, shape, dense in (
+            ("scale_inv_out", scale_inv_out, block_reference.blocks_of(x.shape, (1, 128)), _dense_2d(scale_inv_out)),
+            ("scale_inv_t_out", scale_inv_t_out, block_reference.blocks_of(x.shape, (128, 1)),
+             scale_inv_t_out.is_contiguous())):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not dense:
+            raise ValueError(f"block_cast_both_into: {name} must be a float32 tensor of shape {shape}"
+                             + (", row- or column-major" if name == "scale_inv_out" else ", contiguous"))
     if x.stride(1) != 1 and k > 1:
         x = x.contiguous()
     if x.numel() == 0:
@@ -179,7 +191,7 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
     fp8_max = 448.0 if out.dtype == torch.float8_e4m3fn else 57344.0
     with device_guard(x.device):
         _both_kernel(fp8_max, bool(power_of_two))(grid, x, out, out_t, scale_inv_out, scale_inv_t_out, m, k,
-                                                  x.stride(0) if m > 1 else k, scale_inv_out.shape[1], mp)
+                                                  x.stride(0) if m > 1 else k, *scale_inv_out.stride(), mp)
 
 
 __all__ = ["block_cast_both_into", "block_cast_into"]

@@ -28,6 +28,11 @@ def assert_fp8_equal(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
 
 
+def _scale_buffer(shape, column_major: bool) -> torch.Tensor:
+    """A -1-filled float32 scale_inv buffer, column-major as the layers' 1 x 128 scales are."""
+    return torch.full(shape[::-1], -1.0).t() if column_major else torch.full(shape, -1.0)
+
+
 def _input(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * torch.logspace(-20, 20, shape[1])  # blocks of very different amax
@@ -44,7 +49,7 @@ def _input(shape, dtype, seed):
 def test_block_cast_kernel_matches_the_twin(block, dtype, fp8, power_of_two, exact_conversions):
     x = _input((200, 300), dtype, seed=7)  # tails: 200 = 128 + 72 rows, 300 = 2 x 128 + 44 columns
     out = torch.empty(x.shape, dtype=fp8)
-    scale_inv = torch.full(br.blocks_of(x.shape, block), -1.0)
+    scale_inv = _scale_buffer(br.blocks_of(x.shape, block), column_major=block == (1, 128))
     block_cast_into(x, out, scale_inv, block, power_of_two)
     want, want_si = br.block_cast(x, fp8, block, power_of_two)
     assert torch.equal(scale_inv, want_si)
@@ -56,7 +61,7 @@ def test_block_cast_kernel_reads_strided_rows(block, exact_conversions):
     base = _input((150, 400), torch.bfloat16, seed=3)
     x = base[:, 50:350]  # row stride 400, 300 columns
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
-    scale_inv = torch.empty(br.blocks_of(x.shape, block))
+    scale_inv = _scale_buffer(br.blocks_of(x.shape, block), column_major=False)  # row-major too
     block_cast_into(x, out, scale_inv, block)
     want, want_si = br.block_cast(x, torch.float8_e4m3fn, block)
     assert torch.equal(scale_inv, want_si)
@@ -94,7 +99,8 @@ def test_block_cast_both_kernel_matches_the_twin(shape, dtype, fp8, power_of_two
     x = _input(shape, dtype, seed=11)
     m, k = shape
     out, out_t = torch.empty(shape, dtype=fp8), torch.full((k, -(-m // 128) * 128), 0x55, dtype=torch.uint8).view(fp8)
-    si, si_t = torch.full(br.blocks_of(shape, (1, 128)), -1.0), torch.full(br.blocks_of(shape, (128, 1)), -1.0)
+    si = _scale_buffer(br.blocks_of(shape, (1, 128)), column_major=True)
+    si_t = torch.full(br.blocks_of(shape, (128, 1)), -1.0)
     block_cast_both_into(x, out, out_t, si, si_t, power_of_two)
     want, want_si, want_t, want_si_t = _both_twin(x, fp8, power_of_two)
     assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
