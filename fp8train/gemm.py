@@ -284,6 +284,8 @@ def _torch_block_gemm(a: torch.Tensor, scale_a: torch.Tensor, bt: torch.Tensor, 
                       out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """torch.nn.functional.scaled_mm's blockwise GEMM of operands laid out by _cuda_block_scaled_mm."""
     kinds = F.ScalingType
+    # both scale layouts are column-major views; no copy unless a compiler laid them out otherwise
+    scale_a, scale_b = _column_major(scale_a), _column_major(scale_b)
     fuse_bias = bias is not None and out_dtype in _BIAS_OUT_DTYPES
     y = F.scaled_mm(a, bt.t(), scale_a, kinds.BlockWise1x128, scale_b,
                     kinds.BlockWise128x128 if tiles else kinds.BlockWise1x128,
