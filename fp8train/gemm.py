@@ -248,10 +248,10 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
     strides (1, round_up(Kb, 4)) (the layouts ATen's ScaledBlas.cpp checks, torch 2.13). Then
     the GEMM: the extension's (csrc/lt_gemm.cpp: cuBLASLt with its algorithm cached; traced
     code calls its operator fp8train_lt::block_scaled_mm) where native.BLOCK_GEMM is on (not
-    yet GPU-checked: off), else
-    torch.nn.functional.scaled_mm's blockwise scaling (torch >= 2.10; traced code calls it
-    through the operator fp8train::cuda_block_scaled_mm: Dynamo in torch 2.11 cannot trace
-    torch._scaled_mm_v2). tests/gpu/test_block_scaling_gpu.py checks them against the emulation."""
+    yet GPU-checked: off), else torch.nn.functional.scaled_mm's blockwise scaling (torch >=
+    2.10; traced code calls it through the operator fp8train::cuda_block_scaled_mm: Dynamo in
+    torch 2.11 cannot trace torch._scaled_mm_v2). tests/gpu/test_block_scaling_gpu.py checks
+    both against the emulation."""
     if a.dtype != torch.float8_e4m3fn or bt.dtype != torch.float8_e4m3fn:
         raise NotImplementedError(
             f"fp8train: the blockwise GEMM takes e4m3 operands only, got {a.dtype} x {bt.dtype}; use "
@@ -272,9 +272,9 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
     else:
         if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise128x128"):
             raise NotImplementedError(
-                f"fp8train: block-scaled FP8 GEMMs on CUDA need the C++ extension ({native.failure()}) or "
-                "torch.nn.functional.scaled_mm with blockwise ScalingType (BlockWise1x128, BlockWise128x128; "
-                f"torch >= 2.10); this torch is {torch.__version__}")
+                "fp8train: block-scaled FP8 GEMMs on CUDA need torch.nn.functional.scaled_mm with blockwise "
+                f"ScalingType (BlockWise1x128, BlockWise128x128; torch >= 2.10; this torch is {torch.__version__}) "
+                "or the C++ extension's block GEMM (fp8train.kernels.native.BLOCK_GEMM = True)")
         gemm_fn = torch.ops.fp8train.cuda_block_scaled_mm if torch.compiler.is_compiling() else _torch_block_gemm
         y = gemm_fn(a, scale_a, bt, scale_b, tiles, out_dtype, bias)
     return y if y.shape[0] == m else y[:m]
