@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import block_reference
-from .cast import _INF_BITS, _abs_bits
+from .cast import _INF_BITS, _abs_bits, _saturate
 from .launcher import DirectKernel, device_guard
 from .scale_update import compute_scale
 
@@ -64,19 +64,18 @@ def _block_cast_kernel(
     bits = _abs_bits(x)
     if MODE == 0:  # (1, 128): a scale per row; the tile is one block wide
         scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (TILE_M,)
-        y = x * scale[:, None]
+        y = _saturate(x, scale[:, None], FP8_MAX)
         tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
                  mask=r < M)
     elif MODE == 1:  # (128, 1): a scale per column; the tile is one block tall
         scale = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (TILE_K,)
-        y = x * scale[None, :]
+        y = _saturate(x, scale[None, :], FP8_MAX)
         tl.store(sinv_ptr + (row0 // 128) * stride_sr + tl.cast(c, tl.int64) * stride_sc, tl.math.div_rn(1.0, scale),
                  mask=c < K)
     else:  # (128, 128): the tile is the block
         scale = _scale_of(tl.max(tl.max(bits, axis=1), axis=0), FP8_MAX, POW2)
-        y = x * scale
+        y = _saturate(x, scale, FP8_MAX)
         tl.store(sinv_ptr + (row0 // 128) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale))
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))  # saturate, NaN kept
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -104,13 +103,11 @@ def _block_cast_both_kernel(
     bits = _abs_bits(x)
     scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (128,): a row's block
     scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (128,): a column's block
-    y = x * scale[:, None]
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))  # saturate, NaN kept
+    y = _saturate(x, scale[:, None], FP8_MAX)
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
     tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
              mask=r < M)
-    y = x * scale_t[None, :]
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+    y = _saturate(x, scale_t[None, :], FP8_MAX)
     # rows M..Mp of the tile loaded 0: their bytes are the zero padding
     y_t = tl.trans(y.to(out_t_ptr.dtype.element_ty))  # (128 columns, 128 rows)
     tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
