@@ -280,7 +280,12 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
     rows = []
     for v, run in runners.items():
         wall = statistics.median(times[v])
-        prof = run.profile(profile_steps, host_top, device_top)
+        try:  # the timings stand without the profile: a profiler failure must not lose them
+            prof = run.profile(profile_steps, host_top, device_top)
+        except Exception as e:
+            traceback.print_exc()
+            print(f"  {v}: profile failed ({type(e).__name__}: {e}); wall times kept", flush=True)
+            prof = {"device_ms": None, "kernels_per_step": None, "host_top": [], "device_kinds": {}, "device_top": []}
         device_ms = prof["device_ms"]
         rows.append({"variant": v, "wall_ms": wall, "rounds_ms": times[v], "device_ms": device_ms,
                      "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": run.peak_gib,
