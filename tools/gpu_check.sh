@@ -19,7 +19,8 @@
 #          at h1024 (one compile per compiled variant)
 #   hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape. hf steps: VARIANTS picks the
 #          variants (default: the eight of $HF_CORE below; all of them took over 10 minutes at
-#          h1024 with the tests before them), HOST_TOP=N adds each variant's largest host self times
+#          h1024 with the tests before them), HOST_TOP=N adds each variant's largest host self times,
+#          DEVICE_TOP=N its device time by kernel kind and its N largest kernels
 #   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: seeds SEEDS (default
 #          "0"; several run side by side on the one GPU, losses are not timed), recipes RECIPES
 #          (default: the script's; torchao's need its wheel carried), JSON per seed into $OUT
@@ -91,12 +92,12 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
     hf)
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_hf_llama_gpu.py \
         2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
-      timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --host-top "${HOST_TOP:-0}" \
+      timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_h1024.json" 2>&1 \
         | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host)|failed" ;;
     hf-h2048|hf-h4096)
       shape=${step#hf-}
-      timeout 560 python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" \
+      timeout 560 python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
         | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host)|failed" ;;
     numerics-h1024|numerics-h2048)
