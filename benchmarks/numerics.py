@@ -24,8 +24,10 @@ over `--warmup` steps, then cosine to 10%).
 
 Reported per recipe: the final train loss (mean of the last 5% of steps) and validation loss
 (`--val-batches` fixed batches), each as its gap to the same seed's BF16 run in percent, with
-the mean, standard deviation, min and max over the seeds; BF16's own spread over the seeds
-(the noise a gap must beat); for fp8train runs, `fp8train.inspect` statistics per tensor role
+the mean, its standard error, standard deviation, min and max over the seeds; each recipe's
+validation gap minus torchao tensorwise's in the same runs, paired per seed (the seed moves
+both gaps alike: N1's "never worse than torchao in the same runs"); BF16's own spread over
+the seeds (the noise a gap must beat); for fp8train runs, `fp8train.inspect` statistics per tensor role
 at the last inspection (mean over layers of saturation, flush to zero and SQNR, and the worst
 layer). Loss curves of the first seed: a PNG through fp8train.plots (`--png`). JSON
 (`--json`). Never asserts on loss.
@@ -170,15 +172,22 @@ def last_inspection(records: List[dict]) -> Dict[str, Dict]:
 
 
 def spread(values: List[float]) -> Dict[str, float]:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values)}
+    """Mean, sample standard deviation, min, max, count and the mean's standard error (std / sqrt(n))."""
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values),
+            "n": len(values), "se": std / len(values) ** 0.5}
+
+
+# The recipe that N1 says the default must never be worse than, in the same runs
+REFERENCE = "torchao tensorwise"
 
 
 def summarise(results: List[Dict]) -> Dict[str, Dict]:
     """Per recipe: gaps to the same seed's BF16 run of the same source (percent; runs merged
     from several files keep their file's index as `source`: a seed run twice is two samples,
     each against its own BF16, which is not deterministic), over the seeds; BF16's own final
-    losses over the seeds."""
+    losses over the seeds; and where REFERENCE ran, each recipe's validation gap minus
+    REFERENCE's in the same runs (paired by source and seed: what the seed moves in both cancels)."""
     def key(r):
         return r.get("source", 0), r["seed"]
     base = {key(r): r for r in results if r["recipe"] == "bf16"}
@@ -193,7 +202,13 @@ def summarise(results: List[Dict]) -> Dict[str, Dict]:
         gap = {k: [100 * (r[k] - base[key(r)][k]) / base[key(r)][k] for r in rows]
                for k in ("final_train", "final_val")}
         out[recipe] = {"val_gap_pct": spread(gap["final_val"]), "train_gap_pct": spread(gap["final_train"]),
-                       "seeds": len(rows)}
+                       "seeds": len(rows), "val_gaps": dict(zip(map(key, rows), gap["final_val"]))}
+    gaps = {recipe: s.pop("val_gaps") for recipe, s in out.items() if recipe != "bf16"}
+    ref = gaps.get(REFERENCE, {})
+    for recipe, by_run in gaps.items():
+        paired = [g - ref[k] for k, g in by_run.items() if k in ref]
+        if recipe != REFERENCE and paired:
+            out[recipe]["val_gap_vs_reference_pct"] = spread(paired)
     return out
 
 
@@ -203,13 +218,16 @@ def print_summary(name: str, run: Run, summary: Dict, schedule: str) -> None:
     if b:
         print(f"  bf16: final val {b['final_val']['mean']:.4f} (seeds {b['final_val']['min']:.4f}.."
               f"{b['final_val']['max']:.4f}, spread {b['seed_spread_pct']:.2f}%)")
-    print(f"  {'recipe':<20}{'val gap mean':>13}{'std':>7}{'min':>8}{'max':>8}{'train gap mean':>16}")
+    print(f"  {'recipe':<20}{'val gap mean':>13}{'s.e.':>7}{'std':>7}{'min':>8}{'max':>8}{'train gap mean':>16}"
+          f"  vs {REFERENCE}, paired (s.e.)")
     for recipe, s in summary.items():
         if recipe == "bf16":
             continue
         v, t = s["val_gap_pct"], s["train_gap_pct"]
-        print(f"  {recipe:<20}{v['mean']:>+12.2f}%{v['std']:>6.2f}%{v['min']:>+7.2f}%{v['max']:>+7.2f}%"
-              f"{t['mean']:>+15.2f}%")
+        vs = s.get("val_gap_vs_reference_pct")
+        paired = f"  {vs['mean']:>+6.2f}% (s.e. {vs['se']:.2f}%, {vs['n']} runs)" if vs else ""
+        print(f"  {recipe:<20}{v['mean']:>+12.2f}%{v['se']:>6.2f}%{v['std']:>6.2f}%{v['min']:>+7.2f}%{v['max']:>+7.2f}%"
+              f"{t['mean']:>+15.2f}%{paired}")
 
 
 def merge(paths: List[str], out: Optional[str]) -> Dict:

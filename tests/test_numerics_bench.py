@@ -57,3 +57,20 @@ def test_merge_pairs_each_run_with_its_own_bf16(tmp_path):
         paths[-1].write_text(json.dumps(result(b, f)))
     gap = numerics.merge([str(p) for p in paths], None)["shapes"]["tiny"]["summary"]["fp8 delayed"]["val_gap_pct"]
     assert gap["min"] == pytest.approx(0.0) and gap["max"] == pytest.approx(10.0) and gap["mean"] == pytest.approx(5.0)
+
+
+def test_summary_pairs_each_recipe_with_torchao_in_the_same_runs():
+    # Two seeds whose BF16 differ by 10%: per seed, fp8 delayed's gap minus torchao tensorwise's
+    # (+1% - 0%, +3% - +4%): mean 0%, where the unpaired means differ by 0% too but their
+    # spreads are 1.4% and 2.8%; the reference itself gets no paired entry.
+    runs = []
+    for seed, base, fp8, ao in ((0, 2.0, 2.02, 2.0), (1, 2.2, 2.266, 2.288)):
+        runs += [{"recipe": r, "seed": seed, "final_val": v, "final_train": v}
+                 for r, v in (("bf16", base), ("fp8 delayed", fp8), ("torchao tensorwise", ao))]
+    summary = numerics.summarise(runs)
+    paired = summary["fp8 delayed"]["val_gap_vs_reference_pct"]
+    assert paired["n"] == 2 and paired["mean"] == pytest.approx(0.0, abs=1e-9)
+    assert paired["min"] == pytest.approx(-1.0) and paired["max"] == pytest.approx(1.0)
+    assert paired["se"] == pytest.approx(1.0)  # std sqrt(2), over sqrt(2 runs)
+    assert "val_gap_vs_reference_pct" not in summary["torchao tensorwise"]
+    assert summary["fp8 delayed"]["val_gap_pct"]["mean"] == pytest.approx(2.0)
