@@ -45,9 +45,10 @@ class BlockScalingQuantizer(Quantizer):
     WEIGHT. cast(x, transpose=True) returns with data_t the operand of the GEMM that reduces
     over x's rows (docs/design.md, "Block scaling"), each with its blocks along its rows:
       row blocks   x also cast with 128 x 1 blocks (on CUDA from the same read of x,
-                   kernels.block_cast_both), written transposed into data_t (cols, rows rounded up to 128, zero padded: the wgrad's
-                   reduction dim holds whole blocks), scale_inv_t (cols, ceil(rows / 128)),
-                   a transposed view of the (ceil(rows / 128), cols) scales the cast writes;
+                   kernels.block_cast_both), written transposed into data_t (cols, rows
+                   rounded up to 128, zero padded: the wgrad's reduction dim holds whole
+                   blocks), scale_inv_t (cols, ceil(rows / 128)), a transposed view of the
+                   (ceil(rows / 128), cols) scales the cast writes;
       tiles        the same tiles transposed, no second cast: data_t (cols, padded_rows(rows))
                    the payload's bytes transposed, scale_inv_t = scale_inv.t().
     No Float8Tensor form (its scale_inv is one number): `quantize` refuses; layers use `cast`.

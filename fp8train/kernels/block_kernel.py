@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import scaling
 from . import block_reference
 from .cast import _INF_BITS, _abs_bits, _saturate
 from .launcher import DirectKernel, device_guard
@@ -155,7 +156,7 @@ def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Ten
     tile_m, tile_k, _ = _SHAPES[mode]
     m, k = x.shape
     grid = triton.cdiv(m, tile_m) * triton.cdiv(k, tile_k)
-    fp8_max = 448.0 if out.dtype == torch.float8_e4m3fn else 57344.0
+    fp8_max = scaling.fp8_max(out.dtype)
     with device_guard(x.device):
         _kernel(mode, fp8_max, bool(power_of_two))(grid, x, out, scale_inv_out, m, k, x.stride(0) if m > 1 else k,
                                                    *scale_inv_out.stride())
@@ -188,7 +189,7 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
     if x.numel() == 0:
         return
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    fp8_max = 448.0 if out.dtype == torch.float8_e4m3fn else 57344.0
+    fp8_max = scaling.fp8_max(out.dtype)
     with device_guard(x.device):
         _both_kernel(fp8_max, bool(power_of_two))(grid, x, out, out_t, scale_inv_out, scale_inv_t_out, m, k,
                                                   x.stride(0) if m > 1 else k, *scale_inv_out.stride(), mp)
