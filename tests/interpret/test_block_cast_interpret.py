@@ -15,6 +15,7 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
     pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
+from fp8train import kernels  # noqa: E402
 from fp8train.kernels import block_reference as br  # noqa: E402
 from fp8train.kernels.block_kernel import block_cast_both_into, block_cast_into  # noqa: E402
 
@@ -79,14 +80,12 @@ def test_block_cast_into_checks_its_buffers():
 
 
 def _both_twin(x, fp8, power_of_two=False):
-    """The twin of block_cast_both_into: 1 x 128 and 128 x 1 casts, the second's bytes transposed
-    into (K, Mp) with zero bytes beyond M."""
-    data, si = br.block_cast(x, fp8, (1, 128), power_of_two)
-    cols, si_t = br.block_cast(x, fp8, (128, 1), power_of_two)
-    mp = -(-x.shape[0] // 128) * 128
-    data_t = torch.zeros((x.shape[1], mp), dtype=torch.uint8)
-    data_t[:, :x.shape[0]] = cols.view(torch.uint8).t()
-    return data, si, data_t.view(fp8), si_t
+    """kernels.block_cast_both's twin (CPU tensors: two block_reference casts and a byte transpose)."""
+    m, k = x.shape
+    data, data_t = torch.empty(x.shape, dtype=fp8), torch.empty((k, -(-m // 128) * 128), dtype=fp8)
+    si, si_t = torch.empty(br.blocks_of(x.shape, (1, 128))), torch.empty(br.blocks_of(x.shape, (128, 1)))
+    kernels.block_cast_both(x, data, data_t, si, si_t, power_of_two)
+    return data, si, data_t, si_t
 
 
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
