@@ -21,8 +21,10 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                instead of the extension's operator (an A/B of it)
   fp8 eager block, fp8 compile block           BlockScaling (1x128 / 128x128 block scales; eager:
                                                its layers run the Python node)
-  fp8 {eager,compile} block ext-gemm           the same, the block GEMMs through the extension's
-                                               cuBLASLt call (native.BLOCK_GEMM on; an A/B of it)
+  fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
+                                               torch.nn.functional.scaled_mm instead of the
+                                               extension's cuBLASLt call (native.BLOCK_GEMM off;
+                                               an A/B of it)
   fp8 {eager,compile} delayed unshared         without shared input casts (every fp8 variant but
                                                these ties q/k/v's and gate/up's input quantizers:
                                                modules.base.SHARE_INPUT_CASTS, off while these
@@ -87,7 +89,7 @@ RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScalin
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
-            "fp8 eager block ext-gemm", "fp8 compile block ext-gemm",
+            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm",
             "torchao compile",
             "torchao compile-ro"]
 
@@ -160,7 +162,7 @@ class Runner:
         self.count = 0
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
-        self.block_gemm = "ext-gemm" in variant.split() or _BLOCK_GEMM
+        self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)

@@ -247,8 +247,8 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
     column-major (strides (1, rows)); 128 x 128 tiles as a (round_up(Kb, 4), Nb) view with
     strides (1, round_up(Kb, 4)) (the layouts ATen's ScaledBlas.cpp checks, torch 2.13). Then
     the GEMM: the extension's (csrc/lt_gemm.cpp: cuBLASLt with its algorithm cached; traced
-    code calls its operator fp8train_lt::block_scaled_mm) where native.BLOCK_GEMM is on (not
-    yet GPU-checked: off), else torch.nn.functional.scaled_mm's blockwise scaling (torch >=
+    code calls its operator fp8train_lt::block_scaled_mm) where native.BLOCK_GEMM is on (the
+    default) and the extension built, else torch.nn.functional.scaled_mm's blockwise scaling (torch >=
     2.10; traced code calls it through the operator fp8train::cuda_block_scaled_mm: Dynamo in
     torch 2.11 cannot trace torch._scaled_mm_v2). tests/gpu/test_block_scaling_gpu.py checks
     both against the emulation."""

@@ -107,22 +107,43 @@ def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool
 def block_cast(x: Tensor, fp8_dtype: torch.dtype, block: Tuple[int, int], power_of_two: bool, transpose: bool,
                dbias: bool):
     """BlockScalingQuantizer.cast of x (M, K) in traced code: (data, data_t or None,
-    scale_inv, dbias or None, scale_inv_t or None), the twin's torch ops
-    (kernels/block_reference.py) as `cast` above, so that Inductor fuses them. The transposed
-    copies are eager's: 128 x 128 tiles, the payload's bytes transposed (no second cast), and
-    1 x 128 blocks, x cast again in 128 x 1 blocks; zero padded to padded_rows(M) and
-    padded_rows(M, 128) columns."""
+    scale_inv, dbias or None, scale_inv_t or None), the twin's values (kernels/block_reference.py)
+    in torch ops that Inductor fuses (`_traced_block_cast`). The transposed copies are eager's:
+    128 x 128 tiles, the payload's bytes transposed (no second cast), and 1 x 128 blocks, x
+    cast again in 128 x 1 blocks; zero padded to padded_rows(M) and padded_rows(M, 128)
+    columns."""
     x = x.detach()
-    data, scale_inv = block_reference.block_cast(x, fp8_dtype, block, power_of_two)
+    data, scale_inv = _traced_block_cast(x, fp8_dtype, block, power_of_two)
     data_t = scale_inv_t = None
     m = x.shape[0]
     if transpose and block == (128, 128):
         data_t, scale_inv_t = _bytes_transposed(data, padded_rows(m)), scale_inv.t()
     elif transpose:
-        again, scale_inv_cols = block_reference.block_cast(x, fp8_dtype, (128, 1), power_of_two)
+        again, scale_inv_cols = _traced_block_cast(x, fp8_dtype, (128, 1), power_of_two)
         data_t, scale_inv_t = _bytes_transposed(again, padded_rows(m, 128)), scale_inv_cols.t()
     db = x.sum(0, dtype=torch.float32) if dbias else None
     return data, data_t, scale_inv, db, scale_inv_t
+
+
+def _traced_block_cast(x: Tensor, fp8_dtype: torch.dtype, block: Tuple[int, int], power_of_two: bool):
+    """block_reference.block_cast's (data, scale_inv). Where x holds whole blocks (the
+    models' shapes) x is viewed as (block rows, rows per block, block cols, cols per block):
+    each block's amax is one reduction and the cast one pointwise op broadcasting its block's
+    scale, which Inductor makes into one reduction kernel. The twin's form (its scales
+    spread over x by a concatenation) compiled to pointwise kernels that took ~0.5 ms per cast
+    at h1024 on the H200 (2026-12-02); it stays for tail blocks: padding x to whole blocks
+    and cutting back made Inductor (CPU, torch 2.13) cast float32 tail blocks wrong
+    (tests/test_block_scaling_compile.py)."""
+    m, k = x.shape
+    (br, bc), (nr, nc) = block, block_reference.blocks_of(x.shape, block)
+    if (nr * br, nc * bc) != (m, k):
+        return block_reference.block_cast(x, fp8_dtype, block, power_of_two)
+    blocks = x.reshape(nr, br, nc, bc)
+    a = blocks.float().abs()
+    amax = torch.where(torch.isnan(a), torch.inf, a).amax(dim=(1, 3), keepdim=True)  # NaN counts as inf
+    scale = block_reference.block_scale(amax, scaling.fp8_max(fp8_dtype), power_of_two)
+    data = reference.saturating_cast(blocks, scale, fp8_dtype).reshape(m, k)
+    return data, scaling.scale_inverse(scale).reshape(nr, nc)
 
 
 def _bytes_transposed(data: Tensor, cols: int) -> Tensor:

@@ -25,25 +25,32 @@ def _casts(quantizers, x):
     return [q.cast(x, transpose=True, dbias=q.role is TensorRole.GRAD_OUTPUT) for q in quantizers]
 
 
-@pytest.mark.parametrize("backend, shape, power_of_two", [
-    ("aot_eager", (3, 45, 304), False), ("aot_eager", (3, 45, 304), True),
-    pytest.param("inductor", (3, 45, 304), False, marks=pytest.mark.slow),
-    pytest.param("inductor", (128, 304), True, marks=pytest.mark.slow),
-    pytest.param("inductor", (300, 272), False, marks=pytest.mark.slow)], ids=str)
-def test_traced_block_cast_is_the_eager_cast(backend, shape, power_of_two):
-    # Rows and columns with tails (135 x 304, 300 x 272) or one block of rows (128 x 304: with
-    # block_reference.expand's first form, Inductor's weight cast read wrong elements of the
-    # tail block, as did its row-block cast of 300 x 272); magnitudes over 8 decades (blocks
-    # with very different scales), a zero block, an inf and a NaN
+@pytest.mark.parametrize("backend, shape, power_of_two, dtype", [
+    ("aot_eager", (3, 45, 304), False, torch.bfloat16), ("aot_eager", (3, 45, 304), True, torch.bfloat16),
+    ("aot_eager", (256, 384), False, torch.float32),
+    pytest.param("inductor", (3, 45, 304), False, torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("inductor", (3, 45, 304), False, torch.float32, marks=pytest.mark.slow),
+    pytest.param("inductor", (128, 304), True, torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("inductor", (300, 272), False, torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("inductor", (256, 384), False, torch.float32, marks=pytest.mark.slow),
+    pytest.param("inductor", (2, 128, 384), True, torch.bfloat16, marks=pytest.mark.slow)], ids=str)
+def test_traced_block_cast_is_the_eager_cast(backend, shape, power_of_two, dtype):
+    # Rows and columns with tails (135 x 304, 300 x 272: the twin's form in traced code) or
+    # whole blocks (256 x 384: x viewed as blocks, ops._traced_block_cast) or one block of rows
+    # (128 x 304: with block_reference.expand's first form, Inductor's weight cast read wrong
+    # elements of the tail block, as did its row-block cast of 300 x 272; float32 135 x 304
+    # with x padded to whole blocks); magnitudes over 8 decades (blocks with very different
+    # scales), a zero block, an inf and a NaN
     torch.manual_seed(0)
     x = torch.randn(shape) * torch.logspace(-4, 4, shape[-1])
     x[..., 2:9, 128:256] = 0.0
     x[..., 40, 300 - 30] = float("inf")
     x[..., 3, 7] = float("nan")
-    x = x.to(torch.bfloat16)
+    x = x.to(dtype)
     recipe = BlockScaling(power_of_two_scales=power_of_two)
     quantizers = [make_quantizer(recipe, role) for role in ROLES]
     want = _casts(quantizers, x)
+    torch._dynamo.reset()  # one code object compiled per case: under Dynamo's recompile limit
     got = torch.compile(lambda t: _casts(quantizers, t), backend=backend, fullgraph=True)(x)
     for role, g, w in zip(ROLES, got, want):
         for field in w._fields:
@@ -57,8 +64,14 @@ def test_traced_block_cast_is_the_eager_cast(backend, shape, power_of_two):
                 assert torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()), (role, field)
                 assert rel_err(a[finite], b[finite]) < 1e-6, (role, field)
                 continue
-            same = torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else \
-                torch.equal(a.view(torch.int32), b.view(torch.int32))  # bits: NaN bytes compared too
+            if a.element_size() == 1:
+                # bytes, but a NaN's sign: IEEE leaves it open for x * scale, and Inductor's CPU
+                # code gives float32 NaN * 1 the byte 0xFF where eager gives 0x7F (torch 2.13)
+                nan = b.float().isnan()
+                assert torch.equal(a.float().isnan(), nan), (role, field)
+                same = torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+            else:
+                same = torch.equal(a.view(torch.int32), b.view(torch.int32))
             assert same, (role, field)
 
 

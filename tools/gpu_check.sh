@@ -113,8 +113,8 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_scaling_gpu.py \
         tests/gpu/test_block_cast_gpu.py 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
-        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block ext-gemm,fp8 compile block,\
-fp8 compile block ext-gemm}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
+        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block torch-gemm,fp8 compile block,\
+fp8 compile block torch-gemm}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev)|failed" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \

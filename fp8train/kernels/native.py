@@ -15,8 +15,9 @@ tests; tools/run_with_flags.py sets it from the command line). `GEMM_OP = False`
 traced from then on call torch._scaled_mm instead of the extension's GEMM operator (an A/B
 switch: benchmarks/hf_llama.py's "aten-mm" variant; Dynamo guards on it). `BLOCK_GEMM` sends
 BlockScaling's CUDA GEMMs, eager and traced, through the extension's `block_scaled_mm`
-(cuBLASLt's block scale modes, the algorithm cached) instead of torch.nn.functional.scaled_mm:
-off until its GPU test (tests/gpu/test_block_scaling_gpu.py, which turns it on) has passed.
+(cuBLASLt's block scale modes, the algorithm cached) instead of torch.nn.functional.scaled_mm
+(on; off is an A/B switch: benchmarks/hf_llama.py's "torch-gemm" variants; the GPU test,
+tests/gpu/test_block_scaling_gpu.py, runs every case both ways).
 
 The extension's FP8 GEMM (`scaled_mm`, lt_gemm.cpp: cuBLASLt with the algorithm cached per
 problem, torch._scaled_mm's bytes at a fraction of its host time) serves the C++ nodes and
@@ -39,7 +40,7 @@ from ..tensor import padded_rows
 
 ENABLED = True
 GEMM_OP = True
-BLOCK_GEMM = False  # written 2026-12-02, not yet run on a GPU (module docstring)
+BLOCK_GEMM = True
 
 _CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [str(_CSRC / "linear_node.cpp"), str(_CSRC / "lt_gemm.cpp"), str(_CSRC / "high_mlp.cpp")]
