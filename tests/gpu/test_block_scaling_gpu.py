@@ -192,11 +192,13 @@ def test_hybrid_format_is_refused_on_cuda():
             layer(torch.randn(8, 256, device=CUDA))
 
 
-# torch.compile on CUDA: Inductor's Triton code of the traced casts (ops.block_cast, the
-# twin's ops) against the Triton block cast kernel, the same F.scaled_mm GEMMs. Bit for bit
-# but for the bias gradient (a float32 column sum: Inductor's order, not torch's).
+# torch.compile on CUDA: Inductor's Triton code of the traced casts (ops.block_cast: whole
+# blocks viewed as blocks, tails in the twin's form) against the Triton block cast kernels,
+# the same GEMMs. Bit for bit but for the bias gradient (a float32 column sum: Inductor's
+# order, not torch's). M = 512: every cast over whole blocks; 300 and 308: the wgrad's
+# 128 x 1 casts have a tail.
 @needs_blockwise
-@pytest.mark.parametrize("shape", [(300, 512), (4, 77, 1024)], ids=["2d-m300", "3d-m308"])
+@pytest.mark.parametrize("shape", [(300, 512), (4, 77, 1024), (2, 256, 1024)], ids=["2d-m300", "3d-m308", "3d-m512"])
 def test_compiled_linear_on_cuda_is_eager(shape):
     torch.manual_seed(0)
     eager = fp8train.Linear(shape[-1], 384, device=CUDA)  # FP32 master weights
