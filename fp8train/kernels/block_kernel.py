@@ -14,8 +14,8 @@ are not multiples of the tile, masked lanes load 0, which no amax picks. The ker
 its twin bit for bit on the H200 (2026-12-01, tests/gpu/test_block_cast_gpu.py).
 
 block_cast_both: modes 0 and 1 from one read of each 128 x 128 tile, the second cast stored
-transposed (the operands of a layer's wgrad); checked against the twin's composition under
-the Triton interpreter (tests/interpret), not yet on a GPU (2026-12-02).
+transposed (the operands of a layer's wgrad); bit for bit the twin's composition under the
+Triton interpreter (tests/interpret) and on the H200 (2026-12-02, tests/gpu/test_block_cast_gpu.py).
 """
 from __future__ import annotations
 
