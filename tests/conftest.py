@@ -1,32 +1,9 @@
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
 
 pytest_plugins = ["tiers"]  # the make test / make test-all tiers
-
-
-def pytest_sessionstart(session):
-    # Under xdist, the C++ extension's first build (~45 s on CI's two cores, cold) held one
-    # worker while the other waited on torch's build lock: the controller starts the build
-    # at once in a process of its own, beside the workers' first tests, and the workers that
-    # need the extension load what it built (or wait on the same lock for the rest of it).
-    config = session.config
-    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
-        return
-    from fp8train.kernels import native
-    if native._needs_build():
-        config._fp8train_build = subprocess.Popen(
-            [sys.executable, "-c", "from fp8train.kernels import native; native.extension()"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def pytest_sessionfinish(session):
-    build = getattr(session.config, "_fp8train_build", None)
-    if build is not None:
-        build.wait()
 
 
 def fp8_gpu_reason():
