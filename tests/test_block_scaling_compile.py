@@ -164,7 +164,8 @@ def test_kept_weight_cast_under_compile():
                 eager.weight.mul_(1.5)
 
 
-@pytest.mark.parametrize("extension", [True, False], ids=["extension-op", "torch-op"])
+@pytest.mark.parametrize("extension", [pytest.param(True, marks=pytest.mark.slow), False],  # True builds the extension
+                         ids=["extension-op", "torch-op"])
 def test_cuda_block_gemm_traces_as_one_operator(extension, monkeypatch):
     # torch 2.11's Dynamo cannot trace torch._scaled_mm_v2 (F.scaled_mm's call): a compiled
     # BlockScaling Linear on CUDA broke the graph there (2026-12-02). Traced over fake CUDA

@@ -78,6 +78,7 @@ def test_cpu_calls_are_not_eligible_and_layers_keep_the_python_function():
     assert layer._node_plans._entries == {}
 
 
+@pytest.mark.slow  # builds the C++ extension (tests/tiers.py)
 def test_cpp_plan_checks_its_arguments():
     pytest.importorskip("triton")
     ext = native.extension()

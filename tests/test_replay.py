@@ -105,6 +105,7 @@ def test_cpu_calls_take_python_and_cache_nothing():
     assert ran == [1, 2] and cache == {}
 
 
+@pytest.mark.slow  # builds the C++ extension (tests/tiers.py)
 def test_cpp_group_checks_its_arguments():
     ext = native.extension()
     if ext is None:

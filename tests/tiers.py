@@ -1,7 +1,14 @@
 """The two tiers of the CPU suite: `make test` (minutes on a 2-core machine) and `make test-all`.
 
+`make test` must stay under 10 minutes, cold, on a 2-core machine 3x slower than this one
+(installs included: ~1 min 45 s of them here): its tests get ~1.5 minutes here. It runs the
+unit tests: neither the `launch` tests (process groups), nor the Triton interpreter's
+(tests/interpret), nor what is marked slow; `make test-all` (CI) runs everything.
+
   slow   a test that only `make test-all` (and `make test-gpu`) runs: launches of more than
-         two ranks, torchrun launches, the harness's own stuck-rank checks.
+         two ranks, torchrun launches, the harness's own stuck-rank checks, Inductor's C++
+         compiles, and every test that needs the C++ extension built (the `ext` and `built`
+         fixtures, marked here; ~45 s of build on two cores).
   sweep  a parametrized test whose combinations are a sweep. `make test` runs a pairwise
          cover of them: every pair of values of any two parameters appears in at least one
          test that runs (and every single value, for a parameter alone). The other
@@ -49,6 +56,8 @@ def pytest_collection_modifyitems(config, items):
 
     sweeps: Dict[tuple, list] = collections.defaultdict(list)
     for item in items:
+        if {"ext", "built"} & set(getattr(item, "fixturenames", ())):  # needs the C++ extension built
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("sweep") is not None and hasattr(item, "callspec"):
             # GPU items apart: make test's CPU run must cover every pair among the CPU items
             gpu = item.get_closest_marker("gpu") is not None
