@@ -6,9 +6,10 @@ unit tests: neither the `launch` tests (process groups), nor the Triton interpre
 (tests/interpret), nor what is marked slow; `make test-all` (CI) runs everything.
 
   slow   a test that only `make test-all` (and `make test-gpu`) runs: launches of more than
-         two ranks, torchrun launches, the harness's own stuck-rank checks, Inductor's C++
-         compiles, and every test that needs the C++ extension built (the `ext` and `built`
-         fixtures, marked here; ~45 s of build on two cores).
+         two ranks, torchrun launches, the harness's own stuck-rank checks, all but one of
+         Inductor's C++ compile cases (test_compile.py keeps the one that takes every branch),
+         and every test that needs the C++ extension built (the `ext` and `built` fixtures,
+         marked here; ~45 s of build on two cores).
   sweep  a parametrized test whose combinations are a sweep. `make test` runs a pairwise
          cover of them: every pair of values of any two parameters appears in at least one
          test that runs (and every single value, for a parameter alone). The other
