@@ -2,7 +2,7 @@
 no state; their casts return a BlockCast (per-block scale_invs, and data_t's own)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -63,36 +63,26 @@ class BlockScalingQuantizer(Quantizer):
     def cast(self, x: torch.Tensor, *, transpose: bool = False, dbias: bool = False) -> BlockCast:
         x = self._checked(x)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
-        if torch.compiler.is_compiling():  # traced code: the twin's torch ops, for Inductor to fuse
+        traced = torch.compiler.is_compiling()
+        if traced and not ops.BLOCK_CAST_KERNELS:  # traced code: the twin's values in torch ops, for Inductor to fuse
             data, data_t, scale_inv, db, scale_inv_t = ops.block_cast(rows, self.dtype, self.block, self.power_of_two,
                                                                       transpose, dbias)
             return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
-        if transpose and self.block == ROW_BLOCKS:  # x also in 128 x 1 blocks, transposed
-            data, scale_inv, data_t, scale_inv_t = self._block_cast_both(rows)
+        both = transpose and self.block == ROW_BLOCKS  # x also in 128 x 1 blocks, transposed
+        if traced:  # the eager kernels as the operator fp8train::block_cast (ops.BLOCK_CAST_KERNELS)
+            data, scale_inv, data_t, scale_inv_cols = torch.ops.fp8train.block_cast(
+                rows.detach(), self.dtype, self.block == TILE_BLOCKS, both, self.power_of_two)
         else:
-            data, scale_inv = self._block_cast(rows, self.block)
-            data_t = scale_inv_t = None
-            if transpose:  # 128 x 128 tiles: the payload's bytes transposed, (K, Mp) and (Kb, Mb)
-                data_t, scale_inv_t = transpose_padded(data, padded_rows(rows.shape[0])), scale_inv.t()
+            data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, self.dtype, self.block, both, self.power_of_two)
+        scale_inv_t = scale_inv_cols.t() if both else None
+        if transpose and not both:  # 128 x 128 tiles: the payload's bytes transposed, (K, Mp) and (Kb, Mb)
+            cols = padded_rows(rows.shape[0])
+            data_t = ops.bytes_transposed(data, cols) if traced else transpose_padded(data, cols)
+            scale_inv_t = scale_inv.t()
+        elif not both:
+            data_t = None
         db = rows.sum(0, dtype=torch.float32) if dbias else None
         return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
-
-    def _block_cast_both(self, rows: torch.Tensor):
-        """rows in 1 x 128 blocks, and in 128 x 1 blocks transposed (K, Mb * 128) with their
-        scale_inv_t (K, Mb): one read of rows on CUDA (kernels.block_cast_both)."""
-        m, k = rows.shape
-        data = torch.empty(rows.shape, dtype=self.dtype, device=rows.device)
-        data_t = torch.empty((k, padded_rows(m, 128)), dtype=self.dtype, device=rows.device)
-        scale_inv = _scales(rows, ROW_BLOCKS)
-        scale_inv_cols = _scales(rows, (128, 1))
-        kernels.block_cast_both(rows, data, data_t, scale_inv, scale_inv_cols, self.power_of_two)
-        return data, scale_inv, data_t, scale_inv_cols.t()
-
-    def _block_cast(self, rows: torch.Tensor, block: Block):
-        data = torch.empty(rows.shape, dtype=self.dtype, device=rows.device)
-        scale_inv = _scales(rows, block)
-        kernels.block_cast(rows, data, scale_inv, block, self.power_of_two)
-        return data, scale_inv
 
     def quantize(self, x, *, transpose=False, out=None):
         raise NotImplementedError(f"{self.role.name} quantizer: a block-scaled cast has no Float8Tensor form "
@@ -127,6 +117,43 @@ def _scales(rows: torch.Tensor, block: Block) -> torch.Tensor:
     if tuple(block) == ROW_BLOCKS:
         return torch.empty((n_cols, n_rows), dtype=torch.float32, device=rows.device).t()
     return torch.empty((n_rows, n_cols), dtype=torch.float32, device=rows.device)
+
+
+def _new_cast(rows: torch.Tensor, dtype: torch.dtype, block: Block, both: bool, power_of_two: bool,
+              traced: bool = False):
+    """rows (M, K) cast in `block`s into fresh buffers: (data, scale_inv, data_t, scale_inv_cols).
+    both (row blocks only): rows also in 128 x 1 blocks, transposed into data_t (K, Mb * 128)
+    with scale_inv_cols (Mb, K), from one read of rows on CUDA (kernels.block_cast_both); else
+    the last two are None. traced: inside the operator fp8train::block_cast."""
+    m, k = rows.shape
+    data = torch.empty(rows.shape, dtype=dtype, device=rows.device)
+    scale_inv = _scales(rows, block)
+    if not both:
+        kernels.block_cast(rows, data, scale_inv, block, power_of_two, traced)
+        return data, scale_inv, None, None
+    data_t = torch.empty((k, padded_rows(m, 128)), dtype=dtype, device=rows.device)
+    scale_inv_cols = _scales(rows, (128, 1))
+    kernels.block_cast_both(rows, data, data_t, scale_inv, scale_inv_cols, power_of_two, traced)
+    return data, scale_inv, data_t, scale_inv_cols
+
+
+@torch.library.triton_op("fp8train::block_cast", mutates_args=())
+def _block_cast_op(rows: torch.Tensor, fp8_dtype: torch.dtype, tiles: bool, both: bool, power_of_two: bool
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_new_cast as an operator for traced code (ops.BLOCK_CAST_KERNELS): its body launches the
+    Triton kernels through wrap_triton, so Inductor launches them from its own code instead of
+    generating kernels for the twin's ops (off CUDA: ops.block_cast's torch ops, traced into
+    the graph; the eager twin's copies into FP8 buffers fail Inductor's CPU code, torch
+    2.13). Absent outputs are empty (0,) tensors."""
+    block = TILE_BLOCKS if tiles else ROW_BLOCKS
+    if rows.is_cuda:
+        data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, fp8_dtype, block, both, power_of_two, traced=True)
+    else:
+        data, data_t, scale_inv, _, scale_inv_t = ops.block_cast(rows, fp8_dtype, block, power_of_two, both, False)
+        scale_inv_cols = scale_inv_t.t() if both else None
+    if not both:
+        data_t, scale_inv_cols = rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
+    return data, scale_inv, data_t, scale_inv_cols
 
 
 def transpose_padded(data: torch.Tensor, cols: int) -> torch.Tensor:

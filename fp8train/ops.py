@@ -41,6 +41,12 @@ from .tensor import padded_rows
 
 _STATE = ("scale", "amax_history", "first_amax", "nonfinite_count")
 
+# An A/B switch (Dynamo guards on it): traced BlockScaling casts as the eager Triton kernels,
+# launched by Inductor (block_quantizer's operator fp8train::block_cast), instead of `block_cast`
+# below, torch ops that Inductor generates kernels for. Off until measured on the GPU
+# (benchmarks/hf_llama.py's "triton-cast" variants; written 2026-12-02).
+BLOCK_CAST_KERNELS = False
+
 
 class ScalingState(NamedTuple):
     """A quantizer's state tensors and scale rule in the form the ops take (module docstring)."""
@@ -117,10 +123,10 @@ def block_cast(x: Tensor, fp8_dtype: torch.dtype, block: Tuple[int, int], power_
     data_t = scale_inv_t = None
     m = x.shape[0]
     if transpose and block == (128, 128):
-        data_t, scale_inv_t = _bytes_transposed(data, padded_rows(m)), scale_inv.t()
+        data_t, scale_inv_t = bytes_transposed(data, padded_rows(m)), scale_inv.t()
     elif transpose:
         again, scale_inv_cols = _traced_block_cast(x, fp8_dtype, (128, 1), power_of_two)
-        data_t, scale_inv_t = _bytes_transposed(again, padded_rows(m, 128)), scale_inv_cols.t()
+        data_t, scale_inv_t = bytes_transposed(again, padded_rows(m, 128)), scale_inv_cols.t()
     db = x.sum(0, dtype=torch.float32) if dbias else None
     return data, data_t, scale_inv, db, scale_inv_t
 
@@ -146,7 +152,7 @@ def _traced_block_cast(x: Tensor, fp8_dtype: torch.dtype, block: Tuple[int, int]
     return data, scaling.scale_inverse(scale).reshape(nr, nc)
 
 
-def _bytes_transposed(data: Tensor, cols: int) -> Tensor:
+def bytes_transposed(data: Tensor, cols: int) -> Tensor:
     """(K, cols) fp8: data (M, K) transposed, zero bytes in columns M.. (kernels.byte_transpose)."""
     raw = F.pad(data.view(torch.uint8).t(), (0, cols - data.shape[0]))
     return raw.contiguous().view(data.dtype)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import BlockScaling, TensorRole
+from fp8train import BlockScaling, TensorRole, ops
 from fp8train.quantizer_factory import make_quantizer
 from helpers import rel_err
 
@@ -39,14 +39,36 @@ def test_traced_block_cast_is_the_eager_cast(backend, shape, power_of_two, dtype
     # whole blocks (256 x 384: x viewed as blocks, ops._traced_block_cast) or one block of rows
     # (128 x 304: with block_reference.expand's first form, Inductor's weight cast read wrong
     # elements of the tail block, as did its row-block cast of 300 x 272; float32 135 x 304
-    # with x padded to whole blocks); magnitudes over 8 decades (blocks with very different
-    # scales), a zero block, an inf and a NaN
+    # with x padded to whole blocks)
+    _check_traced_casts(_extreme_input(shape, dtype), backend, power_of_two)
+
+
+@pytest.mark.parametrize("backend, shape", [
+    ("aot_eager", (3, 45, 304)), ("aot_eager", (256, 384)),
+    pytest.param("inductor", (3, 45, 304), marks=pytest.mark.slow)], ids=str)
+def test_traced_block_cast_as_the_kernel_operator_is_the_eager_cast(backend, shape, monkeypatch):
+    # ops.BLOCK_CAST_KERNELS: the casts trace as the operator fp8train::block_cast (a
+    # triton_op: on the CPU its body is the twin, traced into the graph; on CUDA the eager
+    # kernels, tests/gpu/test_block_scaling_gpu.py)
+    monkeypatch.setattr(ops, "BLOCK_CAST_KERNELS", True)
+    x = _extreme_input(shape, torch.bfloat16)
+    _check_traced_casts(x, backend)
+    graph = torch._dynamo.explain(lambda t: _casts([make_quantizer(BlockScaling(), r) for r in ROLES], t))(x)
+    assert graph.graph_break_count == 0
+    assert "fp8train.block_cast" in str(graph.graphs[0].code)
+
+
+def _extreme_input(shape, dtype):
+    # magnitudes over 8 decades (blocks with very different scales), a zero block, an inf, a NaN
     torch.manual_seed(0)
     x = torch.randn(shape) * torch.logspace(-4, 4, shape[-1])
     x[..., 2:9, 128:256] = 0.0
     x[..., 40, 300 - 30] = float("inf")
     x[..., 3, 7] = float("nan")
-    x = x.to(dtype)
+    return x.to(dtype)
+
+
+def _check_traced_casts(x, backend, power_of_two=False):
     recipe = BlockScaling(power_of_two_scales=power_of_two)
     quantizers = [make_quantizer(recipe, role) for role in ROLES]
     want = _casts(quantizers, x)

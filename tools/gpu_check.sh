@@ -27,7 +27,8 @@
 #          (~1 minute per recipe at h1024); `python benchmarks/numerics.py --merge <the JSONs>`
 #          pairs gaps only within one run's JSON (each holds its own bf16)
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, both GEMM paths, the
-#          compiled Linear), then benchmarks/hf_llama.py's block variants at h1024, each GEMM path
+#          compiled Linear with either form of its casts), then benchmarks/hf_llama.py's block
+#          variants at h1024: each GEMM path, and compiled with either form of the casts
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
@@ -114,7 +115,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         tests/gpu/test_block_cast_gpu.py 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
         --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block torch-gemm,fp8 compile block,\
-fp8 compile block torch-gemm}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
+fp8 compile block torch-gemm,fp8 compile block triton-cast}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev)|failed" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \

@@ -35,13 +35,14 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
          power_of_two=power_of_two)
 
 
-def block_cast(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, block, power_of_two: bool = False
-               ) -> None:
+def block_cast(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, block, power_of_two: bool = False,
+               traced: bool = False) -> None:
     """block_reference.block_cast of a 2-D x into out (fp8, x's shape) and scale_inv_out
-    (float32, one per block): the Triton kernel on CUDA (kernels/block_kernel.py), the twin elsewhere."""
+    (float32, one per block): the Triton kernel on CUDA (kernels/block_kernel.py), the twin elsewhere.
+    traced: inside a torch.library.triton_op's body (the kernel launched through wrap_triton)."""
     if x.is_cuda:
         from .block_kernel import block_cast_into
-        block_cast_into(x, out, scale_inv_out, block, power_of_two)
+        block_cast_into(x, out, scale_inv_out, block, power_of_two, traced)
         return
     from .block_reference import block_cast as twin
     data, scale_inv = twin(x.detach(), out.dtype, tuple(block), power_of_two)  # torch ops: keep autograd out
@@ -50,14 +51,14 @@ def block_cast(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, 
 
 
 def block_cast_both(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
-                    scale_inv_t_out: torch.Tensor, power_of_two: bool = False) -> None:
+                    scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False) -> None:
     """x (M, K) cast in 1 x 128 blocks (out, scale_inv_out) and in 128 x 1 blocks, transposed
     into out_t (K, Mp), Mp = M rounded up to 128, zero bytes beyond M (scale_inv_t_out (Mb, K)):
     on CUDA one Triton kernel reading x once (kernels/block_kernel.py), elsewhere its twin,
     two block_reference.block_cast calls and a byte transpose."""
     if x.is_cuda:
         from .block_kernel import block_cast_both_into
-        block_cast_both_into(x, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two)
+        block_cast_both_into(x, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two, traced)
         return
     block_cast(x, out, scale_inv_out, (1, 128), power_of_two)
     again = torch.empty_like(out)

@@ -132,11 +132,12 @@ def _dense_2d(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.t().is_contiguous()
 
 
-def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, block, power_of_two: bool = False
-                    ) -> None:
+def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, block, power_of_two: bool = False,
+                    traced: bool = False) -> None:
     """block_reference.block_cast into given buffers, by the Triton kernel: out (M, K) fp8,
     scale_inv_out (float32, block_reference.blocks_of(x.shape, block)); x (M, K). Callers
-    dispatch (kernels.block_cast: the twin off CUDA)."""
+    dispatch (kernels.block_cast: the twin off CUDA). traced: launched as a triton_op's body
+    launches (DirectKernel.traced)."""
     block = tuple(block)
     if x.dim() != 2 or block not in _MODES:
         raise ValueError(f"block_cast_into: x must be 2-D and block one of {tuple(_MODES)}; got "
@@ -156,18 +157,21 @@ def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Ten
     tile_m, tile_k, _ = _SHAPES[mode]
     m, k = x.shape
     grid = triton.cdiv(m, tile_m) * triton.cdiv(k, tile_k)
-    fp8_max = scaling.fp8_max(out.dtype)
+    kernel = _kernel(mode, scaling.fp8_max(out.dtype), bool(power_of_two))
+    args = (x, out, scale_inv_out, m, k, x.stride(0) if m > 1 else k, *scale_inv_out.stride())
+    if traced:
+        kernel.traced(grid, *args)
+        return
     with device_guard(x.device):
-        _kernel(mode, fp8_max, bool(power_of_two))(grid, x, out, scale_inv_out, m, k, x.stride(0) if m > 1 else k,
-                                                   *scale_inv_out.stride())
+        kernel(grid, *args)
 
 
 def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
-                         scale_inv_t_out: torch.Tensor, power_of_two: bool = False) -> None:
+                         scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False) -> None:
     """x (M, K) in 1 x 128 blocks into out (M, K) and scale_inv_out (M, Kb), and in 128 x 1
     blocks transposed into out_t (K, Mp) (Mp = M rounded up to 128, zero bytes beyond M) and
     scale_inv_t_out (Mb, K): one read of x, by the Triton kernel (twin: two block_cast calls
-    and a byte transpose; kernels.block_cast_both dispatches)."""
+    and a byte transpose; kernels.block_cast_both dispatches). traced: as block_cast_into's."""
     if x.dim() != 2:
         raise ValueError(f"block_cast_both_into: x must be 2-D, got {tuple(x.shape)}")
     m, k = x.shape
@@ -189,10 +193,13 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
     if x.numel() == 0:
         return
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    fp8_max = scaling.fp8_max(out.dtype)
+    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two))
+    args = (x, out, out_t, scale_inv_out, scale_inv_t_out, m, k, x.stride(0) if m > 1 else k, *scale_inv_out.stride(), mp)
+    if traced:
+        kernel.traced(grid, *args)
+        return
     with device_guard(x.device):
-        _both_kernel(fp8_max, bool(power_of_two))(grid, x, out, out_t, scale_inv_out, scale_inv_t_out, m, k,
-                                                  x.stride(0) if m > 1 else k, *scale_inv_out.stride(), mp)
+        kernel(grid, *args)
 
 
 __all__ = ["block_cast_both_into", "block_cast_into"]

@@ -104,6 +104,13 @@ class DirectKernel:
         binary.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(args[0].device.index), binary.function,
                    binary.packed_metadata, None, None, None, *args, *self.tail)
 
+    def traced(self, grid: int, *args) -> None:
+        """The same launch from the body of a torch.library.triton_op: through wrap_triton,
+        which Inductor turns into a launch from its own generated code (eager calls it as
+        Triton's `kernel[grid]`)."""
+        from torch.library import wrap_triton
+        wrap_triton(self._fn)[(grid,)](*args, **self._options)
+
     def binary_for(self, *args):
         """The compiled kernel for these arguments (compiled now if new), or None where the
         launch must go through Triton: interpreter, CPU tensors, installed launch hooks, or

@@ -57,13 +57,19 @@ def test_block_cast_kernel_matches_the_twin(block, dtype, fp8, power_of_two, exa
     assert_fp8_equal(out, want)
 
 
+# traced: the launch a torch.library.triton_op's body makes (block_quantizer's fp8train::block_cast),
+# through wrap_triton, which runs it as Triton's `kernel[grid]` outside a trace
+TRACED = pytest.mark.parametrize("traced", [False, True], ids=["direct", "wrap_triton"])
+
+
+@TRACED
 @pytest.mark.parametrize("block", BLOCKS)
-def test_block_cast_kernel_reads_strided_rows(block, exact_conversions):
+def test_block_cast_kernel_reads_strided_rows(block, traced, exact_conversions):
     base = _input((150, 400), torch.bfloat16, seed=3)
     x = base[:, 50:350]  # row stride 400, 300 columns
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
     scale_inv = _scale_buffer(br.blocks_of(x.shape, block), column_major=False)  # row-major too
-    block_cast_into(x, out, scale_inv, block)
+    block_cast_into(x, out, scale_inv, block, traced=traced)
     want, want_si = br.block_cast(x, torch.float8_e4m3fn, block)
     assert torch.equal(scale_inv, want_si)
     assert_fp8_equal(out, want)
@@ -107,11 +113,12 @@ def test_block_cast_both_kernel_matches_the_twin(shape, dtype, fp8, power_of_two
     assert_fp8_equal(out_t, want_t)  # the padding bytes (0x55 before) are zero
 
 
-def test_block_cast_both_kernel_reads_strided_rows(exact_conversions):
+@TRACED
+def test_block_cast_both_kernel_reads_strided_rows(traced, exact_conversions):
     x = _input((150, 400), torch.bfloat16, seed=5)[:, 50:350]  # row stride 400, 300 columns
     out, out_t = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(300, 256, dtype=torch.float8_e4m3fn)
     si, si_t = torch.empty(br.blocks_of(x.shape, (1, 128))), torch.empty(br.blocks_of(x.shape, (128, 1)))
-    block_cast_both_into(x, out, out_t, si, si_t)
+    block_cast_both_into(x, out, out_t, si, si_t, traced=traced)
     want, want_si, want_t, want_si_t = _both_twin(x, torch.float8_e4m3fn)
     assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
     assert_fp8_equal(out, want)
