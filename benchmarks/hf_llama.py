@@ -25,9 +25,10 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
                                                an A/B of it)
-  fp8 compile block triton-cast                the same, the block casts in compiled code as
+  fp8 compile {block,delayed} triton-cast      the same, the casts in compiled code as
                                                fp8train's Triton kernels that Inductor launches
-                                               (ops.BLOCK_CAST_KERNELS on; an A/B of it)
+                                               (ops.BLOCK_CAST_KERNELS, ops.CAST_KERNELS on;
+                                               an A/B of them)
   fp8 {eager,compile} delayed unshared         without shared input casts (every fp8 variant but
                                                these ties q/k/v's and gate/up's input quantizers:
                                                modules.base.SHARE_INPUT_CASTS, off while these
@@ -88,13 +89,13 @@ SHAPES = {
     "tiny": Shape(64, 128, 2, 4, 2, batch=2, seq=64),
 }
 _BLOCK_GEMM = native.BLOCK_GEMM  # the library's defaults, restored after each step
-_BLOCK_CAST_KERNELS = fp8train.ops.BLOCK_CAST_KERNELS
+_CAST_KERNELS = fp8train.ops.BLOCK_CAST_KERNELS, fp8train.ops.CAST_KERNELS
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "fp8 compile block triton-cast",
-            "torchao compile",
+            "fp8 compile delayed triton-cast", "torchao compile",
             "torchao compile-ro"]
 
 
@@ -167,7 +168,7 @@ class Runner:
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
-        self.block_cast_kernels = "triton-cast" in variant.split() or _BLOCK_CAST_KERNELS
+        self.cast_kernels = (True, True) if "triton-cast" in variant.split() else _CAST_KERNELS
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -189,12 +190,12 @@ class Runner:
     def step(self, m, recipe):
         # the A/B switch is set around each of this variant's steps: Dynamo guards on it
         native.GEMM_OP, native.BLOCK_GEMM = not self.aten_mm, self.block_gemm
-        fp8train.ops.BLOCK_CAST_KERNELS = self.block_cast_kernels
+        fp8train.ops.BLOCK_CAST_KERNELS, fp8train.ops.CAST_KERNELS = self.cast_kernels
         try:
             return self._step(m, recipe)
         finally:
             native.GEMM_OP, native.BLOCK_GEMM = True, _BLOCK_GEMM
-            fp8train.ops.BLOCK_CAST_KERNELS = _BLOCK_CAST_KERNELS
+            fp8train.ops.BLOCK_CAST_KERNELS, fp8train.ops.CAST_KERNELS = _CAST_KERNELS
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]

@@ -46,6 +46,10 @@ _STATE = ("scale", "amax_history", "first_amax", "nonfinite_count")
 # below, torch ops that Inductor generates kernels for. Off until measured on the GPU
 # (benchmarks/hf_llama.py's "triton-cast" variants; written 2026-12-02).
 BLOCK_CAST_KERNELS = False
+# The same A/B for the per-tensor casts (`cast` below): the eager cast kernels (amax, cast,
+# transposed copy and scale_inv in one launch) as the operator fp8train::cast_kernels, instead
+# of the twin's torch ops. Off until measured (written 2026-12-02).
+CAST_KERNELS = False
 
 
 class ScalingState(NamedTuple):
@@ -92,6 +96,16 @@ def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool
     The padding columns of data_t are +0.0 (byte 0), cast like the rest.
     """
     x = x.detach()
+    if CAST_KERNELS:
+        cols = x.shape[-1] if x.dim() else 1
+        rows = x.reshape(-1, cols)  # (M, N)
+        data, data_t, scale_inv = torch.ops.fp8train.cast_kernels(rows, fp8_dtype, *state, transpose)
+        return data.view(x.shape), (data_t if transpose else None), scale_inv, (rows.float().sum(0) if dbias else None)
+    return _traced_cast(x, fp8_dtype, state, transpose, dbias)
+
+
+def _traced_cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool, dbias: bool):
+    """`cast` as the twin's torch ops."""
     scale, amax_history, first_amax, nonfinite_count, power_of_two = state
     if first_amax is not None:  # current scaling, or a delayed quantizer's calibration
         first_amax.copy_(reference.abs_max(x))
@@ -108,6 +122,34 @@ def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool
         data_t = reference.saturating_cast(F.pad(rows.t(), (0, pad)), scale, fp8_dtype).contiguous()
     db = rows.float().sum(0) if dbias else None
     return data, data_t, scaling.scale_inverse(scale).reshape(1), db
+
+
+@torch.library.triton_op("fp8train::cast_kernels", mutates_args=_STATE)
+def _cast_kernels(rows: Tensor, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Optional[Tensor],
+                  first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor], power_of_two: bool,
+                  transpose: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """`cast` of rows (M, N) as an operator for traced code (CAST_KERNELS): (data, data_t,
+    scale_inv), data_t (0,) without transpose. On CUDA its body allocates as the eager cast
+    does and launches the eager kernels through wrap_triton (kernels/cast.py, traced=True):
+    one launch (amax, cast, transposed copy and scale_inv), two where the scale comes from x
+    (first_amax). The entry 0 of amax_history is its first element, so the kernel takes the
+    whole history as its amax pointer (no view of a mutated input). Off CUDA: the twin's
+    torch ops (`_traced_cast`), traced into the graph."""
+    state = ScalingState(scale, amax_history, first_amax, nonfinite_count, power_of_two)
+    if not rows.is_cuda:
+        data, data_t, scale_inv, _ = _traced_cast(rows, fp8_dtype, state, transpose, False)
+        return data, (data_t if transpose else rows.new_empty(0, dtype=fp8_dtype)), scale_inv
+    from .kernels import cast as cast_kernels
+    m, n = rows.shape
+    data = torch.empty((m, n), dtype=fp8_dtype, device=rows.device)
+    data_t = _transposed_empty(m, n, fp8_dtype, rows.device, transpose)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=rows.device)
+    if first_amax is not None:
+        first_amax.zero_()
+        cast_kernels.amax(rows, first_amax, traced=True)
+    cast_kernels.launch_cast(rows, data, data_t if transpose else None, scale, scale_inv, amax_history, first_amax,
+                             nonfinite_count, power_of_two=power_of_two, traced=True)
+    return data, data_t, scale_inv
 
 
 def block_cast(x: Tensor, fp8_dtype: torch.dtype, block: Tuple[int, int], power_of_two: bool, transpose: bool,

@@ -78,6 +78,19 @@ def test_linear_compiled_matches_eager(recipe):
     assert counter.frame_count == frames_for(recipe)
 
 
+@pytest.mark.parametrize("kind", ["linear", "layernorm_mlp"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_casts_as_the_kernel_operator_compile_to_eager(recipe, kind, monkeypatch):
+    # ops.CAST_KERNELS: the casts trace as the operator fp8train::cast_kernels, a triton_op
+    # that mutates the scaling state (on the CPU its body is the twin's torch ops, traced into
+    # the graph; on CUDA the eager kernels: tests/gpu/test_compile_gpu.py). The same bits as
+    # eager, steps after calibration included.
+    monkeypatch.setattr(fp8train.ops, "CAST_KERNELS", True)
+    counter = run_side_by_side(make(kind), recipe)
+    assert counter.frame_count == frames_for(recipe)
+    assert all("fp8train.cast_kernels" in g.code for g in counter.graphs)
+
+
 @pytest.mark.parametrize("recipe, normalization, want_ln", [
     pytest.param(DELAYED, "LayerNorm", True, id="delayed-layernorm-ln_out"),
     pytest.param(CURRENT, "RMSNorm", False, id="current-rmsnorm"),
@@ -208,12 +221,16 @@ CAST_CASES = [pytest.param(kind, shape, id=f"{kind}-{name}",
               for kind in STATES for shape, name in (((20, 48), "2d"), ((3, 7, 32), "3d-odd-rows"))]
 
 
+@pytest.mark.parametrize("kernel_op", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["torch-ops", "kernel-op"])
 @pytest.mark.parametrize("kind, shape", CAST_CASES)
-def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape):
+def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, kernel_op, monkeypatch):
     # ops.cast (what Quantizer.cast traces to) compiled by Inductor (C++ code on CPU) against
     # the eager cast, bit for bit: payload, transposed copy with its zero padding, scale_inv
     # and the scaling state; dbias (a float32 sum in another order) within float32 rounding.
     # Inputs span the e4m3 range edges, NaN and inf (inf saturates, both count in the amax).
+    # kernel_op: ops.CAST_KERNELS, the cast as the operator fp8train::cast_kernels.
+    monkeypatch.setattr(fp8train.ops, "CAST_KERNELS", kernel_op)
     torch.manual_seed(0)
     x = (torch.randn(shape) * torch.logspace(-6, 3, shape[-1])).to(torch.bfloat16)
     x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0], dtype=torch.bfloat16)

@@ -35,3 +35,49 @@ def test_wrong_constexprs_are_a_clear_error(constexprs):
 def test_wrong_string_annotated_constexprs_are_a_clear_error():
     with pytest.raises(ValueError, match="trailing constexpr parameters"):
         DirectKernel(_transpose_kernel, num_warps=4, BLOCK_M=64, BLOCK_N=32)
+
+
+def _kernel_modules():
+    import importlib
+    import pkgutil
+
+    import fp8train.kernels as package
+    for info in pkgutil.iter_modules(package.__path__):
+        yield importlib.import_module(f"fp8train.kernels.{info.name}")
+
+
+def _jit_kernels():
+    seen = {}
+    for module in _kernel_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, triton.JITFunction) and value.fn.__module__ == module.__name__:
+                seen[f"{module.__name__.rsplit('.', 1)[1]}.{name}"] = value
+    return seen
+
+
+def test_there_are_kernels_to_check():
+    names = set(_jit_kernels())
+    assert {"block_kernel._block_cast_kernel", "block_kernel._block_cast_both_kernel",
+            "scale_update._scale_update_kernel"} <= names
+
+
+@pytest.mark.parametrize("name", sorted(_jit_kernels()))
+def test_inductor_can_reload_the_kernel_source(name, tmp_path):
+    """A kernel launched from a torch.library.triton_op (DirectKernel.traced) reaches Inductor,
+    which writes the kernel, the jit functions it calls and the constexpr globals they read
+    into a new Python file (a constexpr as tl.constexpr(repr(value))) and imports it in a
+    worker. That file must import: a global tl.constexpr(float("inf")) was written as
+    `tl.constexpr(inf)`, a NameError that failed the compile (H200, torch 2.11, 2026-12-02)."""
+    import importlib.util
+
+    wrapper = pytest.importorskip("torch._inductor.codegen.wrapper")
+    kernel = _jit_kernels()[name]
+    path = tmp_path / "inductor_copy.py"
+    path.write_text("import triton\nimport triton.language as tl\n@triton.jit\n"  # Inductor's own lines
+                    + wrapper.user_defined_triton_kernel_transitive_closure_source_code(kernel))
+    spec = importlib.util.spec_from_file_location(f"inductor_copy_{abs(hash(name))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    copied = getattr(module, kernel.fn.__name__)
+    assert isinstance(copied, triton.JITFunction)
+    assert copied.src == kernel.src

@@ -36,10 +36,9 @@ from .colsum import colsum_into
 from .checks import FP8_DTYPES, check_dbias, check_fp8_out, check_fp8_outputs, check_scalar, check_scales
 from .launcher import DirectKernel, hooks_installed
 from .launcher import device_guard as _device_guard
-from .scale_update import compute_scale
+from .scale_update import _FLT_MAX, compute_scale
 from .transpose import store_transposed_tile
 
-_INF: tl.constexpr = tl.constexpr(float("inf"))
 _INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # float32 +inf as int32
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_MAX = {dtype: scaling.fp8_max(dtype) for dtype in FP8_DTYPES}
@@ -167,7 +166,7 @@ def _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr,
         if FROM_AMAX:
             tl.store(scale_ptr, scale)
             if COUNT:
-                nonfinite = ~(tl.abs(amax) < _INF)
+                nonfinite = ~(tl.abs(amax) <= _FLT_MAX)
                 tl.store(count_ptr, tl.load(count_ptr) + nonfinite.to(tl.int32))
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))  # IEEE 1/scale == torch.reciprocal
     return scale
@@ -290,14 +289,15 @@ def _tile_kernel(
 # --------------------------------------------------------------------------- host wrappers
 
 
-def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
-    """reference.amax on the GPU: amax_out <- max(amax_out, abs_max(x)), no sync."""
+def amax(x: torch.Tensor, amax_out: torch.Tensor, traced: bool = False) -> None:
+    """reference.amax on the GPU: amax_out <- max(amax_out, abs_max(x)), no sync.
+    traced: launched from a torch.library.triton_op's body (DirectKernel.traced)."""
     _check_input(x, "amax")
     check_scalar("amax", "amax_out", amax_out, torch.float32, x.device)
     if x.numel() == 0:
         reference.amax(x, amax_out)
         return
-    _launch(x, None, None, None, None, amax_out, None, None, None, fp8_max=0.0)
+    _launch(x, None, None, None, None, amax_out, None, None, None, fp8_max=0.0, traced=traced)
 
 
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
@@ -340,11 +340,12 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
 
 
 def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out=None,
-                skip=None, power_of_two: bool = False) -> None:
+                skip=None, power_of_two: bool = False, traced: bool = False) -> None:
     """cast_amax (out_t None) or cast_transpose_amax with arguments already checked; with
     `skip` (a () int32 device flag) every launch of the cast reads the flag first and does
     nothing when it is nonzero (the cached-weight case of a CUDA graph); power_of_two as for
-    the twins (used with from_amax only).
+    the twins (used with from_amax only); traced: launched from a torch.library.triton_op's
+    body (DirectKernel.traced; no dbias_out there).
 
     For callers that own every buffer and have checked x (quantizers): the public wrappers
     above check, then call this. With out_t, x's rows are (M, N) = (numel / N, x.shape[-1])
@@ -361,14 +362,19 @@ def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfin
                                           dbias_out, power_of_two)
         return
     _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
-            _FP8_MAX[out.dtype], skip, power_of_two)
+            _FP8_MAX[out.dtype], skip, power_of_two, traced)
 
 
 def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
-            fp8_max: float, skip=None, power_of_two: bool = False) -> None:
+            fp8_max: float, skip=None, power_of_two: bool = False, traced: bool = False) -> None:
     """Pick the kernel and launch it (arguments already checked)."""
     kernel, grid, make_args, partial_rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
                                                   dbias_out is not None, fp8_max, skip, power_of_two)
+    if traced:
+        if dbias_out is not None:
+            raise ValueError("fp8 cast: a traced launch takes no dbias_out (traced code sums the columns itself)")
+        kernel.traced(grid, *make_args(x, out, out_t, scale_inv_out, None))
+        return
     partial = None
     if dbias_out is not None:
         partial = torch.empty((partial_rows, dbias_out.shape[0]), dtype=torch.float32, device=x.device)

@@ -21,7 +21,10 @@ from .launcher import DirectKernel, device_guard, hooks_installed
 _UNRECORDED: tl.constexpr = tl.constexpr(scaling.UNRECORDED)
 _SCALE_MIN: tl.constexpr = tl.constexpr(scaling.SCALE_MIN)
 _SCALE_MAX: tl.constexpr = tl.constexpr(scaling.SCALE_MAX)
-_INF: tl.constexpr = tl.constexpr(float("inf"))
+# float32's largest finite value: `|a| <= _FLT_MAX` is "finite" (NaN compares false). Not a
+# +inf constant: Inductor copies a kernel's constexpr globals as tl.constexpr(repr(value)),
+# and repr(inf) does not load (wrapper.py, torch 2.11; tests/test_launcher.py).
+_FLT_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -37,7 +40,7 @@ def compute_scale(amax, prev_scale, fp8_max, margin_factor, POW2: tl.constexpr):
     scale = tl.minimum(tl.maximum(scale, _SCALE_MIN), _SCALE_MAX)
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    usable = (amax > 0.0) & (amax < _INF)  # NaN compares false: kept out too
+    usable = (amax > 0.0) & (amax <= _FLT_MAX)  # NaN compares false: kept out too
     return tl.where(usable, scale, prev_scale)
 
 
@@ -71,14 +74,14 @@ def _scale_update_kernel(
     tl.debug_barrier()
 
     recorded = (pending >= 0.0) | (pending != pending)
-    finite = tl.abs(pending) < _INF
+    finite = tl.abs(pending) <= _FLT_MAX
     valid = recorded & finite
     if ALGO_MAX:
         # torch's max propagates NaN and compute_scale then keeps the old scale; inf does
         # the same, so NaN may count as inf here. amax_from_history's clamp_min(0) is left
         # out: when the update applies, the max is >= pending >= 0 (or -0.0, which like +0.0
         # keeps the old scale).
-        amax = tl.max(tl.where(h != h, _INF, h), axis=0)
+        amax = tl.max(tl.where(h != h, _FLT_MAX * 2.0, h), axis=0)  # NaN as +inf (the product overflows)
     else:
         amax = pending
     new_scale = compute_scale(amax, old_scale, fp8_max, margin_factor, POW2)
