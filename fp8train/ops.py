@@ -43,12 +43,13 @@ _STATE = ("scale", "amax_history", "first_amax", "nonfinite_count")
 
 # An A/B switch (Dynamo guards on it): traced BlockScaling casts as the eager Triton kernels,
 # launched by Inductor (block_quantizer's operator fp8train::block_cast), instead of `block_cast`
-# below, torch ops that Inductor generates kernels for. Off until measured on the GPU
-# (benchmarks/hf_llama.py's "triton-cast" variants; written 2026-12-02).
+# below, torch ops that Inductor generates kernels for. Bit for bit eager on the H200; off
+# until its speed is measured (benchmarks/hf_llama.py's "triton-cast" variants).
 BLOCK_CAST_KERNELS = False
-# The same A/B for the per-tensor casts (`cast` below): the eager cast kernels (amax, cast,
+# The same A/B for the per-tensor casts (`cast` below): the eager cast kernel (amax, cast,
 # transposed copy and scale_inv in one launch) as the operator fp8train::cast_kernels, instead
-# of the twin's torch ops. Off until measured (written 2026-12-02).
+# of the twin's torch ops. At h1024 (H200, 2026-12-02) 335 launches a step instead of 539 and
+# 0.86x the wall time; off until measured at the GPU-bound shapes (docs/benchmarks.md).
 CAST_KERNELS = False
 
 
