@@ -281,6 +281,8 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
     for r in range(rounds):
         for v in (list(runners) if r % 2 == 0 else list(reversed(runners))):
             times[v].append(runners[v].timed(steps))
+        # each round as it ends: a run stopped by a time limit keeps what it timed (in its log)
+        print(f"  round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.2f}" for v in runners), flush=True)
 
     def paired(v: str, base: str) -> Optional[float]:
         if base not in times:
@@ -367,23 +369,25 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         batches = [tuple(t.to(device) for t in corpus.batch("train", shape.batch, shape.seq, g)) for _ in range(8)]
         runners, failed = {}, []
         for v in variants:
+            t0 = time.perf_counter()
             try:
                 runners[v] = Runner(v, shape, device, batches)
             except Exception as e:  # a benchmark reports what failed and goes on
                 traceback.print_exc()
                 failed.append({"variant": v, "error": f"{type(e).__name__}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
-            print(f"  {name} {v}: {'ready' if v in runners else failed[-1]['error']}", flush=True)
+            built = f"ready in {time.perf_counter() - t0:.0f} s" if v in runners else failed[-1]["error"]
+            print(f"  {name} {v}: {built}", flush=True)
         rows = measure(runners, args.rounds, args.steps, args.profile_steps, args.host_top, args.device_top) + failed
         results["shapes"][name] = {"shape": asdict(shape), "rounds": args.rounds, "steps_per_round": args.steps,
                                    "rows": rows}
         print_table(name, rows)
+        if args.json:  # after each shape: a later shape that runs out of time leaves this one written
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         del runners
         torch._dynamo.reset()
         gc.collect()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
     return results
 
 

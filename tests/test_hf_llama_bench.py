@@ -14,7 +14,7 @@ import hf_llama  # noqa: E402
 pytestmark = pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all
 
 
-def test_hf_llama_benchmark_runs_on_cpu(tmp_path):
+def test_hf_llama_benchmark_runs_on_cpu(tmp_path, capsys):
     out = tmp_path / "hf_llama.json"
     variants = ["bf16 eager", "fp8 eager delayed", "fp8 eager delayed unshared"]
     hf_llama.main(["--device", "cpu", "--shapes", "tiny", "--variants", ",".join(variants),
@@ -22,6 +22,9 @@ def test_hf_llama_benchmark_runs_on_cpu(tmp_path):
                    "--json", str(out)])
     rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
     assert [r["variant"] for r in rows] == variants
+    # each round's times printed as it ends (a run stopped by a time limit keeps them in its log)
+    printed = capsys.readouterr().out
+    assert all(f"round {r}: bf16 eager " in printed for r in (1, 2)), printed
     assert all("error" not in r and r["wall_ms"] > 0 for r in rows), rows
     # the profiled steps ran (host columns on the CPU; device time is the GPU's)
     assert all(len(r["host_top"]) == 2 and r["device_ms"] is None for r in rows), rows

@@ -95,12 +95,12 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_h1024.json" 2>&1 \
-        | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev)|failed" ;;
+        | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round)|failed" ;;
     hf-h2048|hf-h4096)
       shape=${step#hf-}
       timeout 560 python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
-        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev)|failed" ;;
+        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  round)|failed" ;;
     numerics-h1024|numerics-h2048)
       shape=${step#numerics-}
       for seed in ${SEEDS:-0}; do
@@ -116,7 +116,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
         --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block torch-gemm,fp8 compile block,\
 fp8 compile block torch-gemm,fp8 compile block triton-cast}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
-        | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev)|failed" ;;
+        | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round)|failed" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \
         --host-top "${HOST_TOP:-0}" 2>&1 \
