@@ -78,8 +78,14 @@ def test_linear_compiled_matches_eager(recipe):
     assert counter.frame_count == frames_for(recipe)
 
 
-@pytest.mark.parametrize("kind", ["linear", "layernorm_mlp"])
-@pytest.mark.parametrize("recipe", RECIPES)
+# make test keeps the delayed Linear (calibration, then the steady state); the rest is slow
+KERNEL_OP_CASES = [pytest.param(recipe, kind, id=f"{name}-{kind}",
+                                marks=() if (name, kind) == ("delayed", "linear") else pytest.mark.slow)
+                   for name, recipe in (("delayed", DELAYED), ("current", CURRENT))
+                   for kind in ("linear", "layernorm_mlp")]
+
+
+@pytest.mark.parametrize("recipe, kind", KERNEL_OP_CASES)
 def test_casts_as_the_kernel_operator_compile_to_eager(recipe, kind, monkeypatch):
     # ops.CAST_KERNELS: the casts trace as the operator fp8train::cast_kernels, a triton_op
     # that mutates the scaling state (on the CPU its body is the twin's torch ops, traced into
