@@ -27,8 +27,10 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                an A/B of it)
   fp8 compile {block,delayed} triton-cast      the same, the casts in compiled code as
                                                fp8train's Triton kernels that Inductor launches
-                                               (ops.BLOCK_CAST_KERNELS, ops.CAST_KERNELS on;
-                                               an A/B of them)
+                                               (ops.BLOCK_CAST_KERNELS, ops.CAST_KERNELS on)
+  fp8 compile {block,delayed} inductor-cast    the same, the casts in compiled code as torch
+                                               ops that Inductor fuses (both switches off; the
+                                               A/B of them)
   fp8 {eager,compile} delayed unshared         without shared input casts (every fp8 variant but
                                                these ties q/k/v's and gate/up's input quantizers:
                                                modules.base.SHARE_INPUT_CASTS, off while these
@@ -95,7 +97,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "fp8 compile block triton-cast",
-            "fp8 compile delayed triton-cast", "torchao compile",
+            "fp8 compile delayed triton-cast", "fp8 compile delayed inductor-cast", "torchao compile",
             "torchao compile-ro"]
 
 
@@ -168,7 +170,9 @@ class Runner:
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
-        self.cast_kernels = (True, True) if "triton-cast" in variant.split() else _CAST_KERNELS
+        words = variant.split()
+        self.cast_kernels = (True, True) if "triton-cast" in words else \
+            (False, False) if "inductor-cast" in words else _CAST_KERNELS
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)

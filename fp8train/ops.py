@@ -5,8 +5,11 @@ Eager layers launch kernels through prepared launches that write into buffers th
 `torch.compiler.is_compiling()` the quantizer and producer helpers call this module instead
 (one branch each: Quantizer.cast, BlockScalingQuantizer.cast, norm_fp8/norm_backward,
 activation_fp8/activation_backward):
-  * the casts are the twins' torch ops (`cast`, `block_cast`), which Inductor fuses and
-    launches itself;
+  * the per-tensor casts are the operator fp8train::cast_kernels (`cast`; CAST_KERNELS), a
+    torch.library.triton_op whose body launches the eager cast kernel through wrap_triton,
+    so Inductor launches it from its own code; with CAST_KERNELS off, and for BlockScaling's
+    casts (`block_cast`, unless BLOCK_CAST_KERNELS), the twins' torch ops, which Inductor
+    fuses into their producers and launches itself;
   * the fused norm and activation kernels are `torch.library` custom ops, whose
     implementation calls the same `fp8train.kernels` function as the eager path (Triton on
     CUDA, the twin elsewhere) in the same order; Inductor calls each as an opaque kernel.
@@ -46,11 +49,12 @@ _STATE = ("scale", "amax_history", "first_amax", "nonfinite_count")
 # below, torch ops that Inductor generates kernels for. Bit for bit eager on the H200; off
 # until its speed is measured (benchmarks/hf_llama.py's "triton-cast" variants).
 BLOCK_CAST_KERNELS = False
-# The same A/B for the per-tensor casts (`cast` below): the eager cast kernel (amax, cast,
-# transposed copy and scale_inv in one launch) as the operator fp8train::cast_kernels, instead
-# of the twin's torch ops. At h1024 (H200, 2026-12-02) 335 launches a step instead of 539 and
-# 0.86x the wall time; off until measured at the GPU-bound shapes (docs/benchmarks.md).
-CAST_KERNELS = False
+# The per-tensor casts (`cast` below) as the eager cast kernel (amax, cast, transposed copy
+# and scale_inv in one launch), the operator fp8train::cast_kernels, instead of the twin's
+# torch ops that Inductor fuses into their producers: at h1024 (H200, 2026-12-02) 335
+# launches a step instead of 539 and 0.86x the wall time. On; off is an A/B switch
+# (benchmarks/hf_llama.py's "inductor-cast" variants).
+CAST_KERNELS = True
 
 
 class ScalingState(NamedTuple):
@@ -86,16 +90,10 @@ def _none_if_empty(t: Tensor) -> Optional[Tensor]:
 # ------------------------------------------------------------------------------------ cast
 
 def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool, dbias: bool):
-    """Quantizer.cast in traced code: (data, data_t or None, scale_inv (1,), dbias or None).
-
-    Not a custom op: the cast kernels' twin (kernels/reference.py, cast_transpose_amax) as
-    plain torch ops, so Inductor generates the kernels, fuses the cast into x's producer (a
-    norm, an activation, a residual add) and launches them from its own code. As a custom op
-    every cast was a Python call of ~0.3 ms of host time inside the compiled step (issue 24).
-    The values are the twin's, which the eager Triton kernels match bit for bit; the divisions
-    of the scale math run in float64 (scaling.py says why that is IEEE float32 exactly).
-    The padding columns of data_t are +0.0 (byte 0), cast like the rest.
-    """
+    """Quantizer.cast in traced code: (data, data_t or None, scale_inv (1,), dbias or None):
+    the operator fp8train::cast_kernels (CAST_KERNELS; one launch of the eager kernel per
+    cast, the producer's output read once more), else `_traced_cast`. dbias: x's column sums
+    in torch ops either way."""
     x = x.detach()
     if CAST_KERNELS:
         cols = x.shape[-1] if x.dim() else 1
@@ -106,7 +104,13 @@ def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool
 
 
 def _traced_cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool, dbias: bool):
-    """`cast` as the twin's torch ops."""
+    """`cast` as the cast kernels' twin (kernels/reference.py, cast_transpose_amax) in plain
+    torch ops, so Inductor generates the kernels, fuses the cast into x's producer (a norm, an
+    activation, a residual add) and launches them from its own code (as a custom op every
+    cast was a Python call of ~0.3 ms of host time inside the compiled step, issue 24). The
+    values are the twin's, which the eager Triton kernels match bit for bit; the divisions
+    of the scale math run in float64 (scaling.py says why that is IEEE float32 exactly).
+    The padding columns of data_t are +0.0 (byte 0), cast like the rest."""
     scale, amax_history, first_amax, nonfinite_count, power_of_two = state
     if first_amax is not None:  # current scaling, or a delayed quantizer's calibration
         first_amax.copy_(reference.abs_max(x))

@@ -1,8 +1,9 @@
 """torch.compile(fullgraph=True) with Inductor on the GPU: compiled modules match eager.
 
-The casts trace as torch ops, which Inductor turns into its own Triton kernels (fused with
-their producers); the fused norm and activation kernels stay fp8train:: custom ops that
-launch eager's Triton kernels; the GEMMs stay torch._scaled_mm. The cast's math is the
+The casts trace as the operator fp8train::cast_kernels (eager's cast kernel, launched by
+Inductor: ops.CAST_KERNELS) or, with that switch off, as torch ops, which Inductor turns into
+its own Triton kernels (fused with their producers); the fused norm and activation kernels
+stay fp8train:: custom ops that launch eager's Triton kernels; the GEMMs stay operators. The cast's math is the
 eager kernels' (the twin's), but Inductor computes a producer's values in its own order
 (bf16 roundings of intermediates it fuses away), so the checks leave room: outputs and
 gradients within 40 dB SQNR of eager, scaling state within 1%.
