@@ -179,8 +179,11 @@ def test_inductor_compiles_layernorm_mlp_to_the_same_bits():
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("cast_kernels", [True, False], ids=["cast-op", "torch-ops"])
 @pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "layernorm_mlp"])
-def test_no_graph_breaks_casts_as_torch_ops_fused_kernels_as_custom_ops(kind):
+def test_no_graph_breaks_casts_and_fused_kernels_as_operators(kind, cast_kernels, monkeypatch):
+    # ops.CAST_KERNELS: the casts are the operator fp8train::cast_kernels; off, torch ops
+    monkeypatch.setattr(fp8train.ops, "CAST_KERNELS", cast_kernels)
     module = make(kind)
     graphs = []
 
@@ -197,11 +200,12 @@ def test_no_graph_breaks_casts_as_torch_ops_fused_kernels_as_custom_ops(kind):
     nodes = [n for g in graphs for sub in g.modules() if isinstance(sub, torch.fx.GraphModule)
              for n in sub.graph.nodes if n.op == "call_function"]
     ops = {str(n.target).removesuffix(".default") for n in nodes if str(n.target).startswith("fp8train.")}
-    want = {"linear": set(),  # the casts (input, weight, grad) are torch ops Inductor can fuse
+    want = {"linear": set(),
             "layernorm_linear": {"fp8train.norm_fwd_fp8", "fp8train.norm_bwd"},
             "layernorm_mlp": {"fp8train.norm_fwd_fp8", "fp8train.act_fwd_fp8", "fp8train.act_bwd_fp8",
                               "fp8train.norm_bwd"}}[kind]
-    assert ops == want | {"fp8train.emulated_scaled_mm"}, ops
+    casts = {"fp8train.cast_kernels"} if cast_kernels else set()  # else torch ops Inductor can fuse
+    assert ops == want | casts | {"fp8train.emulated_scaled_mm"}, ops
     fp8_values = [n for g in graphs for sub in g.modules() if isinstance(sub, torch.fx.GraphModule)
                   for n in sub.graph.nodes if getattr(n.meta.get("example_value"), "dtype", None)
                   in (torch.float8_e4m3fn, torch.float8_e5m2) and n.op in ("call_method", "call_function")]
