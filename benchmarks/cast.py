@@ -3,16 +3,22 @@
     python benchmarks/cast.py                    # 8192 x 16384 bf16, table + JSON
     python benchmarks/cast.py --rows 4096 --cols 4096 --json /tmp/cast.json
     python benchmarks/cast.py --variants         # also time other launch shapes of each kernel
+    python benchmarks/cast.py --block --rows 8192 --cols 1024 --input-dtype float32
+                                                 # BlockScaling's casts too (1 x 128, 128 x 128,
+                                                 # the one-read pair), against torch.compile of
+                                                 # their torch-op form (ops.block_cast)
 
-GB/s counts the bytes a kernel must move: read 2 B + write 1 B per element for a cast,
-2 B + 2 x 1 B for cast+transpose, 2 B for amax, 2 x 2 B for the bf16 copy; "% copy" is
-that rate over the measured copy rate. Times are medians of triton.testing.do_bench.
+GB/s counts the bytes a kernel must move: read 2 B (bf16; 4 B float32) + write 1 B per
+element for a cast, + 1 B more for a transposed copy, the read alone for amax, read + write
+for the copy, + 4 B per block for block scale_invs; "% copy" is that rate over the measured
+copy rate. Times are medians of triton.testing.do_bench.
 The launch shapes the library uses come from fp8train.kernels.cast.launch_configs; pick
 the best --variants row there.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -28,7 +34,8 @@ except ImportError:  # run from a checkout without installing
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from fp8train.kernels import cast, reference  # noqa: E402
+from fp8train import ops  # noqa: E402
+from fp8train.kernels import block_kernel, block_reference, cast, reference  # noqa: E402
 
 TARGETS = {"triton cast+amax (delayed)": 85.0, "triton cast+transpose+amax (delayed)": 75.0}
 FP8 = torch.float8_e4m3fn
@@ -40,6 +47,11 @@ TILE_VARIANTS = [cast.TileConfig(bm, bn, warps, per_sm)
                                                (64, 64, 4, 4), (64, 64, 4, 6), (64, 64, 4, 8), (64, 64, 8, 4),
                                                (32, 128, 4, 4), (32, 128, 4, 8), (128, 64, 8, 2), (128, 64, 8, 3),
                                                (128, 128, 8, 1), (128, 128, 16, 1), (64, 128, 4, 2), (64, 128, 4, 4))]
+# one field changed from the defaults per variant: (field, values)
+BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
+                  ("cols", [(128, tk, w) for tk, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
+                  ("tiles", [(128, 128, w) for w in (4, 16, 32)]),
+                  ("both_warps", [4, 16, 32])]
 
 
 def median_ms(fn) -> float:
@@ -52,30 +64,137 @@ def median_ms(fn) -> float:
 class Buffers:
     """Inputs and outputs of every kernel, allocated once."""
 
-    def __init__(self, rows: int, cols: int):
-        self.x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)  # (M, N)
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda"):
+        self.x = torch.randn(rows, cols, device=device, dtype=dtype)  # (M, N)
         self.copy_dst = torch.empty_like(self.x)
-        self.out = torch.empty(rows, cols, device="cuda", dtype=FP8)           # (M, N) fp8
-        self.out_t = torch.empty(cols, rows, device="cuda", dtype=FP8)         # (N, M) fp8, transposed copy
-        self.scale = torch.tensor(1.0, device="cuda")
-        self.scale_inv = torch.empty((), device="cuda")
-        self.amax = torch.tensor(-1.0, device="cuda")
+        self.out = torch.empty(rows, cols, device=device, dtype=FP8)           # (M, N) fp8
+        self.out_t = torch.empty(cols, rows, device=device, dtype=FP8)         # (N, M) fp8, transposed copy
+        self.scale = torch.tensor(1.0, device=device)
+        self.scale_inv = torch.empty((), device=device)
+        self.amax = torch.tensor(-1.0, device=device)
         self.from_amax = reference.abs_max(self.x)
-        self.current_scale = torch.tensor(1.0, device="cuda")
+        self.current_scale = torch.tensor(1.0, device=device)
         self.numel = self.x.numel()
+        self.in_bytes = self.x.element_size()
+        # block casts: scale_invs as the quantizers lay them out (block_quantizer._scales)
+        mb, kb = block_reference.blocks_of((rows, cols), (128, 128))
+        self.sinv_rows = torch.empty(kb, rows, device=device).t()    # (M, Kb) column-major
+        self.sinv_tiles = torch.empty(mb, kb, device=device)         # (Mb, Kb)
+        self.sinv_cols = torch.empty(mb, cols, device=device)        # (Mb, K)
+        self.out_t_blocks = torch.empty(cols, mb * 128, device=device, dtype=FP8)  # (K, Mp) fp8
 
 
 def triton_cases(b: Buffers):
     """(name, callable, bytes moved) of the Triton kernels with the current launch shapes."""
-    n = b.numel
+    n, r = b.numel, b.in_bytes
     return [
-        ("triton cast+amax (delayed)", lambda: cast.cast_amax(b.x, b.out, b.scale, b.scale_inv, b.amax), 3 * n),
+        ("triton cast+amax (delayed)", lambda: cast.cast_amax(b.x, b.out, b.scale, b.scale_inv, b.amax), (r + 1) * n),
         ("triton cast, current scaling (from_amax)",
-         lambda: cast.cast_amax(b.x, b.out, b.current_scale, b.scale_inv, from_amax=b.from_amax), 3 * n),
-        ("triton amax", lambda: cast.amax(b.x, b.amax), 2 * n),
+         lambda: cast.cast_amax(b.x, b.out, b.current_scale, b.scale_inv, from_amax=b.from_amax), (r + 1) * n),
+        ("triton amax", lambda: cast.amax(b.x, b.amax), r * n),
         ("triton cast+transpose+amax (delayed)",
-         lambda: cast.cast_transpose_amax(b.x, b.out, b.out_t, b.scale, b.scale_inv, b.amax), 4 * n),
+         lambda: cast.cast_transpose_amax(b.x, b.out, b.out_t, b.scale, b.scale_inv, b.amax), (r + 2) * n),
     ]
+
+
+def block_cases(b: Buffers):
+    """(name, callable, bytes moved) of the block cast kernels (BlockScaling) with the current
+    launch shapes: 1 x 128 blocks (inputs, gradients), 128 x 128 (weights), and the one-read
+    pair a layer's input and gradient take (1 x 128, and 128 x 1 transposed)."""
+    n, r = b.numel, b.in_bytes
+    row_scales, tile_scales = 4 * b.sinv_rows.numel(), 4 * b.sinv_tiles.numel()
+    return [
+        ("triton block cast 1x128", lambda: block_kernel.block_cast_into(b.x, b.out, b.sinv_rows, (1, 128)),
+         (r + 1) * n + row_scales),
+        ("triton block cast 128x128", lambda: block_kernel.block_cast_into(b.x, b.out, b.sinv_tiles, (128, 128)),
+         (r + 1) * n + tile_scales),
+        ("triton block cast both (1x128 + 128x1 t)",
+         lambda: block_kernel.block_cast_both_into(b.x, b.out, b.out_t_blocks, b.sinv_rows, b.sinv_cols),
+         (r + 2) * n + row_scales + 4 * b.sinv_cols.numel()),
+    ]
+
+
+def compiled_block_cases(b: Buffers):
+    """torch.compile of the block casts' torch-op form (ops.block_cast, what compiled layers
+    run with ops.BLOCK_CAST_KERNELS off): the same outputs as block_cases."""
+    n, r = b.numel, b.in_bytes
+    row_scales = 4 * b.sinv_rows.numel()
+    cases = []
+    for name, block, transpose, nbytes in (
+            ("torch.compile block cast 1x128", (1, 128), False, (r + 1) * n + row_scales),
+            ("torch.compile block cast both (1x128 + 128x1 t)", (1, 128), True,
+             (r + 2) * n + row_scales + 4 * b.sinv_cols.numel())):
+        try:
+            compiled = torch.compile(lambda x, block=block, t=transpose: ops.block_cast(x, FP8, block, False, t, False))
+            compiled(b.x)
+            cases.append((name, lambda c=compiled: c(b.x), nbytes))
+        except Exception as e:  # report, don't crash
+            cases.append((name, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+    return cases
+
+
+def check_block_bitwise(b: Buffers) -> dict:
+    """The block kernels' outputs on this input against their twin (tests/gpu is the real check)."""
+    same = lambda p, q: bool(torch.equal(p.view(torch.uint8), q.view(torch.uint8)))
+    result = {}
+    for name, block, sinv in (("1x128", (1, 128), b.sinv_rows), ("128x128", (128, 128), b.sinv_tiles)):
+        want, want_sinv = block_reference.block_cast(b.x, FP8, block)
+        block_kernel.block_cast_into(b.x, b.out, sinv, block)
+        result[name] = same(b.out, want) and bool(torch.equal(sinv, want_sinv))
+    want_t, want_sinv_t = block_reference.block_cast(b.x, FP8, (128, 1))
+    block_kernel.block_cast_both_into(b.x, b.out, b.out_t_blocks, b.sinv_rows, b.sinv_cols)
+    m = b.x.shape[0]
+    result["both"] = (same(b.out_t_blocks[:, :m], want_t.t()) and bool(torch.equal(b.sinv_cols, want_sinv_t))
+                      and not bool(b.out_t_blocks[:, m:].view(torch.uint8).any()))
+    return result
+
+
+def block_variant_calls(b: Buffers):
+    """(field, shapes, name, callable, bytes) per launch-shape variant of the block kernels:
+    each variant changes one field of the default BlockShapes; the callable launches under it."""
+    cases = {name: (fn, nbytes) for name, fn, nbytes in block_cases(b)}
+    kernel_of = {"rows": "triton block cast 1x128", "cols": None, "tiles": "triton block cast 128x128",
+                 "both_warps": "triton block cast both (1x128 + 128x1 t)"}
+    default = block_kernel.BlockShapes()
+    for field, values in BLOCK_VARIANTS:
+        name = kernel_of[field]
+        if name is None:  # 128 x 1 alone is no layer's cast: timed as a plain cast of its own
+            sinv = torch.empty(block_reference.blocks_of(b.x.shape, (128, 1)), device=b.x.device)
+            fn, nbytes = (lambda s=sinv: block_kernel.block_cast_into(b.x, b.out, s, (128, 1))), \
+                (b.in_bytes + 1) * b.numel + 4 * sinv.numel()
+            name = "triton block cast 128x1"
+        else:
+            fn, nbytes = cases[name]
+        for value in [getattr(default, field)] + values:
+            shapes = dataclasses.replace(default, **{field: value})
+
+            def launch(fn=fn, shapes=shapes):
+                with block_kernel.override_shapes(shapes):
+                    fn()
+            yield field, shapes, name, launch, nbytes
+
+
+def sweep_block_variants(b: Buffers, copy_gbps: float) -> dict:
+    """Time every launch-shape variant of the block kernels; the fastest first per kernel."""
+    results: dict = {}
+    for field, shapes, name, launch, nbytes in block_variant_calls(b):
+        try:
+            ms = median_ms(launch)
+        except Exception as e:  # e.g. out of registers or shared memory
+            results.setdefault(name, []).append({"shapes": repr(shapes), "error": f"{type(e).__name__}: {str(e)[:100]}"})
+            continue
+        gbps = nbytes / ms / 1e6
+        results.setdefault(name, []).append({"shapes": repr(getattr(shapes, field)), "field": field, "ms": ms,
+                                             "gbps": gbps, "pct_copy": 100.0 * gbps / copy_gbps})
+    for name, rows in results.items():
+        rows.sort(key=lambda r: r.get("ms", float("inf")))
+        print(f"\n{name}: launch-shape variants (default {block_kernel.BlockShapes()})")
+        for r in rows:
+            if "error" in r:
+                print(f"  {r['shapes']:<40} failed: {r['error']}")
+            else:
+                print(f"  {r['field']}={r['shapes']:<30}{r['ms']:>9.4f} ms{r['gbps']:>8.0f} GB/s{r['pct_copy']:>7.1f}%")
+    return results
 
 
 def compiled_cases(b: Buffers):
@@ -90,10 +209,10 @@ def compiled_cases(b: Buffers):
         q, a = cast_amax(x, scale, amax)
         return q, q.t().contiguous(), a
 
-    n = b.numel
+    n, r = b.numel, b.in_bytes
     cases = []
-    for name, fn, nbytes in (("torch.compile cast+amax", cast_amax, 3 * n),
-                             ("torch.compile cast+transpose+amax", cast_transpose_amax, 4 * n)):
+    for name, fn, nbytes in (("torch.compile cast+amax", cast_amax, (r + 1) * n),
+                             ("torch.compile cast+transpose+amax", cast_transpose_amax, (r + 2) * n)):
         try:
             compiled = torch.compile(fn)
             compiled(b.x, b.scale, b.amax)  # compile now, so a failure is reported here
@@ -124,7 +243,8 @@ def kernel_resources() -> list:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
     rows = []
-    for name, fn in (("flat", cast._flat_kernel), ("tile", cast._tile_kernel)):
+    for name, fn in (("flat", cast._flat_kernel), ("tile", cast._tile_kernel),
+                     ("block", block_kernel._block_cast_kernel), ("block both", block_kernel._block_cast_both_kernel)):
         try:
             compiled = [k for cache in fn.device_caches.values() for k in cache[0].values()]
         except Exception as e:
@@ -154,14 +274,14 @@ def measure(cases, copy_gbps: float):
 
 
 def print_table(rows) -> None:
-    print(f"{'kernel':<44}{'time ms':>10}{'GB/s':>10}{'% copy':>9}  target")
+    print(f"{'kernel':<50}{'time ms':>10}{'GB/s':>10}{'% copy':>9}  target")
     for r in rows:
         if "error" in r:
-            print(f"{r['name']:<44}{'failed':>10}  {r['error']}")
+            print(f"{r['name']:<50}{'failed':>10}  {r['error']}")
             continue
         target = TARGETS.get(r["name"])
         mark = "" if target is None else f">= {target:.0f}% {'ok' if r['pct_copy'] >= target else 'MISSED'}"
-        print(f"{r['name']:<44}{r['ms']:>10.4f}{r['gbps']:>10.0f}{r['pct_copy']:>8.1f}%  {mark}")
+        print(f"{r['name']:<50}{r['ms']:>10.4f}{r['gbps']:>10.0f}{r['pct_copy']:>8.1f}%  {mark}")
 
 
 def sweep_variants(b: Buffers, copy_gbps: float) -> dict:
@@ -204,24 +324,31 @@ def main() -> None:
     parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "cast.json"))
     parser.add_argument("--variants", action="store_true", help="also time other launch shapes of each kernel")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
+    parser.add_argument("--block", action="store_true", help="BlockScaling's block casts too (--variants: theirs)")
+    parser.add_argument("--input-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the input's dtype (a converted HF Llama's q/k/v and gate/up inputs are float32)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/cast.py needs a CUDA GPU")
 
-    b = Buffers(args.rows, args.cols)
+    b = Buffers(args.rows, args.cols, getattr(torch, args.input_dtype))
     device = torch.cuda.get_device_name()
     copy_ms = median_ms(lambda: b.copy_dst.copy_(b.x))
-    copy_gbps = 4 * b.numel / copy_ms / 1e6
-    print(f"fp8 cast kernels on {device}: bf16 x ({args.rows}, {args.cols}) -> e4m3; torch {torch.__version__}, "
-          f"triton {triton.__version__}")
-    print(f"device copy (bf16 read + write): {copy_ms:.4f} ms, {copy_gbps:.0f} GB/s = 100%")
+    copy_gbps = 2 * b.in_bytes * b.numel / copy_ms / 1e6
+    print(f"fp8 cast kernels on {device}: {args.input_dtype} x ({args.rows}, {args.cols}) -> e4m3; "
+          f"torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device copy ({args.input_dtype} read + write): {copy_ms:.4f} ms, {copy_gbps:.0f} GB/s = 100%")
     print("targets: cast+amax >= 85% of copy bandwidth, cast+transpose+amax >= 75%")
     flat, tile = cast.launch_configs(b.x.device)
-    print(f"launch shapes: {flat}, {tile}")
+    print(f"launch shapes: {flat}, {tile}" + (f", {block_kernel.launch_shapes()}" if args.block else ""))
     checks = check_bitwise(b)
+    if args.block:
+        checks.update({f"block {k}": v for k, v in check_block_bitwise(b).items()})
     print(f"bitwise vs reference on this input: {checks}\n")
 
     cases = triton_cases(b) + ([] if args.no_compile else compiled_cases(b))
+    if args.block:
+        cases += block_cases(b) + ([] if args.no_compile else compiled_block_cases(b))
     rows = measure(cases, copy_gbps)
     print_table(rows)
     resources = kernel_resources()
@@ -229,14 +356,16 @@ def main() -> None:
     for r in resources:
         print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
     variants = sweep_variants(b, copy_gbps) if args.variants else None
+    block_variants = sweep_block_variants(b, copy_gbps) if args.variants and args.block else None
 
     result = {
         "device": device, "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "shape": [args.rows, args.cols], "input_dtype": "bfloat16", "fp8_dtype": "float8_e4m3fn",
+        "shape": [args.rows, args.cols], "input_dtype": args.input_dtype, "fp8_dtype": "float8_e4m3fn",
         "copy": {"ms": copy_ms, "gbps": copy_gbps}, "launch_configs": [repr(flat), repr(tile)],
         "bitwise_vs_reference": checks, "kernels": rows, "targets_pct_copy": TARGETS,
-        "compiled_kernels": resources, "variants": variants,
+        "compiled_kernels": resources, "variants": variants, "block_variants": block_variants,
+        "block_shapes": repr(block_kernel.launch_shapes()) if args.block else None,
     }
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

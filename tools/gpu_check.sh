@@ -29,12 +29,15 @@
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, both GEMM paths, the
 #          compiled Linear with either form of its casts), then benchmarks/hf_llama.py's block
 #          variants at h1024: each GEMM path, and compiled with either form of the casts
+#   blockcast  benchmarks/cast.py --block: the block cast kernels' bandwidth against a copy and
+#          against torch.compile of their torch-op form, with their launch-shape variants (an
+#          HF Llama h1024 q/k/v input: 8192 x 1024 float32), then 8192 x 2816 bf16 without variants
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048] [block] [fsdp]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048] [block] [blockcast] [fsdp]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -117,6 +120,11 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block torch-gemm,fp8 compile block,\
 fp8 compile block torch-gemm,fp8 compile block triton-cast}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round)|failed" ;;
+    blockcast)
+      timeout 280 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 1024 --input-dtype float32 \
+        --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log" | tail -70
+      timeout 150 python3 benchmarks/cast.py --block --rows 8192 --cols 2816 --json "$OUT/cast_block_bf16.json" 2>&1 \
+        | tee "$OUT/cast_block_bf16.log" | tail -25 ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \
         --host-top "${HOST_TOP:-0}" 2>&1 \

@@ -19,7 +19,10 @@ Triton interpreter (tests/interpret) and on the H200 (2026-12-02, tests/gpu/test
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
 
 import torch
 import triton
@@ -33,8 +36,50 @@ from .scale_update import compute_scale
 
 _ROWS, _COLS, _TILE = 0, 1, 2
 _MODES = {(1, 128): _ROWS, (128, 1): _COLS, (128, 128): _TILE}
-# (tile rows, tile cols, warps) per mode: whole blocks per tile
-_SHAPES = {_ROWS: (32, 128, 4), _COLS: (128, 32, 4), _TILE: (128, 128, 8)}
+
+
+@dataclass(frozen=True)
+class BlockShapes:
+    """Launch shapes of the block cast kernels: (tile rows, tile cols, warps) per mode, each
+    tile whole blocks (1 x 128: 128 columns; 128 x 1: 128 rows; 128 x 128: the block), and
+    the warps of the one-read kernel (block_cast_both: 128 x 128 tiles)."""
+
+    rows: Tuple[int, int, int] = (32, 128, 4)
+    cols: Tuple[int, int, int] = (128, 32, 4)
+    tiles: Tuple[int, int, int] = (128, 128, 8)
+    both_warps: int = 8
+
+    def __post_init__(self):
+        for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
+                                             ("tiles", self.tiles, (128, 128))):
+            pow2 = all(v > 0 and v & (v - 1) == 0 for v in (tm, tk, warps))
+            if not pow2 or any(f is not None and v != f for v, f in zip((tm, tk), fixed)):
+                raise ValueError(f"BlockShapes.{name}: (tile rows, tile cols, warps) must be powers of two with "
+                                 f"whole blocks per tile ({fixed}, None: any), got {(tm, tk, warps)}")
+        if self.both_warps <= 0 or self.both_warps & (self.both_warps - 1):
+            raise ValueError(f"BlockShapes.both_warps must be a power of two, got {self.both_warps}")
+
+    def of(self, mode: int) -> Tuple[int, int, int]:
+        return (self.rows, self.cols, self.tiles)[mode]
+
+
+_override: Optional[BlockShapes] = None
+
+
+def launch_shapes() -> BlockShapes:
+    """The launch shapes every block cast uses (benchmarks/cast.py --block --variants compares others)."""
+    return _override or BlockShapes()
+
+
+@contextlib.contextmanager
+def override_shapes(shapes: BlockShapes) -> Iterator[None]:
+    """Use other launch shapes inside the block (benchmark variants, tests); not thread-safe."""
+    global _override
+    saved, _override = _override, shapes
+    try:
+        yield
+    finally:
+        _override = saved
 
 
 @triton.jit
@@ -116,13 +161,13 @@ def _block_cast_both_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _both_kernel(fp8_max: float, pow2: bool) -> DirectKernel:
-    return DirectKernel(_block_cast_both_kernel, num_warps=8, FP8_MAX=fp8_max, POW2=pow2)
+def _both_kernel(fp8_max: float, pow2: bool, warps: int) -> DirectKernel:
+    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(mode: int, fp8_max: float, pow2: bool) -> DirectKernel:
-    tile_m, tile_k, warps = _SHAPES[mode]
+def _kernel(mode: int, fp8_max: float, pow2: bool, shape: Tuple[int, int, int]) -> DirectKernel:
+    tile_m, tile_k, warps = shape
     return DirectKernel(_block_cast_kernel, num_warps=warps, MODE=mode, FP8_MAX=fp8_max, POW2=pow2, TILE_M=tile_m,
                         TILE_K=tile_k)
 
@@ -154,10 +199,11 @@ def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Ten
     if x.numel() == 0:
         return
     mode = _MODES[block]
-    tile_m, tile_k, _ = _SHAPES[mode]
+    shape = launch_shapes().of(mode)
+    tile_m, tile_k, _ = shape
     m, k = x.shape
     grid = triton.cdiv(m, tile_m) * triton.cdiv(k, tile_k)
-    kernel = _kernel(mode, scaling.fp8_max(out.dtype), bool(power_of_two))
+    kernel = _kernel(mode, scaling.fp8_max(out.dtype), bool(power_of_two), shape)
     args = (x, out, scale_inv_out, m, k, x.stride(0) if m > 1 else k, *scale_inv_out.stride())
     if traced:
         kernel.traced(grid, *args)
@@ -193,7 +239,7 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
     if x.numel() == 0:
         return
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two))
+    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes().both_warps)
     args = (x, out, out_t, scale_inv_out, scale_inv_t_out, m, k, x.stride(0) if m > 1 else k, *scale_inv_out.stride(), mp)
     if traced:
         kernel.traced(grid, *args)
@@ -202,4 +248,4 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
         kernel(grid, *args)
 
 
-__all__ = ["block_cast_both_into", "block_cast_into"]
+__all__ = ["BlockShapes", "block_cast_both_into", "block_cast_into", "launch_shapes", "override_shapes"]

@@ -1,0 +1,69 @@
+"""benchmarks/cast.py's block-cast code path under the Triton interpreter (CPU tensors): its
+cases, its bitwise check and every launch-shape variant run, and the variants give the
+default shapes' bytes (so the GPU machine's first run of the sweep is not spent on a broken
+script). Times are not taken here.
+
+Run with `TRITON_INTERPRET=1 python -m pytest tests/interpret` (skipped otherwise).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "on"):
+    pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import cast as cast_bench  # noqa: E402
+
+from fp8train.kernels import block_kernel, block_reference  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_block_cases_run_and_match_the_twin(dtype, exact_conversions):
+    torch.manual_seed(0)
+    b = cast_bench.Buffers(200, 300, dtype, device="cpu")  # tail blocks both ways
+    assert cast_bench.check_block_bitwise(b) == {"1x128": True, "128x128": True, "both": True}
+    names = [name for name, fn, nbytes in cast_bench.block_cases(b)]
+    assert names == ["triton block cast 1x128", "triton block cast 128x128", "triton block cast both (1x128 + 128x1 t)"]
+    for name, fn, nbytes in cast_bench.block_cases(b):
+        fn()
+        assert nbytes > b.in_bytes * b.numel
+
+
+BLOCK_OF = {"triton block cast 1x128": (1, 128), "triton block cast 128x128": (128, 128),
+            "triton block cast both (1x128 + 128x1 t)": (1, 128), "triton block cast 128x1": (128, 1)}
+
+
+def test_every_block_variant_gives_the_twins_bytes(exact_conversions):
+    torch.manual_seed(1)
+    b = cast_bench.Buffers(130, 260, torch.bfloat16, device="cpu")
+    seen = set()
+    for field, shapes, name, launch, nbytes in cast_bench.block_variant_calls(b):
+        b.out.view(torch.uint8).fill_(0xAB)  # not an e4m3 byte of any twin output here
+        b.out_t_blocks.view(torch.uint8).fill_(0xAB)
+        launch()
+        assert block_kernel.launch_shapes() == block_kernel.BlockShapes()  # the override ended with the launch
+        want, _ = block_reference.block_cast(b.x, cast_bench.FP8, BLOCK_OF[name])
+        assert torch.equal(b.out.view(torch.uint8), want.view(torch.uint8)), (field, shapes)
+        if "both" in name:
+            want_t, _ = block_reference.block_cast(b.x, cast_bench.FP8, (128, 1))
+            assert torch.equal(b.out_t_blocks[:, :130].view(torch.uint8), want_t.t().view(torch.uint8))
+        seen.add((field, getattr(shapes, field)))
+    assert len(seen) == sum(1 + len(values) for _, values in cast_bench.BLOCK_VARIANTS)
+
+
+def test_block_shapes_refuse_tiles_of_partial_blocks():
+    with pytest.raises(ValueError, match="rows"):
+        block_kernel.BlockShapes(rows=(32, 64, 4))
+    with pytest.raises(ValueError, match="cols"):
+        block_kernel.BlockShapes(cols=(64, 32, 4))
+    with pytest.raises(ValueError, match="tiles"):
+        block_kernel.BlockShapes(tiles=(128, 128, 6))
+    with pytest.raises(ValueError, match="both_warps"):
+        block_kernel.BlockShapes(both_warps=3)
