@@ -51,7 +51,7 @@ TILE_VARIANTS = [cast.TileConfig(bm, bn, warps, per_sm)
 BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
                   ("cols", [(128, tk, w) for tk, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
                   ("tiles", [(128, 128, w) for w in (4, 16, 32)]),
-                  ("both_warps", [4, 16, 32])]
+                  ("both", [(16, 4), (16, 8), (32, 2), (32, 8), (64, 4), (64, 8), (128, 4), (128, 8)])]
 
 
 def median_ms(fn) -> float:
@@ -154,7 +154,7 @@ def block_variant_calls(b: Buffers):
     each variant changes one field of the default BlockShapes; the callable launches under it."""
     cases = {name: (fn, nbytes) for name, fn, nbytes in block_cases(b)}
     kernel_of = {"rows": "triton block cast 1x128", "cols": None, "tiles": "triton block cast 128x128",
-                 "both_warps": "triton block cast both (1x128 + 128x1 t)"}
+                 "both": "triton block cast both (1x128 + 128x1 t)"}
     default = block_kernel.BlockShapes()
     for field, values in BLOCK_VARIANTS:
         name = kernel_of[field]

@@ -29,9 +29,10 @@
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, both GEMM paths, the
 #          compiled Linear with either form of its casts), then benchmarks/hf_llama.py's block
 #          variants at h1024: each GEMM path, and compiled with either form of the casts
-#   blockcast  benchmarks/cast.py --block: the block cast kernels' bandwidth against a copy and
-#          against torch.compile of their torch-op form, with their launch-shape variants (an
-#          HF Llama h1024 q/k/v input: 8192 x 1024 float32), then 8192 x 2816 bf16 without variants
+#   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
+#          against a copy and against torch.compile of their torch-op form, with their launch-shape
+#          variants, on an HF Llama h1024 q/k/v input (8192 x 1024 float32) and a bf16 gradient
+#          (8192 x 2816)
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
@@ -121,10 +122,12 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
 fp8 compile block torch-gemm,fp8 compile block triton-cast}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round)|failed" ;;
     blockcast)
-      timeout 280 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 1024 --input-dtype float32 \
-        --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log" | tail -70
-      timeout 150 python3 benchmarks/cast.py --block --rows 8192 --cols 2816 --json "$OUT/cast_block_bf16.json" 2>&1 \
-        | tee "$OUT/cast_block_bf16.log" | tail -25 ;;
+      timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_cast_gpu.py 2>&1 \
+        | grep -E "passed|failed|^(FAILED|ERROR)"
+      timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 1024 --input-dtype float32 \
+        --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log" | grep -v "^  FlatConfig\|^  TileConfig"
+      timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 2816 --json "$OUT/cast_block_bf16.json" \
+        2>&1 | tee "$OUT/cast_block_bf16.log" | grep -v "^  FlatConfig\|^  TileConfig" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \
         --host-top "${HOST_TOP:-0}" 2>&1 \

@@ -13,9 +13,10 @@ inf and is then counted as inf), so a NaN can never hide in a block's amax. Wher
 are not multiples of the tile, masked lanes load 0, which no amax picks. The kernel matched
 its twin bit for bit on the H200 (2026-12-01, tests/gpu/test_block_cast_gpu.py).
 
-block_cast_both: modes 0 and 1 from one read of each 128 x 128 tile, the second cast stored
-transposed (the operands of a layer's wgrad); bit for bit the twin's composition under the
-Triton interpreter (tests/interpret) and on the H200 (2026-12-02, tests/gpu/test_block_cast_gpu.py).
+block_cast_both: modes 0 and 1 from each 128 x 128 tile, read once from memory (the second
+read of a strip comes from L2), the second cast stored transposed (the operands of a layer's
+wgrad); bit for bit the twin's composition under the Triton interpreter (tests/interpret)
+and, in its one-strip form, on the H200 (2026-12-02, tests/gpu/test_block_cast_gpu.py).
 """
 from __future__ import annotations
 
@@ -42,12 +43,12 @@ _MODES = {(1, 128): _ROWS, (128, 1): _COLS, (128, 128): _TILE}
 class BlockShapes:
     """Launch shapes of the block cast kernels: (tile rows, tile cols, warps) per mode, each
     tile whole blocks (1 x 128: 128 columns; 128 x 1: 128 rows; 128 x 128: the block), and
-    the warps of the one-read kernel (block_cast_both: 128 x 128 tiles)."""
+    and (column strip width, warps) of block_cast_both's 128 x 128 tiles."""
 
     rows: Tuple[int, int, int] = (32, 128, 4)
     cols: Tuple[int, int, int] = (128, 32, 4)
     tiles: Tuple[int, int, int] = (128, 128, 8)
-    both_warps: int = 8
+    both: Tuple[int, int] = (32, 4)
 
     def __post_init__(self):
         for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
@@ -56,8 +57,10 @@ class BlockShapes:
             if not pow2 or any(f is not None and v != f for v, f in zip((tm, tk), fixed)):
                 raise ValueError(f"BlockShapes.{name}: (tile rows, tile cols, warps) must be powers of two with "
                                  f"whole blocks per tile ({fixed}, None: any), got {(tm, tk, warps)}")
-        if self.both_warps <= 0 or self.both_warps & (self.both_warps - 1):
-            raise ValueError(f"BlockShapes.both_warps must be a power of two, got {self.both_warps}")
+        chunk, warps = self.both
+        if not all(v > 0 and v & (v - 1) == 0 for v in (chunk, warps)) or chunk > 128:
+            raise ValueError(f"BlockShapes.both: (strip width, warps) must be powers of two, the width at most 128, "
+                             f"got {self.both}")
 
     def of(self, mode: int) -> Tuple[int, int, int]:
         return (self.rows, self.cols, self.tiles)[mode]
@@ -133,36 +136,49 @@ def _block_cast_both_kernel(
     sinv_ptr,    # (M, Kb) float32, strides (stride_sr, stride_sc)
     sinv_t_ptr,  # (Mb, K) float32, row-major
     M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
-    FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Modes 0 and 1 of _block_cast_kernel from one read of a 128 x 128 tile, the second cast
-    stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose give)."""
+    """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile, the second cast stored
+    transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose give). The tile is
+    walked in 128 x CHUNK column strips, twice: the first pass holds all 128 rows of each
+    strip, so its columns' blocks are whole: it casts them (transposed) and gathers the rows'
+    amax; the second pass reads the strips again (from L2) and casts the rows. Holding the
+    whole tile at once needed 171 registers a thread and ran at 41% of a copy (H200)."""
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, 128)
     row0 = (pid // tiles_k) * 128
     col0 = (pid % tiles_k) * 128
     r = row0 + tl.arange(0, 128)
-    c = col0 + tl.arange(0, 128)
-    inside = (r < M)[:, None] & (c < K)[None, :]
-    x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
-                other=0.0).to(tl.float32)
-    bits = _abs_bits(x)
-    scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (128,): a row's block
-    scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (128,): a column's block
-    y = _saturate(x, scale[:, None], FP8_MAX)
-    tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
+    x_rows = x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm
+    row_bits = tl.zeros([128], dtype=tl.int32)  # running max of _abs_bits along each row
+    for j in range(0, 128, CHUNK):
+        c = col0 + j + tl.arange(0, CHUNK)
+        inside = (r < M)[:, None] & (c < K)[None, :]
+        x = tl.load(x_rows + c[None, :], mask=inside, other=0.0).to(tl.float32)
+        bits = _abs_bits(x)
+        row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
+        scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (CHUNK,): a column's block
+        y = _saturate(x, scale_t[None, :], FP8_MAX)
+        # rows M..Mp of the tile loaded 0: their bytes are the zero padding
+        y_t = tl.trans(y.to(out_t_ptr.dtype.element_ty))  # (CHUNK columns, 128 rows)
+        tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
+        tl.store(sinv_t_ptr + (row0 // 128) * K + c, tl.math.div_rn(1.0, scale_t), mask=c < K)
+    scale = _scale_of(row_bits, FP8_MAX, POW2)  # (128,): a row's block
     tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
              mask=r < M)
-    y = _saturate(x, scale_t[None, :], FP8_MAX)
-    # rows M..Mp of the tile loaded 0: their bytes are the zero padding
-    y_t = tl.trans(y.to(out_t_ptr.dtype.element_ty))  # (128 columns, 128 rows)
-    tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
-    tl.store(sinv_t_ptr + (row0 // 128) * K + c, tl.math.div_rn(1.0, scale_t), mask=c < K)
+    for j in range(0, 128, CHUNK):
+        c = col0 + j + tl.arange(0, CHUNK)
+        inside = (r < M)[:, None] & (c < K)[None, :]
+        x = tl.load(x_rows + c[None, :], mask=inside, other=0.0).to(tl.float32)
+        y = _saturate(x, scale[:, None], FP8_MAX)
+        tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=inside)
 
 
 @functools.lru_cache(maxsize=None)
-def _both_kernel(fp8_max: float, pow2: bool, warps: int) -> DirectKernel:
-    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2)
+def _both_kernel(fp8_max: float, pow2: bool, shape: Tuple[int, int]) -> DirectKernel:
+    chunk, warps = shape
+    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, CHUNK=chunk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,7 +255,7 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
     if x.numel() == 0:
         return
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes().both_warps)
+    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes().both)
     args = (x, out, out_t, scale_inv_out, scale_inv_t_out, m, k, x.stride(0) if m > 1 else k, *scale_inv_out.stride(), mp)
     if traced:
         kernel.traced(grid, *args)

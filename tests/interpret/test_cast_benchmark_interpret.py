@@ -65,5 +65,7 @@ def test_block_shapes_refuse_tiles_of_partial_blocks():
         block_kernel.BlockShapes(cols=(64, 32, 4))
     with pytest.raises(ValueError, match="tiles"):
         block_kernel.BlockShapes(tiles=(128, 128, 6))
-    with pytest.raises(ValueError, match="both_warps"):
-        block_kernel.BlockShapes(both_warps=3)
+    with pytest.raises(ValueError, match="both"):
+        block_kernel.BlockShapes(both=(32, 3))
+    with pytest.raises(ValueError, match="both"):
+        block_kernel.BlockShapes(both=(256, 4))
