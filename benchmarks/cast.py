@@ -49,9 +49,9 @@ TILE_VARIANTS = [cast.TileConfig(bm, bn, warps, per_sm)
                                                (128, 128, 8, 1), (128, 128, 16, 1), (64, 128, 4, 2), (64, 128, 4, 4))]
 # one field changed from the defaults per variant: (field, values)
 BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
-                  ("cols", [(128, tk, w) for tk, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
-                  ("tiles", [(128, 128, w) for w in (4, 16, 32)]),
-                  ("both", [(16, 4), (16, 8), (32, 2), (32, 8), (64, 4), (64, 8), (128, 4), (128, 8)])]
+                  ("cols", [(128, tk, w) for tk, w in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 8), (128, 8))]),
+                  ("tiles", [(128, 128, w) for w in (4, 8, 32)]),
+                  ("both", [(16, 4), (32, 2), (32, 4), (64, 2), (64, 8), (128, 2), (128, 4), (128, 8)])]
 
 
 def median_ms(fn) -> float:
@@ -115,8 +115,9 @@ def block_cases(b: Buffers):
 
 
 def compiled_block_cases(b: Buffers):
-    """torch.compile of the block casts' torch-op form (ops.block_cast, what compiled layers
-    run with ops.BLOCK_CAST_KERNELS off): the same outputs as block_cases."""
+    """torch.compile of the block casts' torch-op form (ops.block_cast: what compiled layers
+    ran before the operator fp8train::block_cast launched the kernels, and what Inductor would
+    fuse into a producer): the same outputs as block_cases."""
     n, r = b.numel, b.in_bytes
     row_scales = 4 * b.sinv_rows.numel()
     cases = []
@@ -174,18 +175,39 @@ def block_variant_calls(b: Buffers):
             yield field, shapes, name, launch, nbytes
 
 
+BLOCK_OF = {"triton block cast 1x128": (1, 128), "triton block cast 128x128": (128, 128),
+            "triton block cast both (1x128 + 128x1 t)": (1, 128), "triton block cast 128x1": (128, 1)}
+
+
+def variant_gives_the_twins_bytes(b: Buffers, name: str) -> bool:
+    """After a variant's launch: its payload (and the two-way cast's transposed one) equal the twin's."""
+    same = lambda p, q: bool(torch.equal(p.view(torch.uint8), q.view(torch.uint8)))
+    want, _ = block_reference.block_cast(b.x, FP8, BLOCK_OF[name])
+    if not same(b.out, want):
+        return False
+    if "both" in name:
+        want_t, _ = block_reference.block_cast(b.x, FP8, (128, 1))
+        return same(b.out_t_blocks[:, :b.x.shape[0]], want_t.t())
+    return True
+
+
 def sweep_block_variants(b: Buffers, copy_gbps: float) -> dict:
-    """Time every launch-shape variant of the block kernels; the fastest first per kernel."""
+    """Time every launch-shape variant of the block kernels (each checked against the twin's
+    bytes on this input first); the fastest first per kernel."""
     results: dict = {}
     for field, shapes, name, launch, nbytes in block_variant_calls(b):
         try:
+            b.out.view(torch.uint8).fill_(0xAB)  # no twin's byte here: a kernel that writes nothing fails
+            b.out_t_blocks.view(torch.uint8).fill_(0xAB)
+            launch()
+            bitwise = variant_gives_the_twins_bytes(b, name)
             ms = median_ms(launch)
         except Exception as e:  # e.g. out of registers or shared memory
             results.setdefault(name, []).append({"shapes": repr(shapes), "error": f"{type(e).__name__}: {str(e)[:100]}"})
             continue
         gbps = nbytes / ms / 1e6
         results.setdefault(name, []).append({"shapes": repr(getattr(shapes, field)), "field": field, "ms": ms,
-                                             "gbps": gbps, "pct_copy": 100.0 * gbps / copy_gbps})
+                                             "gbps": gbps, "pct_copy": 100.0 * gbps / copy_gbps, "bitwise": bitwise})
     for name, rows in results.items():
         rows.sort(key=lambda r: r.get("ms", float("inf")))
         print(f"\n{name}: launch-shape variants (default {block_kernel.BlockShapes()})")
@@ -193,7 +215,8 @@ def sweep_block_variants(b: Buffers, copy_gbps: float) -> dict:
             if "error" in r:
                 print(f"  {r['shapes']:<40} failed: {r['error']}")
             else:
-                print(f"  {r['field']}={r['shapes']:<30}{r['ms']:>9.4f} ms{r['gbps']:>8.0f} GB/s{r['pct_copy']:>7.1f}%")
+                print(f"  {r['field']}={r['shapes']:<30}{r['ms']:>9.4f} ms{r['gbps']:>8.0f} GB/s{r['pct_copy']:>7.1f}%"
+                      + ("" if r["bitwise"] else "  NOT the twin's bytes"))
     return results
 
 

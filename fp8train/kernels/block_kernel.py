@@ -45,10 +45,12 @@ class BlockShapes:
     tile whole blocks (1 x 128: 128 columns; 128 x 1: 128 rows; 128 x 128: the block), and
     and (column strip width, warps) of block_cast_both's 128 x 128 tiles."""
 
+    # the fastest of benchmarks/cast.py --block --variants on the H200 (2026-12-02) over a
+    # float32 8192 x 1024 and a bf16 8192 x 2816 input (both: within 2% of the best of each)
     rows: Tuple[int, int, int] = (32, 128, 4)
-    cols: Tuple[int, int, int] = (128, 32, 4)
-    tiles: Tuple[int, int, int] = (128, 128, 8)
-    both: Tuple[int, int] = (32, 4)
+    cols: Tuple[int, int, int] = (128, 64, 4)
+    tiles: Tuple[int, int, int] = (128, 128, 16)
+    both: Tuple[int, int] = (64, 4)
 
     def __post_init__(self):
         for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
@@ -139,40 +141,60 @@ def _block_cast_both_kernel(
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile, the second cast stored
-    transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose give). The tile is
-    walked in 128 x CHUNK column strips, twice: the first pass holds all 128 rows of each
-    strip, so its columns' blocks are whole: it casts them (transposed) and gathers the rows'
-    amax; the second pass reads the strips again (from L2) and casts the rows. Holding the
-    whole tile at once needed 171 registers a thread and ran at 41% of a copy (H200)."""
+    transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose give). CHUNK 128:
+    the whole tile in registers, one pass. Else the tile in 128 x CHUNK column strips, twice:
+    the first pass holds all 128 rows of each strip, so its columns' blocks are whole: it
+    casts them (transposed) and gathers the rows' amax; the second reads the strips again
+    (from L2) and casts the rows. (H200, 2026-12-02: the whole tile took 167-171 registers a
+    thread; the strips no fewer, and neither form passed ~56% of a copy.)"""
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, 128)
     row0 = (pid // tiles_k) * 128
     col0 = (pid % tiles_k) * 128
     r = row0 + tl.arange(0, 128)
     x_rows = x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm
-    row_bits = tl.zeros([128], dtype=tl.int32)  # running max of _abs_bits along each row
-    for j in range(0, 128, CHUNK):
-        c = col0 + j + tl.arange(0, CHUNK)
+    if CHUNK == 128:
+        c = col0 + tl.arange(0, 128)
         inside = (r < M)[:, None] & (c < K)[None, :]
         x = tl.load(x_rows + c[None, :], mask=inside, other=0.0).to(tl.float32)
         bits = _abs_bits(x)
-        row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
-        scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (CHUNK,): a column's block
-        y = _saturate(x, scale_t[None, :], FP8_MAX)
-        # rows M..Mp of the tile loaded 0: their bytes are the zero padding
-        y_t = tl.trans(y.to(out_t_ptr.dtype.element_ty))  # (CHUNK columns, 128 rows)
-        tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
-        tl.store(sinv_t_ptr + (row0 // 128) * K + c, tl.math.div_rn(1.0, scale_t), mask=c < K)
-    scale = _scale_of(row_bits, FP8_MAX, POW2)  # (128,): a row's block
-    tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
-             mask=r < M)
-    for j in range(0, 128, CHUNK):
-        c = col0 + j + tl.arange(0, CHUNK)
-        inside = (r < M)[:, None] & (c < K)[None, :]
-        x = tl.load(x_rows + c[None, :], mask=inside, other=0.0).to(tl.float32)
+        scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (128,): a row's block
+        scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (128,): a column's block
         y = _saturate(x, scale[:, None], FP8_MAX)
         tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=inside)
+        _store_cols(out_t_ptr, sinv_t_ptr, x, scale_t, r, c, row0, K, out_t_cols, FP8_MAX)
+    else:
+        row_bits = tl.zeros([128], dtype=tl.int32)  # running max of _abs_bits along each row
+        for j in range(0, 128, CHUNK):
+            c = col0 + j + tl.arange(0, CHUNK)
+            inside = (r < M)[:, None] & (c < K)[None, :]
+            x = tl.load(x_rows + c[None, :], mask=inside, other=0.0).to(tl.float32)
+            bits = _abs_bits(x)
+            row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
+            scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (CHUNK,): a column's block
+            _store_cols(out_t_ptr, sinv_t_ptr, x, scale_t, r, c, row0, K, out_t_cols, FP8_MAX)
+        scale = _scale_of(row_bits, FP8_MAX, POW2)  # (128,): a row's block
+        for j in range(0, 128, CHUNK):
+            c = col0 + j + tl.arange(0, CHUNK)
+            inside = (r < M)[:, None] & (c < K)[None, :]
+            x = tl.load(x_rows + c[None, :], mask=inside, other=0.0).to(tl.float32)
+            y = _saturate(x, scale[:, None], FP8_MAX)
+            tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty),
+                     mask=inside)
+    tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
+             mask=r < M)
+
+
+@triton.jit
+def _store_cols(out_t_ptr, sinv_t_ptr, x, scale_t, r, c, row0, K, out_t_cols, FP8_MAX: tl.constexpr):
+    """x's columns c (all 128 rows r of the tile) cast with their scales, stored transposed
+    into out_t's rows c, and their scale_inv."""
+    y = _saturate(x, scale_t[None, :], FP8_MAX)
+    # rows M..Mp of the tile loaded 0: their bytes are the zero padding
+    y_t = tl.trans(y.to(out_t_ptr.dtype.element_ty))  # (columns, 128 rows)
+    tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
+    tl.store(sinv_t_ptr + (row0 // 128) * K + c, tl.math.div_rn(1.0, scale_t), mask=c < K)
 
 
 @functools.lru_cache(maxsize=None)
