@@ -25,16 +25,13 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
                                                an A/B of it)
-  fp8 compile {block,delayed} triton-cast      the same, the casts in compiled code as
-                                               fp8train's Triton kernels that Inductor launches
-                                               (ops.BLOCK_CAST_KERNELS, ops.CAST_KERNELS on)
-  fp8 compile {block,delayed} inductor-cast    the same, the casts in compiled code as torch
-                                               ops that Inductor fuses (both switches off; the
-                                               A/B of them)
   fp8 {eager,compile} delayed unshared         without shared input casts (every fp8 variant but
                                                these ties q/k/v's and gate/up's input quantizers:
                                                modules.base.SHARE_INPUT_CASTS, off while these
                                                are built; an A/B of it)
+  {bf16,torchao} compile cpp-wrapper,          torch.compile(options={"cpp_wrapper": True}): Inductor's
+  fp8 compile delayed cpp-wrapper              generated step as C++ instead of Python (its host
+                                               cost per launch)
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -91,14 +88,12 @@ SHAPES = {
     "tiny": Shape(64, 128, 2, 4, 2, batch=2, seq=64),
 }
 _BLOCK_GEMM = native.BLOCK_GEMM  # the library's defaults, restored after each step
-_CAST_KERNELS = fp8train.ops.BLOCK_CAST_KERNELS, fp8train.ops.CAST_KERNELS
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
-            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "fp8 compile block triton-cast",
-            "fp8 compile delayed triton-cast", "fp8 compile delayed inductor-cast", "torchao compile",
-            "torchao compile-ro"]
+            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
+            "bf16 compile cpp-wrapper", "fp8 compile delayed cpp-wrapper", "torchao compile cpp-wrapper"]
 
 
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
@@ -148,7 +143,10 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     if mode.startswith("compile"):
         if kind == "fp8":
             first_step(model, recipe)
-        model = torch.compile(model, mode="reduce-overhead" if mode == "compile-ro" else None)
+        if "cpp-wrapper" in rest:  # Inductor's wrapper as C++ (its option; mode and options exclude each other)
+            model = torch.compile(model, options={"cpp_wrapper": True})
+        else:
+            model = torch.compile(model, mode="reduce-overhead" if mode == "compile-ro" else None)
     return model, recipe
 
 
@@ -170,9 +168,6 @@ class Runner:
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
-        words = variant.split()
-        self.cast_kernels = (True, True) if "triton-cast" in words else \
-            (False, False) if "inductor-cast" in words else _CAST_KERNELS
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -192,14 +187,12 @@ class Runner:
             torch.cuda.synchronize()
 
     def step(self, m, recipe):
-        # the A/B switch is set around each of this variant's steps: Dynamo guards on it
+        # the A/B switches are set around each of this variant's steps: Dynamo guards on them
         native.GEMM_OP, native.BLOCK_GEMM = not self.aten_mm, self.block_gemm
-        fp8train.ops.BLOCK_CAST_KERNELS, fp8train.ops.CAST_KERNELS = self.cast_kernels
         try:
             return self._step(m, recipe)
         finally:
             native.GEMM_OP, native.BLOCK_GEMM = True, _BLOCK_GEMM
-            fp8train.ops.BLOCK_CAST_KERNELS, fp8train.ops.CAST_KERNELS = _CAST_KERNELS
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]

@@ -64,12 +64,8 @@ class BlockScalingQuantizer(Quantizer):
         x = self._checked(x)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
         traced = torch.compiler.is_compiling()
-        if traced and not ops.BLOCK_CAST_KERNELS:  # traced code: the twin's values in torch ops, for Inductor to fuse
-            data, data_t, scale_inv, db, scale_inv_t = ops.block_cast(rows, self.dtype, self.block, self.power_of_two,
-                                                                      transpose, dbias)
-            return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
         both = transpose and self.block == ROW_BLOCKS  # x also in 128 x 1 blocks, transposed
-        if traced:  # the eager kernels as the operator fp8train::block_cast (ops.BLOCK_CAST_KERNELS)
+        if traced:  # the eager kernels as the operator fp8train::block_cast, launched by Inductor
             data, scale_inv, data_t, scale_inv_cols = torch.ops.fp8train.block_cast(
                 rows.detach(), self.dtype, self.block == TILE_BLOCKS, both, self.power_of_two)
         else:
@@ -140,11 +136,10 @@ def _new_cast(rows: torch.Tensor, dtype: torch.dtype, block: Block, both: bool, 
 @torch.library.triton_op("fp8train::block_cast", mutates_args=())
 def _block_cast_op(rows: torch.Tensor, fp8_dtype: torch.dtype, tiles: bool, both: bool, power_of_two: bool
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_new_cast as an operator for traced code (ops.BLOCK_CAST_KERNELS): its body launches the
-    Triton kernels through wrap_triton, so Inductor launches them from its own code instead of
-    generating kernels for the twin's ops (off CUDA: ops.block_cast's torch ops, traced into
-    the graph; the eager twin's copies into FP8 buffers fail Inductor's CPU code, torch
-    2.13). Absent outputs are empty (0,) tensors."""
+    """_new_cast as an operator for traced code: its body launches the Triton kernels through
+    wrap_triton, so Inductor launches them from its own code (off CUDA: ops.block_cast's
+    torch ops, traced into the graph; the eager twin's copies into FP8 buffers fail
+    Inductor's CPU code, torch 2.13). Absent outputs are empty (0,) tensors."""
     block = TILE_BLOCKS if tiles else ROW_BLOCKS
     if rows.is_cuda:
         data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, fp8_dtype, block, both, power_of_two, traced=True)

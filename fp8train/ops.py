@@ -5,11 +5,14 @@ Eager layers launch kernels through prepared launches that write into buffers th
 `torch.compiler.is_compiling()` the quantizer and producer helpers call this module instead
 (one branch each: Quantizer.cast, BlockScalingQuantizer.cast, norm_fp8/norm_backward,
 activation_fp8/activation_backward):
-  * the per-tensor casts are the operator fp8train::cast_kernels (`cast`; CAST_KERNELS), a
-    torch.library.triton_op whose body launches the eager cast kernel through wrap_triton,
-    so Inductor launches it from its own code; with CAST_KERNELS off, and for BlockScaling's
-    casts (`block_cast`, unless BLOCK_CAST_KERNELS), the twins' torch ops, which Inductor
-    fuses into their producers and launches itself;
+  * the casts are torch.library.triton_op operators whose bodies launch the eager cast kernels
+    through wrap_triton, so Inductor launches them from its own code: fp8train::cast_kernels
+    (`cast`, the per-tensor casts) and fp8train::block_cast (block_quantizer.py, BlockScaling's);
+    off CUDA their bodies are the twins' torch ops (`_traced_cast`, `block_cast`), traced into
+    the graph. On the H200 (2026-12-02) these replaced the twins' torch ops, which Inductor
+    fused into their producers: HF Llama compiled, 0.86x the wall time at h1024 and level at
+    h2048 (204 and 408 fewer launches a step), BlockScaling 0.97x at h2048; the price is
+    peak memory (+1.3 GiB on 9.1 at h2048, delayed; the forward writes the transposed copies);
   * the fused norm and activation kernels are `torch.library` custom ops, whose
     implementation calls the same `fp8train.kernels` function as the eager path (Triton on
     CUDA, the twin elsewhere) in the same order; Inductor calls each as an opaque kernel.
@@ -44,19 +47,6 @@ from .tensor import padded_rows
 
 _STATE = ("scale", "amax_history", "first_amax", "nonfinite_count")
 
-# An A/B switch (Dynamo guards on it): traced BlockScaling casts as the eager Triton kernels,
-# launched by Inductor (block_quantizer's operator fp8train::block_cast), instead of `block_cast`
-# below, torch ops that Inductor generates kernels for. Bit for bit eager on the H200; off
-# until its speed is measured (benchmarks/hf_llama.py's "triton-cast" variants).
-BLOCK_CAST_KERNELS = False
-# The per-tensor casts (`cast` below) as the eager cast kernel (amax, cast, transposed copy
-# and scale_inv in one launch), the operator fp8train::cast_kernels, instead of the twin's
-# torch ops that Inductor fuses into their producers: at h1024 (H200, 2026-12-02) 335
-# launches a step instead of 539 and 0.86x the wall time. On; off is an A/B switch
-# (benchmarks/hf_llama.py's "inductor-cast" variants).
-CAST_KERNELS = True
-
-
 class ScalingState(NamedTuple):
     """A quantizer's state tensors and scale rule in the form the ops take (module docstring)."""
 
@@ -90,27 +80,22 @@ def _none_if_empty(t: Tensor) -> Optional[Tensor]:
 # ------------------------------------------------------------------------------------ cast
 
 def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool, dbias: bool):
-    """Quantizer.cast in traced code: (data, data_t or None, scale_inv (1,), dbias or None):
-    the operator fp8train::cast_kernels (CAST_KERNELS; one launch of the eager kernel per
-    cast, the producer's output read once more), else `_traced_cast`. dbias: x's column sums
-    in torch ops either way."""
+    """Quantizer.cast in traced code: (data, data_t or None, scale_inv (1,), dbias or None),
+    the operator fp8train::cast_kernels (one launch of the eager kernel per cast; two where
+    the scale comes from x). dbias: x's column sums in torch ops."""
     x = x.detach()
-    if CAST_KERNELS:
-        cols = x.shape[-1] if x.dim() else 1
-        rows = x.reshape(-1, cols)  # (M, N)
-        data, data_t, scale_inv = torch.ops.fp8train.cast_kernels(rows, fp8_dtype, *state, transpose)
-        return data.view(x.shape), (data_t if transpose else None), scale_inv, (rows.float().sum(0) if dbias else None)
-    return _traced_cast(x, fp8_dtype, state, transpose, dbias)
+    cols = x.shape[-1] if x.dim() else 1
+    rows = x.reshape(-1, cols)  # (M, N)
+    data, data_t, scale_inv = torch.ops.fp8train.cast_kernels(rows, fp8_dtype, *state, transpose)
+    return data.view(x.shape), (data_t if transpose else None), scale_inv, (rows.float().sum(0) if dbias else None)
 
 
 def _traced_cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool, dbias: bool):
     """`cast` as the cast kernels' twin (kernels/reference.py, cast_transpose_amax) in plain
-    torch ops, so Inductor generates the kernels, fuses the cast into x's producer (a norm, an
-    activation, a residual add) and launches them from its own code (as a custom op every
-    cast was a Python call of ~0.3 ms of host time inside the compiled step, issue 24). The
-    values are the twin's, which the eager Triton kernels match bit for bit; the divisions
-    of the scale math run in float64 (scaling.py says why that is IEEE float32 exactly).
-    The padding columns of data_t are +0.0 (byte 0), cast like the rest."""
+    torch ops: fp8train::cast_kernels' body off CUDA, traced into the graph (Inductor
+    generates its code). The values are the twin's, which the eager Triton kernels match bit
+    for bit; the divisions of the scale math run in float64 (scaling.py says why that is
+    IEEE float32 exactly). The padding columns of data_t are +0.0 (byte 0), cast like the rest."""
     scale, amax_history, first_amax, nonfinite_count, power_of_two = state
     if first_amax is not None:  # current scaling, or a delayed quantizer's calibration
         first_amax.copy_(reference.abs_max(x))
@@ -133,7 +118,7 @@ def _traced_cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpo
 def _cast_kernels(rows: Tensor, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Optional[Tensor],
                   first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor], power_of_two: bool,
                   transpose: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """`cast` of rows (M, N) as an operator for traced code (CAST_KERNELS): (data, data_t,
+    """`cast` of rows (M, N) as an operator for traced code: (data, data_t,
     scale_inv), data_t (0,) without transpose. On CUDA its body allocates as the eager cast
     does and launches the eager kernels through wrap_triton (kernels/cast.py, traced=True):
     one launch (amax, cast, transposed copy and scale_inv), two where the scale comes from x
@@ -159,9 +144,9 @@ def _cast_kernels(rows: Tensor, fp8_dtype: torch.dtype, scale: Tensor, amax_hist
 
 def block_cast(x: Tensor, fp8_dtype: torch.dtype, block: Tuple[int, int], power_of_two: bool, transpose: bool,
                dbias: bool):
-    """BlockScalingQuantizer.cast of x (M, K) in traced code: (data, data_t or None,
-    scale_inv, dbias or None, scale_inv_t or None), the twin's values (kernels/block_reference.py)
-    in torch ops that Inductor fuses (`_traced_block_cast`). The transposed copies are eager's:
+    """BlockScalingQuantizer.cast of x (M, K) as the twin's torch ops (kernels/block_reference.py;
+    `_traced_block_cast`): (data, data_t or None, scale_inv, dbias or None, scale_inv_t or
+    None); the body of the operator fp8train::block_cast off CUDA, traced into the graph. The transposed copies are eager's:
     128 x 128 tiles, the payload's bytes transposed (no second cast), and 1 x 128 blocks, x
     cast again in 128 x 1 blocks; zero padded to padded_rows(M) and padded_rows(M, 128)
     columns."""

@@ -86,12 +86,11 @@ KERNEL_OP_CASES = [pytest.param(recipe, kind, id=f"{name}-{kind}",
 
 
 @pytest.mark.parametrize("recipe, kind", KERNEL_OP_CASES)
-def test_casts_as_the_kernel_operator_compile_to_eager(recipe, kind, monkeypatch):
-    # ops.CAST_KERNELS: the casts trace as the operator fp8train::cast_kernels, a triton_op
-    # that mutates the scaling state (on the CPU its body is the twin's torch ops, traced into
-    # the graph; on CUDA the eager kernels: tests/gpu/test_compile_gpu.py). The same bits as
-    # eager, steps after calibration included.
-    monkeypatch.setattr(fp8train.ops, "CAST_KERNELS", True)
+def test_casts_as_the_kernel_operator_compile_to_eager(recipe, kind):
+    # the casts trace as the operator fp8train::cast_kernels, a triton_op that mutates the
+    # scaling state (on the CPU its body is the twin's torch ops, traced into the graph; on
+    # CUDA the eager kernels: tests/gpu/test_compile_gpu.py). The same bits as eager, steps
+    # after calibration included.
     counter = run_side_by_side(make(kind), recipe)
     assert counter.frame_count == frames_for(recipe)
     assert all("fp8train.cast_kernels" in g.code for g in counter.graphs)
@@ -179,11 +178,8 @@ def test_inductor_compiles_layernorm_mlp_to_the_same_bits():
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize("cast_kernels", [True, False], ids=["cast-op", "torch-ops"])
 @pytest.mark.parametrize("kind", ["linear", "layernorm_linear", "layernorm_mlp"])
-def test_no_graph_breaks_casts_and_fused_kernels_as_operators(kind, cast_kernels, monkeypatch):
-    # ops.CAST_KERNELS: the casts are the operator fp8train::cast_kernels; off, torch ops
-    monkeypatch.setattr(fp8train.ops, "CAST_KERNELS", cast_kernels)
+def test_no_graph_breaks_casts_and_fused_kernels_as_operators(kind):
     module = make(kind)
     graphs = []
 
@@ -204,8 +200,7 @@ def test_no_graph_breaks_casts_and_fused_kernels_as_operators(kind, cast_kernels
             "layernorm_linear": {"fp8train.norm_fwd_fp8", "fp8train.norm_bwd"},
             "layernorm_mlp": {"fp8train.norm_fwd_fp8", "fp8train.act_fwd_fp8", "fp8train.act_bwd_fp8",
                               "fp8train.norm_bwd"}}[kind]
-    casts = {"fp8train.cast_kernels"} if cast_kernels else set()  # else torch ops Inductor can fuse
-    assert ops == want | casts | {"fp8train.emulated_scaled_mm"}, ops
+    assert ops == want | {"fp8train.cast_kernels", "fp8train.emulated_scaled_mm"}, ops
     fp8_values = [n for g in graphs for sub in g.modules() if isinstance(sub, torch.fx.GraphModule)
                   for n in sub.graph.nodes if getattr(n.meta.get("example_value"), "dtype", None)
                   in (torch.float8_e4m3fn, torch.float8_e5m2) and n.op in ("call_method", "call_function")]
@@ -235,16 +230,13 @@ CAST_CASES = [pytest.param(kind, shape, transpose, dbias, id=f"{kind}-{name}-{'t
               for transpose, dbias in ((True, True), (False, False), (True, False))]
 
 
-@pytest.mark.parametrize("kernel_op", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["torch-ops", "kernel-op"])
 @pytest.mark.parametrize("kind, shape, transpose, dbias", CAST_CASES)
-def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, dbias, kernel_op, monkeypatch):
+def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, dbias):
     # ops.cast (what Quantizer.cast traces to) compiled by Inductor (C++ code on CPU) against
     # the eager cast, bit for bit: payload, transposed copy with its zero padding, scale_inv
     # and the scaling state; dbias (a float32 sum in another order) within float32 rounding.
     # Inputs span the e4m3 range edges, NaN and inf (inf saturates, both count in the amax).
-    # kernel_op: ops.CAST_KERNELS, the cast as the operator fp8train::cast_kernels.
-    monkeypatch.setattr(fp8train.ops, "CAST_KERNELS", kernel_op)
+    # On the CPU the operator fp8train::cast_kernels is its body, the twin's torch ops.
     torch.manual_seed(0)
     x = (torch.randn(shape) * torch.logspace(-6, 3, shape[-1])).to(torch.bfloat16)
     x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0], dtype=torch.bfloat16)

@@ -27,8 +27,7 @@
 #          (~1 minute per recipe at h1024); `python benchmarks/numerics.py --merge <the JSONs>`
 #          pairs gaps only within one run's JSON (each holds its own bf16)
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, both GEMM paths, the
-#          compiled Linear with either form of its casts), then benchmarks/hf_llama.py's block
-#          variants at h1024: each GEMM path, and compiled with either form of the casts
+#          compiled Linear), then benchmarks/hf_llama.py's block variants at h1024, each GEMM path
 #   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
 #          variants, on an HF Llama h1024 q/k/v input (8192 x 1024 float32) and a bf16 gradient
@@ -119,7 +118,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         tests/gpu/test_block_cast_gpu.py 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
         --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block torch-gemm,fp8 compile block,\
-fp8 compile block torch-gemm,fp8 compile block triton-cast}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
+fp8 compile block torch-gemm}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round)|failed" ;;
     blockcast)
       timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_cast_gpu.py 2>&1 \

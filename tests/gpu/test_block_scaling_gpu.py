@@ -192,18 +192,13 @@ def test_hybrid_format_is_refused_on_cuda():
             layer(torch.randn(8, 256, device=CUDA))
 
 
-# torch.compile on CUDA: Inductor's Triton code of the traced casts (ops.block_cast: whole
-# blocks viewed as blocks, tails in the twin's form) against the Triton block cast kernels,
-# the same GEMMs. Bit for bit but for the bias gradient (a float32 column sum: Inductor's
-# order, not torch's). M = 512: every cast over whole blocks; 300 and 308: the wgrad's
-# 128 x 1 casts have a tail.
-# kernels: ops.BLOCK_CAST_KERNELS, the casts as the operator fp8train::block_cast (the eager
-# Triton kernels launched by Inductor; written 2026-12-02, first GPU run pending).
+# torch.compile on CUDA: the casts as the operator fp8train::block_cast (the eager Triton
+# kernels, launched by Inductor), the same GEMMs. Bit for bit but for the bias gradient (a
+# float32 column sum: Inductor's order, not torch's). M = 512: every cast over whole blocks;
+# 300 and 308: the wgrad's 128 x 1 casts have a tail.
 @needs_blockwise
-@pytest.mark.parametrize("kernels", [False, True], ids=["inductor-casts", "kernel-casts"])
 @pytest.mark.parametrize("shape", [(300, 512), (4, 77, 1024), (2, 256, 1024)], ids=["2d-m300", "3d-m308", "3d-m512"])
-def test_compiled_linear_on_cuda_is_eager(shape, kernels, monkeypatch):
-    monkeypatch.setattr(fp8train.ops, "BLOCK_CAST_KERNELS", kernels)
+def test_compiled_linear_on_cuda_is_eager(shape):
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = fp8train.Linear(shape[-1], 384, device=CUDA)  # FP32 master weights
