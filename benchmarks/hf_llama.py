@@ -29,9 +29,6 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                these ties q/k/v's and gate/up's input quantizers:
                                                modules.base.SHARE_INPUT_CASTS, off while these
                                                are built; an A/B of it)
-  {bf16,torchao} compile cpp-wrapper,          torch.compile(options={"cpp_wrapper": True}): Inductor's
-  fp8 compile delayed cpp-wrapper              generated step as C++ instead of Python (its host
-                                               cost per launch)
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -92,8 +89,7 @@ RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScalin
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
-            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
-            "bf16 compile cpp-wrapper", "fp8 compile delayed cpp-wrapper", "torchao compile cpp-wrapper"]
+            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro"]
 
 
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
@@ -143,10 +139,7 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     if mode.startswith("compile"):
         if kind == "fp8":
             first_step(model, recipe)
-        if "cpp-wrapper" in rest:  # Inductor's wrapper as C++ (its option; mode and options exclude each other)
-            model = torch.compile(model, options={"cpp_wrapper": True})
-        else:
-            model = torch.compile(model, mode="reduce-overhead" if mode == "compile-ro" else None)
+        model = torch.compile(model, mode="reduce-overhead" if mode == "compile-ro" else None)
     return model, recipe
 
 
