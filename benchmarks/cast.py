@@ -51,7 +51,10 @@ TILE_VARIANTS = [cast.TileConfig(bm, bn, warps, per_sm)
 BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
                   ("cols", [(128, tk, w) for tk, w in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 8), (128, 8))]),
                   ("tiles", [(128, 128, w) for w in (4, 8, 32)]),
-                  ("both", [(16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8)])]
+                  ("both", [(16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8)]),
+                  # the persistent whole-tile form: (both, both_pipeline) together
+                  ("both+both_pipeline", [((128, w), (stages, per_sm)) for w, stages, per_sm in
+                                     ((4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 2, 1), (8, 3, 1), (4, 3, 1))])]
 
 
 def median_ms(fn) -> float:
@@ -151,14 +154,17 @@ def check_block_bitwise(b: Buffers) -> dict:
 
 
 def block_variant_calls(b: Buffers):
-    """(field, shapes, name, callable, bytes) per launch-shape variant of the block kernels:
-    each variant changes one field of the default BlockShapes; the callable launches under it."""
+    """(field, value, shapes, name, callable, bytes) per launch-shape variant of the block
+    kernels: each variant changes one field of the default BlockShapes (or the fields joined
+    by "+", together; the defaults then come with the first field); the callable launches
+    under it."""
     cases = {name: (fn, nbytes) for name, fn, nbytes in block_cases(b)}
     kernel_of = {"rows": "triton block cast 1x128", "cols": None, "tiles": "triton block cast 128x128",
                  "both": "triton block cast both (1x128 + 128x1 t)"}
     default = block_kernel.BlockShapes()
     for field, values in BLOCK_VARIANTS:
-        name = kernel_of[field]
+        fields = field.split("+")
+        name = kernel_of[fields[0]]
         if name is None:  # 128 x 1 alone is no layer's cast: timed as a plain cast of its own
             sinv = torch.empty(block_reference.blocks_of(b.x.shape, (128, 1)), device=b.x.device)
             fn, nbytes = (lambda s=sinv: block_kernel.block_cast_into(b.x, b.out, s, (128, 1))), \
@@ -166,13 +172,13 @@ def block_variant_calls(b: Buffers):
             name = "triton block cast 128x1"
         else:
             fn, nbytes = cases[name]
-        for value in [getattr(default, field)] + values:
-            shapes = dataclasses.replace(default, **{field: value})
+        for value in ([] if len(fields) > 1 else [getattr(default, field)]) + values:
+            shapes = dataclasses.replace(default, **dict(zip(fields, value if len(fields) > 1 else (value,))))
 
             def launch(fn=fn, shapes=shapes):
                 with block_kernel.override_shapes(shapes):
                     fn()
-            yield field, shapes, name, launch, nbytes
+            yield field, value, shapes, name, launch, nbytes
 
 
 BLOCK_OF = {"triton block cast 1x128": (1, 128), "triton block cast 128x128": (128, 128),
@@ -195,7 +201,7 @@ def sweep_block_variants(b: Buffers, copy_gbps: float) -> dict:
     """Time every launch-shape variant of the block kernels (each checked against the twin's
     bytes on this input first); the fastest first per kernel."""
     results: dict = {}
-    for field, shapes, name, launch, nbytes in block_variant_calls(b):
+    for field, value, shapes, name, launch, nbytes in block_variant_calls(b):
         try:
             b.out.view(torch.uint8).fill_(0xAB)  # no twin's byte here: a kernel that writes nothing fails
             b.out_t_blocks.view(torch.uint8).fill_(0xAB)
@@ -206,7 +212,7 @@ def sweep_block_variants(b: Buffers, copy_gbps: float) -> dict:
             results.setdefault(name, []).append({"shapes": repr(shapes), "error": f"{type(e).__name__}: {str(e)[:100]}"})
             continue
         gbps = nbytes / ms / 1e6
-        results.setdefault(name, []).append({"shapes": repr(getattr(shapes, field)), "field": field, "ms": ms,
+        results.setdefault(name, []).append({"shapes": repr(value), "field": field, "ms": ms,
                                              "gbps": gbps, "pct_copy": 100.0 * gbps / copy_gbps, "bitwise": bitwise})
     for name, rows in results.items():
         rows.sort(key=lambda r: r.get("ms", float("inf")))

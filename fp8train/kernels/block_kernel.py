@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .. import scaling
 from . import block_reference
-from .cast import _INF_BITS, _abs_bits, _saturate
+from .cast import _INF_BITS, _abs_bits, _grid, _saturate
 from .launcher import DirectKernel, device_guard
 from .scale_update import compute_scale
 
@@ -43,7 +43,8 @@ _MODES = {(1, 128): _ROWS, (128, 1): _COLS, (128, 128): _TILE}
 class BlockShapes:
     """Launch shapes of the block cast kernels: (tile rows, tile cols, warps) per mode, each
     tile whole blocks (1 x 128: 128 columns; 128 x 1: 128 rows; 128 x 128: the block), and
-    and (column strip width, warps) of block_cast_both's 128 x 128 tiles."""
+    and (column strip width, warps) of block_cast_both's 128 x 128 tiles, with its persistent
+    pipelined form (both_pipeline)."""
 
     # the fastest of benchmarks/cast.py --block --variants on the H200 (2026-12-02) over a
     # float32 8192 x 1024 and a bf16 8192 x 2816 input; both: the best on the bf16 input
@@ -52,6 +53,9 @@ class BlockShapes:
     cols: Tuple[int, int, int] = (128, 64, 4)
     tiles: Tuple[int, int, int] = (128, 128, 16)
     both: Tuple[int, int] = (64, 2)
+    # (stages, programs per SM) of the persistent whole-tile form (both's width must be 128);
+    # (0, 0): off, a program per tile (not yet timed on the GPU: benchmarks/cast.py --variants)
+    both_pipeline: Tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
@@ -64,6 +68,10 @@ class BlockShapes:
         if not all(v > 0 and v & (v - 1) == 0 for v in (chunk, warps)) or chunk > 128:
             raise ValueError(f"BlockShapes.both: (strip width, warps) must be powers of two, the width at most 128, "
                              f"got {self.both}")
+        stages, per_sm = self.both_pipeline
+        if self.both_pipeline != (0, 0) and (stages < 1 or per_sm < 1 or chunk != 128):
+            raise ValueError(f"BlockShapes.both_pipeline: (stages >= 1, programs per SM >= 1) with both's width 128, "
+                             f"or (0, 0); got {self.both_pipeline} with both={self.both}")
 
     def of(self, mode: int) -> Tuple[int, int, int]:
         return (self.rows, self.cols, self.tiles)[mode]
@@ -155,16 +163,8 @@ def _block_cast_both_kernel(
     r = row0 + tl.arange(0, 128)
     x_rows = x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm
     if CHUNK == 128:
-        c = col0 + tl.arange(0, 128)
-        inside = (r < M)[:, None] & (c < K)[None, :]
-        x = tl.load(x_rows + c[None, :], mask=inside, other=0.0).to(tl.float32)
-        bits = _abs_bits(x)
-        scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (128,): a row's block
-        scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (128,): a column's block
-        y = _saturate(x, scale[:, None], FP8_MAX)
-        tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=inside)
-        _store_cols(out_t_ptr, sinv_t_ptr, x, scale_t, r, c, row0, K, out_t_cols, FP8_MAX)
+        _both_tile(x_ptr, out_ptr, out_t_ptr, sinv_ptr, sinv_t_ptr, M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
+                   row0, col0, FP8_MAX, POW2)
     else:
         row_bits = tl.zeros([128], dtype=tl.int32)  # running max of _abs_bits along each row
         for j in range(0, 128, CHUNK):
@@ -183,8 +183,45 @@ def _block_cast_both_kernel(
             y = _saturate(x, scale[:, None], FP8_MAX)
             tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty),
                      mask=inside)
+        tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
+                 mask=r < M)
+
+
+@triton.jit
+def _block_cast_both_pipelined_kernel(
+    x_ptr, out_ptr, out_t_ptr, sinv_ptr, sinv_t_ptr,  # as _block_cast_both_kernel's
+    M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, STAGES: tl.constexpr,
+):
+    """_block_cast_both_kernel's whole-tile form over a persistent grid: each program walks
+    the tiles pid, pid + nprog, ..., and Triton's pipeliner (STAGES >= 2) fetches the next
+    tiles into shared memory (cp.async) while this one is reduced and cast, which one tile
+    per program (its loads, both reductions, then the stores) cannot overlap."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tiles_k = tl.cdiv(K, 128)
+    n_tiles = tl.cdiv(M, 128) * tiles_k
+    for t in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
+        _both_tile(x_ptr, out_ptr, out_t_ptr, sinv_ptr, sinv_t_ptr, M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
+                   (t // tiles_k) * 128, (t % tiles_k) * 128, FP8_MAX, POW2)
+
+
+@triton.jit
+def _both_tile(x_ptr, out_ptr, out_t_ptr, sinv_ptr, sinv_t_ptr, M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
+               row0, col0, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """The tile at (row0, col0), whole in registers: both casts from one read."""
+    r = row0 + tl.arange(0, 128)
+    c = col0 + tl.arange(0, 128)
+    inside = (r < M)[:, None] & (c < K)[None, :]
+    x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    bits = _abs_bits(x)
+    scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (128,): a row's block
+    scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (128,): a column's block
+    y = _saturate(x, scale[:, None], FP8_MAX)
+    tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
     tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
              mask=r < M)
+    _store_cols(out_t_ptr, sinv_t_ptr, x, scale_t, r, c, row0, K, out_t_cols, FP8_MAX)
 
 
 @triton.jit
@@ -199,8 +236,11 @@ def _store_cols(out_t_ptr, sinv_t_ptr, x, scale_t, r, c, row0, K, out_t_cols, FP
 
 
 @functools.lru_cache(maxsize=None)
-def _both_kernel(fp8_max: float, pow2: bool, shape: Tuple[int, int]) -> DirectKernel:
+def _both_kernel(fp8_max: float, pow2: bool, shape: Tuple[int, int], stages: int) -> DirectKernel:
     chunk, warps = shape
+    if stages:
+        return DirectKernel(_block_cast_both_pipelined_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2,
+                            STAGES=stages)
     return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, CHUNK=chunk)
 
 
@@ -277,8 +317,12 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
         x = x.contiguous()
     if x.numel() == 0:
         return
+    shapes = launch_shapes()
+    stages, per_sm = shapes.both_pipeline
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes().both)
+    if stages:
+        grid = _grid(grid, per_sm, x.device)
+    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), shapes.both, stages)
     args = (x, out, out_t, scale_inv_out, scale_inv_t_out, m, k, x.stride(0) if m > 1 else k, *scale_inv_out.stride(), mp)
     if traced:
         kernel.traced(grid, *args)

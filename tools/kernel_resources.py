@@ -1,0 +1,108 @@
+"""Registers, local memory and the SASS instruction mix of the block cast kernels, compiled for
+the H200 (sm_90a) on a machine without a GPU: Triton's compiler and its bundled ptxas /
+cuobjdump do not need one. Every launch-shape variant of `benchmarks/cast.py --block
+--variants`, specialized as the launcher specializes (16-byte aligned pointers, sizes that
+divide by 16), so the figures are the GPU's: the 2026-12-02 H200 run reported 61 / 90 / 245
+registers where this reports 61 / 91 / 245 (triton 3.6; 3.9 within 3).
+
+    python tools/kernel_resources.py [--dtype bf16|fp32] [--sass]
+
+What it cannot say: time. A kernel with fewer registers or instructions is a candidate for
+the GPU sweep, not a result.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from fp8train.kernels import block_kernel  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+_INTS = ("M", "K", "stride_xm", "stride_sr", "stride_sc", "out_t_cols")
+
+
+def compiled(fn, signature: dict, constexprs: dict, warps: int, divisible=("M", "K", "stride_xm", "out_t_cols")):
+    names = list(signature)
+    aligned = [n for n, t in signature.items() if t.startswith("*")] + [n for n in divisible if n in signature]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def resources(kernel) -> dict:
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    field = lambda name: int(re.search(rf"{name}:(\d+)", usage).group(1))
+    ops = collections.Counter(m.group(2) for m in (re.match(r"\s+/\*[0-9a-f]+\*/\s+(@!?P\d\s+)?([A-Z0-9_.]+)", line)
+                                                   for line in sass.splitlines()) if m)
+    return {"regs": field("REG"), "stack": field("STACK"), "shared": kernel.metadata.shared, "ops": ops}
+
+
+def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
+    """(name, compiled kernel) of each block cast kernel under `shapes`."""
+    one = {"x_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", **{n: "i32" for n in _INTS[:5]},
+           "MODE": "constexpr", "FP8_MAX": "constexpr", "POW2": "constexpr", "TILE_M": "constexpr",
+           "TILE_K": "constexpr"}
+    for mode, name in ((0, "1x128"), (1, "128x1"), (2, "128x128")):
+        tm, tk, warps = shapes.of(mode)
+        yield name, compiled(block_kernel._block_cast_kernel, one, {"MODE": mode, "FP8_MAX": 448.0, "POW2": False,
+                                                                   "TILE_M": tm, "TILE_K": tk}, warps)
+    both = {"x_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv", "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32",
+            "sinv_t_ptr": "*fp32", **{n: "i32" for n in _INTS}, "FP8_MAX": "constexpr", "POW2": "constexpr"}
+    (chunk, warps), (stages, _) = shapes.both, shapes.both_pipeline
+    if stages:
+        yield "both", compiled(block_kernel._block_cast_both_pipelined_kernel, {**both, "STAGES": "constexpr"},
+                               {"FP8_MAX": 448.0, "POW2": False, "STAGES": stages}, warps)
+    else:
+        yield "both", compiled(block_kernel._block_cast_both_kernel, {**both, "CHUNK": "constexpr"},
+                               {"FP8_MAX": 448.0, "POW2": False, "CHUNK": chunk}, warps)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="x's dtype")
+    parser.add_argument("--sass", action="store_true", help="also each kernel's memory and barrier instructions")
+    args = parser.parse_args(argv)
+    import dataclasses
+
+    from cast import BLOCK_VARIANTS  # benchmarks/cast.py: the variants the GPU sweep times
+
+    default = block_kernel.BlockShapes()
+    wanted = {"rows": "1x128", "cols": "128x1", "tiles": "128x128", "both": "both", "both+both_pipeline": "both"}
+    print(f"block cast kernels, x {args.dtype}, sm_90a, triton {triton.__version__}")
+    for field, values in [(None, [None])] + BLOCK_VARIANTS:
+        fields = field.split("+") if field else []
+        for value in values:
+            shapes = dataclasses.replace(default, **dict(zip(fields, value if len(fields) > 1 else (value,)))) \
+                if field else default
+            for name, kernel in block_kernels(shapes, args.dtype):
+                if field and name != wanted[field]:
+                    continue
+                r = resources(kernel)
+                label = f"{name} {'default' if field is None else f'{field}={value}'}"
+                line = f"  {label:<52} regs {r['regs']:>3}  stack {r['stack']:>4}  shared {r['shared']:>6}"
+                if args.sass:
+                    mem = {o: n for o, n in r["ops"].items() if o.startswith(("LDG", "STG", "LDS", "STS", "BAR"))}
+                    line += f"  instr {sum(r['ops'].values())}  {mem}"
+                print(line)
+
+
+if __name__ == "__main__":
+    main()
