@@ -51,10 +51,11 @@ TILE_VARIANTS = [cast.TileConfig(bm, bn, warps, per_sm)
 BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
                   ("cols", [(128, tk, w) for tk, w in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 8), (128, 8))]),
                   ("tiles", [(128, 128, w) for w in (4, 8, 32)]),
-                  ("both", [(16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8)]),
-                  # the persistent whole-tile form: (both, both_pipeline) together
+                  ("both", [(16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8), (128, 16)]),
+                  # the persistent whole-tile form: (both, both_pipeline) together (16 warps: 128
+                  # registers a thread with 2 stages, tools/kernel_resources.py)
                   ("both+both_pipeline", [((128, w), (stages, per_sm)) for w, stages, per_sm in
-                                     ((4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 2, 1), (8, 3, 1), (4, 3, 1))])]
+                                          ((4, 2, 1), (4, 2, 2), (8, 2, 1), (8, 3, 1), (16, 2, 1), (16, 3, 1))])]
 
 
 def median_ms(fn) -> float:
