@@ -47,6 +47,7 @@ from .tensor import padded_rows
 
 _STATE = ("scale", "amax_history", "first_amax", "nonfinite_count")
 
+
 class ScalingState(NamedTuple):
     """A quantizer's state tensors and scale rule in the form the ops take (module docstring)."""
 

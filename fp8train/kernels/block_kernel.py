@@ -154,18 +154,18 @@ def _block_cast_both_kernel(
     the whole tile in registers, one pass. Else the tile in 128 x CHUNK column strips, twice:
     the first pass holds all 128 rows of each strip, so its columns' blocks are whole: it
     casts them (transposed) and gathers the rows' amax; the second reads the strips again
-    (from L2) and casts the rows. (H200, 2026-12-02: the whole tile took 167-171 registers a
-    thread; the strips no fewer, and neither form passed ~56% of a copy.)"""
+    (from L2) and casts the rows. (H200, 2026-12-02: 167-255 registers a thread in either
+    form, tools/kernel_resources.py; neither passed ~56% of a copy.)"""
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, 128)
     row0 = (pid // tiles_k) * 128
     col0 = (pid % tiles_k) * 128
-    r = row0 + tl.arange(0, 128)
-    x_rows = x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm
     if CHUNK == 128:
         _both_tile(x_ptr, out_ptr, out_t_ptr, sinv_ptr, sinv_t_ptr, M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
                    row0, col0, FP8_MAX, POW2)
     else:
+        r = row0 + tl.arange(0, 128)
+        x_rows = x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm
         row_bits = tl.zeros([128], dtype=tl.int32)  # running max of _abs_bits along each row
         for j in range(0, 128, CHUNK):
             c = col0 + j + tl.arange(0, CHUNK)
