@@ -35,10 +35,9 @@ lands on the neighbouring fp8 value; the GPU tests bound that (see tests/gpu).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import ContextManager, Optional
 
 import torch
 import triton
@@ -48,7 +47,7 @@ from .. import scaling
 from . import activation_reference as ref
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
 from .colsum import colsum_into
-from .launcher import DirectKernel, device_guard
+from .launcher import DirectKernel, LaunchOverride, device_guard
 from .launcher import scratch as launcher_scratch
 from .transpose import store_transposed_tile, transpose_into
 
@@ -93,7 +92,7 @@ class ActConfig:
     programs_per_sm: int  # grid = min(tiles, programs_per_sm * SMs)
 
 
-_override: Optional[ActConfig] = None
+_override = LaunchOverride()  # ActConfig or None
 
 
 def launch_config(device: torch.device, gated: bool) -> ActConfig:
@@ -109,8 +108,8 @@ def launch_config(device: torch.device, gated: bool) -> ActConfig:
     bf16 gelu backward reaches ~100%; the cost was the float32 math: with the division
     approximate (module docstring) the gelu_tanh backward + dbias runs 35% faster.
     """
-    if _override is not None:
-        return _override
+    if _override.value is not None:
+        return _override.value
     if device.type == "cuda":
         return ActConfig(block_m=64, block_n=64, num_warps=4, programs_per_sm=4 if gated else 8)
     # Triton interpreter on CPU: small tiles, so that test shapes run several loop steps per
@@ -118,15 +117,9 @@ def launch_config(device: torch.device, gated: bool) -> ActConfig:
     return ActConfig(block_m=16, block_n=32, num_warps=4, programs_per_sm=1)
 
 
-@contextlib.contextmanager
-def override_config(config: ActConfig) -> Iterator[None]:
+def override_config(config: ActConfig) -> ContextManager[None]:
     """Use another launch shape inside the block (benchmark variants, tests); not thread-safe."""
-    global _override
-    saved, _override = _override, config
-    try:
-        yield
-    finally:
-        _override = saved
+    return _override.using(config)
 
 
 # --------------------------------------------------------------------------- device code

@@ -20,10 +20,9 @@ and, in its one-strip form, on the H200 (2026-12-02, tests/gpu/test_block_cast_g
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import ContextManager, Tuple
 
 import torch
 import triton
@@ -32,7 +31,7 @@ import triton.language as tl
 from .. import scaling
 from . import block_reference
 from .cast import _INF_BITS, _abs_bits, _grid, _saturate
-from .launcher import DirectKernel, device_guard
+from .launcher import DirectKernel, LaunchOverride, device_guard
 from .scale_update import compute_scale
 
 _ROWS, _COLS, _TILE = 0, 1, 2
@@ -77,23 +76,17 @@ class BlockShapes:
         return (self.rows, self.cols, self.tiles)[mode]
 
 
-_override: Optional[BlockShapes] = None
+_override = LaunchOverride()  # BlockShapes or None
 
 
 def launch_shapes() -> BlockShapes:
     """The launch shapes every block cast uses (benchmarks/cast.py --block --variants compares others)."""
-    return _override or BlockShapes()
+    return _override.value or BlockShapes()
 
 
-@contextlib.contextmanager
-def override_shapes(shapes: BlockShapes) -> Iterator[None]:
+def override_shapes(shapes: BlockShapes) -> ContextManager[None]:
     """Use other launch shapes inside the block (benchmark variants, tests); not thread-safe."""
-    global _override
-    saved, _override = _override, shapes
-    try:
-        yield
-    finally:
-        _override = saved
+    return _override.using(shapes)
 
 
 @triton.jit

@@ -21,10 +21,9 @@ NaN kept, then converted with round-to-nearest-even; on Hopper that conversion i
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import ContextManager, Optional, Tuple
 
 import torch
 import triton
@@ -34,7 +33,7 @@ from .. import scaling
 from . import native, reference
 from .colsum import colsum_into
 from .checks import FP8_DTYPES, check_dbias, check_fp8_out, check_fp8_outputs, check_scalar, check_scales
-from .launcher import DirectKernel, hooks_installed
+from .launcher import DirectKernel, LaunchOverride, hooks_installed
 from .launcher import device_guard as _device_guard
 from .scale_update import _FLT_MAX, compute_scale
 from .transpose import store_transposed_tile
@@ -66,7 +65,7 @@ class TileConfig:
     programs_per_sm: int  # grid = min(tiles, programs_per_sm * SMs); keep <= occupancy
 
 
-_override: Optional[Tuple[FlatConfig, TileConfig]] = None
+_override = LaunchOverride()  # (FlatConfig, TileConfig) or None
 
 
 def launch_configs(device: torch.device) -> Tuple[FlatConfig, TileConfig]:
@@ -81,8 +80,8 @@ def launch_configs(device: torch.device) -> Tuple[FlatConfig, TileConfig]:
     117 and run a short second wave). Keep programs_per_sm at or below the "fit" the
     benchmark prints for the dtype that matters.
     """
-    if _override is not None:
-        return _override
+    if _override.value is not None:
+        return _override.value
     return _default_configs(device.type)
 
 
@@ -100,15 +99,9 @@ def _default_configs(device_type: str) -> Tuple[FlatConfig, TileConfig]:
         TileConfig(block_m=16, block_n=32, num_warps=4, programs_per_sm=1)
 
 
-@contextlib.contextmanager
-def override_configs(flat: FlatConfig, tile: TileConfig) -> Iterator[None]:
+def override_configs(flat: FlatConfig, tile: TileConfig) -> ContextManager[None]:
     """Use other launch shapes inside the block (benchmark variants, tests); not thread-safe."""
-    global _override
-    saved, _override = _override, (flat, tile)
-    try:
-        yield
-    finally:
-        _override = saved
+    return _override.using((flat, tile))
 
 
 @functools.lru_cache(maxsize=None)

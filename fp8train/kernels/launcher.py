@@ -18,7 +18,7 @@ import contextlib
 import functools
 import inspect
 import struct
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import triton
@@ -145,6 +145,22 @@ class Recording:
         self.launches: List[Tuple[Any, int, tuple]] = []
         self.scratch: Dict[int, Tuple[torch.Tensor, bool]] = {}
         self.complete = True
+
+
+class LaunchOverride:
+    """A kernel module's launch shapes, replaced inside a `with override.using(value)` block
+    (benchmark variants, tests); `value` is None outside one. Not thread-safe."""
+
+    def __init__(self):
+        self.value: Any = None
+
+    @contextlib.contextmanager
+    def using(self, value) -> Iterator[None]:
+        saved, self.value = self.value, value
+        try:
+            yield
+        finally:
+            self.value = saved
 
 
 _recording: Optional[Recording] = None

@@ -35,10 +35,9 @@ price: M / 32 work items rather than 2-D tiles, and a grid that is small for sma
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import ContextManager, Optional, Tuple
 
 import torch
 import triton
@@ -48,7 +47,7 @@ from .. import scaling
 from . import norm_reference
 from .cast import _abs_bits, _amax_of_bits, _resolve_scale, _saturate, _sm_count
 from .colsum import colsum_into
-from .launcher import DirectKernel, device_guard, scratch
+from .launcher import DirectKernel, LaunchOverride, device_guard, scratch
 from .norm_reference import check_bwd_args, check_fwd_args, check_stats_args
 from .transpose import store_transposed_tile, transpose_into
 
@@ -114,7 +113,7 @@ class NormConfigs:
         return self.bwd if n <= self.bwd.max_block_n else self.wide_bwd
 
 
-_override: Optional[NormConfigs] = None
+_override = LaunchOverride()  # NormConfigs or None
 
 
 def launch_configs(device: torch.device) -> NormConfigs:
@@ -136,8 +135,8 @@ def launch_configs(device: torch.device) -> NormConfigs:
     ms; at K = 4096 the shape lost (0.092 -> 0.115 ms), at 2048 the shapes were within the
     noise (standalone timings of these small launches moved by up to 2x between runs).
     """
-    if _override is not None:
-        return _override
+    if _override.value is not None:
+        return _override.value
     return _default_configs(device.type)
 
 
@@ -158,15 +157,9 @@ def _default_configs(device_type: str) -> NormConfigs:
                        wide_bwd=RowConfig(block=128, max_block_n=64, long_block_m=4, num_warps=4, programs_per_sm=1))
 
 
-@contextlib.contextmanager
-def override_configs(configs: NormConfigs) -> Iterator[None]:
+def override_configs(configs: NormConfigs) -> ContextManager[None]:
     """Use other launch shapes inside the block (benchmark variants, tests); not thread-safe."""
-    global _override
-    saved, _override = _override, configs
-    try:
-        yield
-    finally:
-        _override = saved
+    return _override.using(configs)
 
 
 def _programs(work_items: int, programs_per_sm: int, device: torch.device) -> int:

@@ -90,7 +90,7 @@ class Group:
 def _overrides() -> tuple:
     """The kernels' launch-shape overrides in force (benchmarks, tests): part of every key."""
     from . import activation, norm
-    return activation._override, norm._override
+    return activation._override.value, norm._override.value
 
 
 class GroupSpec(NamedTuple):
