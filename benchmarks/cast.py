@@ -11,7 +11,7 @@
 GB/s counts the bytes a kernel must move: read 2 B (bf16; 4 B float32) + write 1 B per
 element for a cast, + 1 B more for a transposed copy, the read alone for amax, read + write
 for the copy, + 4 B per block for block scale_invs; "% copy" is that rate over the measured
-copy rate. Times are medians of triton.testing.do_bench.
+copy rate. Times are medians of CUDA-graph replays (median_ms).
 The launch shapes the library uses come from fp8train.kernels.cast.launch_configs; pick
 the best --variants row there.
 """
@@ -32,7 +32,6 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
 from fp8train import ops  # noqa: E402
 from fp8train.kernels import block_kernel, block_reference, cast, reference  # noqa: E402
@@ -51,18 +50,34 @@ TILE_VARIANTS = [cast.TileConfig(bm, bn, warps, per_sm)
 BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
                   ("cols", [(128, tk, w) for tk, w in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 8), (128, 8))]),
                   ("tiles", [(128, 128, w) for w in (4, 8, 32)]),
-                  ("both", [(16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 2), (128, 4), (128, 8), (128, 16)]),
-                  # the persistent whole-tile form: (both, both_pipeline) together (16 warps: 128
-                  # registers a thread with 2 stages, tools/kernel_resources.py)
-                  ("both+both_pipeline", [((128, w), (stages, per_sm)) for w, stages, per_sm in
-                                          ((4, 2, 1), (4, 2, 2), (8, 2, 1), (8, 3, 1), (16, 2, 1), (16, 3, 1))])]
+                  ("both", [2, 8, 16])]
 
 
-def median_ms(fn) -> float:
-    try:
-        return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
-    except TypeError:  # older do_bench without return_mode
-        return float(triton.testing.do_bench(fn, warmup=50, rep=300, quantiles=[0.5]))
+def median_ms(fn, calls: int = 20, replays: int = 15) -> float:
+    """fn's device time: the median over replays of a CUDA graph of `calls` calls, so no host
+    launch cost enters (do_bench's per-call events let a ~20 us kernel's launch show, and the
+    2026-12-02 sweeps scattered by 2x). Nothing flushes L2 between calls: inputs larger than
+    L2 (50 MB) measure DRAM."""
+    fn()  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 class Buffers:
@@ -156,16 +171,14 @@ def check_block_bitwise(b: Buffers) -> dict:
 
 def block_variant_calls(b: Buffers):
     """(field, value, shapes, name, callable, bytes) per launch-shape variant of the block
-    kernels: each variant changes one field of the default BlockShapes (or the fields joined
-    by "+", together; the defaults then come with the first field); the callable launches
-    under it."""
+    kernels: each variant changes one field of the default BlockShapes (the default first);
+    the callable launches under it."""
     cases = {name: (fn, nbytes) for name, fn, nbytes in block_cases(b)}
     kernel_of = {"rows": "triton block cast 1x128", "cols": None, "tiles": "triton block cast 128x128",
                  "both": "triton block cast both (1x128 + 128x1 t)"}
     default = block_kernel.BlockShapes()
     for field, values in BLOCK_VARIANTS:
-        fields = field.split("+")
-        name = kernel_of[fields[0]]
+        name = kernel_of[field]
         if name is None:  # 128 x 1 alone is no layer's cast: timed as a plain cast of its own
             sinv = torch.empty(block_reference.blocks_of(b.x.shape, (128, 1)), device=b.x.device)
             fn, nbytes = (lambda s=sinv: block_kernel.block_cast_into(b.x, b.out, s, (128, 1))), \
@@ -173,8 +186,8 @@ def block_variant_calls(b: Buffers):
             name = "triton block cast 128x1"
         else:
             fn, nbytes = cases[name]
-        for value in ([] if len(fields) > 1 else [getattr(default, field)]) + values:
-            shapes = dataclasses.replace(default, **dict(zip(fields, value if len(fields) > 1 else (value,))))
+        for value in [getattr(default, field)] + values:
+            shapes = dataclasses.replace(default, **{field: value})
 
             def launch(fn=fn, shapes=shapes):
                 with block_kernel.override_shapes(shapes):

@@ -30,8 +30,8 @@
 #          compiled Linear), then benchmarks/hf_llama.py's block variants at h1024, each GEMM path
 #   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
-#          variants, on an HF Llama h1024 q/k/v input (8192 x 1024 float32) and a bf16 gradient
-#          (8192 x 2816)
+#          variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a bf16 gradient
+#          (8192 x 5632)
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
@@ -123,9 +123,9 @@ fp8 compile block torch-gemm}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_b
     blockcast)
       timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_cast_gpu.py 2>&1 \
         | grep -E "passed|failed|^(FAILED|ERROR)"
-      timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 1024 --input-dtype float32 \
+      timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 2048 --input-dtype float32 \
         --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log" | grep -v "^  FlatConfig\|^  TileConfig"
-      timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 2816 --json "$OUT/cast_block_bf16.json" \
+      timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 5632 --json "$OUT/cast_block_bf16.json" \
         2>&1 | tee "$OUT/cast_block_bf16.log" | grep -v "^  FlatConfig\|^  TileConfig" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \

@@ -66,13 +66,15 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
                                                                    "TILE_M": tm, "TILE_K": tk}, warps)
     both = {"x_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv", "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32",
             "sinv_t_ptr": "*fp32", **{n: "i32" for n in _INTS}, "FP8_MAX": "constexpr", "POW2": "constexpr"}
-    (chunk, warps), (stages, _) = shapes.both, shapes.both_pipeline
-    if stages:
-        yield "both", compiled(block_kernel._block_cast_both_pipelined_kernel, {**both, "STAGES": "constexpr"},
-                               {"FP8_MAX": 448.0, "POW2": False, "STAGES": stages}, warps)
-    else:
-        yield "both", compiled(block_kernel._block_cast_both_kernel, {**both, "CHUNK": "constexpr"},
-                               {"FP8_MAX": 448.0, "POW2": False, "CHUNK": chunk}, warps)
+    yield "both", compiled(block_kernel._block_cast_both_kernel, both, {"FP8_MAX": 448.0, "POW2": False}, shapes.both)
+
+
+def _warps_and_tile(shapes: block_kernel.BlockShapes, name: str):
+    """(warps, elements of the tile a program casts) of the kernel `name` under `shapes`."""
+    if name == "both":
+        return shapes.both, 128 * 128
+    tm, tk, warps = shapes.of({"1x128": 0, "128x1": 1, "128x128": 2}[name])
+    return warps, tm * tk
 
 
 def main(argv=None) -> None:
@@ -85,13 +87,11 @@ def main(argv=None) -> None:
     from cast import BLOCK_VARIANTS  # benchmarks/cast.py: the variants the GPU sweep times
 
     default = block_kernel.BlockShapes()
-    wanted = {"rows": "1x128", "cols": "128x1", "tiles": "128x128", "both": "both", "both+both_pipeline": "both"}
+    wanted = {"rows": "1x128", "cols": "128x1", "tiles": "128x128", "both": "both"}
     print(f"block cast kernels, x {args.dtype}, sm_90a, triton {triton.__version__}")
     for field, values in [(None, [None])] + BLOCK_VARIANTS:
-        fields = field.split("+") if field else []
         for value in values:
-            shapes = dataclasses.replace(default, **dict(zip(fields, value if len(fields) > 1 else (value,)))) \
-                if field else default
+            shapes = dataclasses.replace(default, **{field: value}) if field else default
             for name, kernel in block_kernels(shapes, args.dtype):
                 if field and name != wanted[field]:
                     continue
@@ -99,8 +99,11 @@ def main(argv=None) -> None:
                 label = f"{name} {'default' if field is None else f'{field}={value}'}"
                 line = f"  {label:<52} regs {r['regs']:>3}  stack {r['stack']:>4}  shared {r['shared']:>6}"
                 if args.sass:
+                    # the kernels are straight-line code, one tile a program: static = executed
+                    warps, tile = _warps_and_tile(shapes, name)
+                    instr = sum(r["ops"].values())
                     mem = {o: n for o, n in r["ops"].items() if o.startswith(("LDG", "STG", "LDS", "STS", "BAR"))}
-                    line += f"  instr {sum(r['ops'].values())}  {mem}"
+                    line += f"  instr {instr} ({instr * warps * 32 / tile:.1f} an element)  {mem}"
                 print(line)
 
 

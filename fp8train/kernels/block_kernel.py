@@ -13,10 +13,9 @@ inf and is then counted as inf), so a NaN can never hide in a block's amax. Wher
 are not multiples of the tile, masked lanes load 0, which no amax picks. The kernel matched
 its twin bit for bit on the H200 (2026-12-01, tests/gpu/test_block_cast_gpu.py).
 
-block_cast_both: modes 0 and 1 from each 128 x 128 tile, read once from memory (the second
-read of a strip comes from L2), the second cast stored transposed (the operands of a layer's
-wgrad); bit for bit the twin's composition under the Triton interpreter (tests/interpret)
-and, in its one-strip form, on the H200 (2026-12-02, tests/gpu/test_block_cast_gpu.py).
+block_cast_both: modes 0 and 1 from each 128 x 128 tile, read once, the second cast stored
+transposed (the operands of a layer's wgrad); bit for bit the twin's composition under the
+Triton interpreter (tests/interpret) and on the H200 (tests/gpu/test_block_cast_gpu.py).
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ import triton.language as tl
 
 from .. import scaling
 from . import block_reference
-from .cast import _INF_BITS, _abs_bits, _grid, _saturate
+from .cast import _INF_BITS, _abs_bits, _saturate
 from .launcher import DirectKernel, LaunchOverride, device_guard
 from .scale_update import compute_scale
 
@@ -41,20 +40,16 @@ _MODES = {(1, 128): _ROWS, (128, 1): _COLS, (128, 128): _TILE}
 @dataclass(frozen=True)
 class BlockShapes:
     """Launch shapes of the block cast kernels: (tile rows, tile cols, warps) per mode, each
-    tile whole blocks (1 x 128: 128 columns; 128 x 1: 128 rows; 128 x 128: the block), and
-    and (column strip width, warps) of block_cast_both's 128 x 128 tiles, with its persistent
-    pipelined form (both_pipeline)."""
+    tile whole blocks (1 x 128: 128 columns; 128 x 1: 128 rows; 128 x 128: the block), and the
+    warps of block_cast_both's 128 x 128 tiles."""
 
     # the fastest of benchmarks/cast.py --block --variants on the H200 (2026-12-02) over a
-    # float32 8192 x 1024 and a bf16 8192 x 2816 input; both: the best on the bf16 input
-    # (52% of a copy; (64, 2) was not in the float32 sweep, whose best was 53-56%)
+    # float32 8192 x 1024 and a bf16 8192 x 2816 input; both: at HF Llama h2048's sizes
+    # (float32 8192 x 2048, bf16 8192 x 5632), 4 warps 72-80% of a copy, 8 warps 64-68%
     rows: Tuple[int, int, int] = (32, 128, 4)
     cols: Tuple[int, int, int] = (128, 64, 4)
     tiles: Tuple[int, int, int] = (128, 128, 16)
-    both: Tuple[int, int] = (64, 2)
-    # (stages, programs per SM) of the persistent whole-tile form (both's width must be 128);
-    # (0, 0): off, a program per tile (not yet timed on the GPU: benchmarks/cast.py --variants)
-    both_pipeline: Tuple[int, int] = (0, 0)
+    both: int = 4
 
     def __post_init__(self):
         for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
@@ -63,14 +58,8 @@ class BlockShapes:
             if not pow2 or any(f is not None and v != f for v, f in zip((tm, tk), fixed)):
                 raise ValueError(f"BlockShapes.{name}: (tile rows, tile cols, warps) must be powers of two with "
                                  f"whole blocks per tile ({fixed}, None: any), got {(tm, tk, warps)}")
-        chunk, warps = self.both
-        if not all(v > 0 and v & (v - 1) == 0 for v in (chunk, warps)) or chunk > 128:
-            raise ValueError(f"BlockShapes.both: (strip width, warps) must be powers of two, the width at most 128, "
-                             f"got {self.both}")
-        stages, per_sm = self.both_pipeline
-        if self.both_pipeline != (0, 0) and (stages < 1 or per_sm < 1 or chunk != 128):
-            raise ValueError(f"BlockShapes.both_pipeline: (stages >= 1, programs per SM >= 1) with both's width 128, "
-                             f"or (0, 0); got {self.both_pipeline} with both={self.both}")
+        if not isinstance(self.both, int) or self.both < 1 or self.both & (self.both - 1) or self.both > 32:
+            raise ValueError(f"BlockShapes.both: warps, a power of two up to 32, got {self.both!r}")
 
     def of(self, mode: int) -> Tuple[int, int, int]:
         return (self.rows, self.cols, self.tiles)[mode]
@@ -140,101 +129,57 @@ def _block_cast_both_kernel(
     sinv_ptr,    # (M, Kb) float32, strides (stride_sr, stride_sc)
     sinv_t_ptr,  # (Mb, K) float32, row-major
     M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
-    FP8_MAX: tl.constexpr, POW2: tl.constexpr, CHUNK: tl.constexpr,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr,
 ):
-    """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile, the second cast stored
-    transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose give). CHUNK 128:
-    the whole tile in registers, one pass. Else the tile in 128 x CHUNK column strips, twice:
-    the first pass holds all 128 rows of each strip, so its columns' blocks are whole: it
-    casts them (transposed) and gathers the rows' amax; the second reads the strips again
-    (from L2) and casts the rows. (H200, 2026-12-02: 167-255 registers a thread in either
-    form, tools/kernel_resources.py; neither passed ~56% of a copy.)"""
+    """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
+    second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
+    give).
+
+    Each scale is computed once: a row's or column's amax, reduced in the tile's layout, sits
+    in every thread that shares the row or column, and computing the scale there (two IEEE
+    divisions) was a third of the kernel's instructions. So the 256 amaxes go through the
+    tile's own scale_inv slots and come back one per thread, whose scales go out and back
+    the same way; the slots end with 1 / scale. bar.sync orders the CTA's global stores
+    before its later loads; .cg reads them from L2, where they went. (H200, 2026-12-02: 34 ->
+    17 instructions an element, 58% -> 72-80% of a copy's bandwidth at h2048's sizes.)"""
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, 128)
     row0 = (pid // tiles_k) * 128
     col0 = (pid % tiles_k) * 128
-    if CHUNK == 128:
-        _both_tile(x_ptr, out_ptr, out_t_ptr, sinv_ptr, sinv_t_ptr, M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
-                   row0, col0, FP8_MAX, POW2)
-    else:
-        r = row0 + tl.arange(0, 128)
-        x_rows = x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm
-        row_bits = tl.zeros([128], dtype=tl.int32)  # running max of _abs_bits along each row
-        for j in range(0, 128, CHUNK):
-            c = col0 + j + tl.arange(0, CHUNK)
-            inside = (r < M)[:, None] & (c < K)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=inside, other=0.0).to(tl.float32)
-            bits = _abs_bits(x)
-            row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
-            scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (CHUNK,): a column's block
-            _store_cols(out_t_ptr, sinv_t_ptr, x, scale_t, r, c, row0, K, out_t_cols, FP8_MAX)
-        scale = _scale_of(row_bits, FP8_MAX, POW2)  # (128,): a row's block
-        for j in range(0, 128, CHUNK):
-            c = col0 + j + tl.arange(0, CHUNK)
-            inside = (r < M)[:, None] & (c < K)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=inside, other=0.0).to(tl.float32)
-            y = _saturate(x, scale[:, None], FP8_MAX)
-            tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty),
-                     mask=inside)
-        tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
-                 mask=r < M)
-
-
-@triton.jit
-def _block_cast_both_pipelined_kernel(
-    x_ptr, out_ptr, out_t_ptr, sinv_ptr, sinv_t_ptr,  # as _block_cast_both_kernel's
-    M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
-    FP8_MAX: tl.constexpr, POW2: tl.constexpr, STAGES: tl.constexpr,
-):
-    """_block_cast_both_kernel's whole-tile form over a persistent grid: each program walks
-    the tiles pid, pid + nprog, ..., and Triton's pipeliner (STAGES >= 2) fetches the next
-    tiles into shared memory (cp.async) while this one is reduced and cast, which one tile
-    per program (its loads, both reductions, then the stores) cannot overlap."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    tiles_k = tl.cdiv(K, 128)
-    n_tiles = tl.cdiv(M, 128) * tiles_k
-    for t in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
-        _both_tile(x_ptr, out_ptr, out_t_ptr, sinv_ptr, sinv_t_ptr, M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
-                   (t // tiles_k) * 128, (t % tiles_k) * 128, FP8_MAX, POW2)
-
-
-@triton.jit
-def _both_tile(x_ptr, out_ptr, out_t_ptr, sinv_ptr, sinv_t_ptr, M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
-               row0, col0, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """The tile at (row0, col0), whole in registers: both casts from one read."""
     r = row0 + tl.arange(0, 128)
     c = col0 + tl.arange(0, 128)
     inside = (r < M)[:, None] & (c < K)[None, :]
     x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside, other=0.0).to(tl.float32)
     bits = _abs_bits(x)
-    scale = _scale_of(tl.max(bits, axis=1), FP8_MAX, POW2)  # (128,): a row's block
-    scale_t = _scale_of(tl.max(bits, axis=0), FP8_MAX, POW2)  # (128,): a column's block
-    y = _saturate(x, scale[:, None], FP8_MAX)
+    row_slots = sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc
+    col_slots = sinv_t_ptr + (row0 // 128) * K + c
+    tl.store(row_slots.to(tl.pointer_type(tl.int32), bitcast=True), tl.max(bits, axis=1), mask=r < M)
+    tl.store(col_slots.to(tl.pointer_type(tl.int32), bitcast=True), tl.max(bits, axis=0), mask=c < K)
+    tl.debug_barrier()
+    # lanes 0..127: the rows' slots, 128..255: the columns'
+    i = tl.arange(0, 256) % 128
+    is_row = tl.arange(0, 256) < 128
+    slot = tl.where(is_row, sinv_ptr + tl.cast(row0 + i, tl.int64) * stride_sr + (col0 // 128) * stride_sc,
+                    sinv_t_ptr + (row0 // 128) * K + col0 + i)
+    used = tl.where(is_row, row0 + i < M, col0 + i < K)
+    amax_bits = tl.load(slot.to(tl.pointer_type(tl.int32), bitcast=True), mask=used, other=0, cache_modifier=".cg")
+    scale = _scale_of(amax_bits, FP8_MAX, POW2)
+    tl.store(slot, scale, mask=used)
+    tl.debug_barrier()
+    row_scale = tl.load(row_slots, mask=r < M, other=1.0, cache_modifier=".cg")
+    col_scale = tl.load(col_slots, mask=c < K, other=1.0, cache_modifier=".cg")
+    y = _saturate(x, row_scale[:, None], FP8_MAX)
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
-    tl.store(sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc, tl.math.div_rn(1.0, scale),
-             mask=r < M)
-    _store_cols(out_t_ptr, sinv_t_ptr, x, scale_t, r, c, row0, K, out_t_cols, FP8_MAX)
-
-
-@triton.jit
-def _store_cols(out_t_ptr, sinv_t_ptr, x, scale_t, r, c, row0, K, out_t_cols, FP8_MAX: tl.constexpr):
-    """x's columns c (all 128 rows r of the tile) cast with their scales, stored transposed
-    into out_t's rows c, and their scale_inv."""
-    y = _saturate(x, scale_t[None, :], FP8_MAX)
-    # rows M..Mp of the tile loaded 0: their bytes are the zero padding
-    y_t = tl.trans(y.to(out_t_ptr.dtype.element_ty))  # (columns, 128 rows)
+    # rows M..Mp of the tile loaded 0: their bytes are out_t's zero padding
+    y_t = tl.trans(_saturate(x, col_scale[None, :], FP8_MAX).to(out_t_ptr.dtype.element_ty))  # (columns, rows)
     tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
-    tl.store(sinv_t_ptr + (row0 // 128) * K + c, tl.math.div_rn(1.0, scale_t), mask=c < K)
+    tl.debug_barrier()  # every thread has read its scales before the slots change
+    tl.store(slot, tl.math.div_rn(1.0, scale), mask=used)
 
 
 @functools.lru_cache(maxsize=None)
-def _both_kernel(fp8_max: float, pow2: bool, shape: Tuple[int, int], stages: int) -> DirectKernel:
-    chunk, warps = shape
-    if stages:
-        return DirectKernel(_block_cast_both_pipelined_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2,
-                            STAGES=stages)
-    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, CHUNK=chunk)
+def _both_kernel(fp8_max: float, pow2: bool, warps: int) -> DirectKernel:
+    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -310,12 +255,8 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
         x = x.contiguous()
     if x.numel() == 0:
         return
-    shapes = launch_shapes()
-    stages, per_sm = shapes.both_pipeline
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    if stages:
-        grid = _grid(grid, per_sm, x.device)
-    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), shapes.both, stages)
+    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes().both)
     args = (x, out, out_t, scale_inv_out, scale_inv_t_out, m, k, x.stride(0) if m > 1 else k, *scale_inv_out.stride(), mp)
     if traced:
         kernel.traced(grid, *args)

@@ -54,7 +54,7 @@ def test_every_block_variant_gives_the_twins_bytes(exact_conversions):
             assert torch.equal(b.out_t_blocks[:, :130].view(torch.uint8), want_t.t().view(torch.uint8))
         seen.add((field, value))
     # every variant once; a field's own list leaves out its default, which comes first
-    assert len(seen) == sum(len(values) + ("+" not in field) for field, values in cast_bench.BLOCK_VARIANTS)
+    assert len(seen) == sum(len(values) + 1 for field, values in cast_bench.BLOCK_VARIANTS)
 
 
 def test_block_shapes_refuse_tiles_of_partial_blocks():
@@ -64,11 +64,6 @@ def test_block_shapes_refuse_tiles_of_partial_blocks():
         block_kernel.BlockShapes(cols=(64, 32, 4))
     with pytest.raises(ValueError, match="tiles"):
         block_kernel.BlockShapes(tiles=(128, 128, 6))
-    with pytest.raises(ValueError, match="both"):
-        block_kernel.BlockShapes(both=(32, 3))
-    with pytest.raises(ValueError, match="both"):
-        block_kernel.BlockShapes(both=(256, 4))
-    with pytest.raises(ValueError, match="both_pipeline"):
-        block_kernel.BlockShapes(both=(64, 4), both_pipeline=(2, 1))  # the pipelined form holds whole tiles
-    with pytest.raises(ValueError, match="both_pipeline"):
-        block_kernel.BlockShapes(both=(128, 4), both_pipeline=(2, 0))
+    for warps in (3, 0, 64, (64, 4)):
+        with pytest.raises(ValueError, match="both"):
+            block_kernel.BlockShapes(both=warps)
