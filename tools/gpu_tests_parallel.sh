@@ -22,12 +22,17 @@ run() {  # name, pytest args... (on GPU shard % ngpu)
 run kernels tests/gpu/test_kernels_gpu.py
 run activation tests/gpu/test_activation_gpu.py
 run norm tests/gpu/test_norm_gpu.py tests/gpu/test_transpose_gpu.py tests/gpu/test_launcher_gpu.py
-# the rest in two shards (one ran past its 540 s on 2026-12-02 with numerics beside it): the files
-# that compile models, train or start processes, then everything else
-slow=(tests/gpu/test_fsdp_gpu.py tests/gpu/test_hf_llama_gpu.py tests/gpu/test_compile_gpu.py tests/gpu/test_demo_gpu.py
-  tests/gpu/test_graphs_gpu.py tests/gpu/test_replay_gpu.py tests/gpu/test_mlp_node_gpu.py tests/gpu/test_shared_inputs_gpu.py
-  tests/gpu/test_precision_gpu.py tests/gpu/test_fused_modules_gpu.py tests/gpu/test_linear_gpu.py)
-run rest-slow "${slow[@]}"
+# the rest in three shards (one ran past its 540 s on 2026-12-02 with numerics beside it, and
+# past 420 s on the next day beside an HF Llama run): the files that compile models, train or
+# start processes in two, then everything else
+slow_models=(tests/gpu/test_fsdp_gpu.py tests/gpu/test_hf_llama_gpu.py tests/gpu/test_compile_gpu.py
+  tests/gpu/test_demo_gpu.py)
+slow_modules=(tests/gpu/test_graphs_gpu.py tests/gpu/test_replay_gpu.py tests/gpu/test_mlp_node_gpu.py
+  tests/gpu/test_shared_inputs_gpu.py tests/gpu/test_precision_gpu.py tests/gpu/test_fused_modules_gpu.py
+  tests/gpu/test_linear_gpu.py)
+slow=("${slow_models[@]}" "${slow_modules[@]}")
+run rest-slow-models "${slow_models[@]}"
+run rest-slow-modules "${slow_modules[@]}"
 run rest tests --ignore=tests/gpu/test_kernels_gpu.py --ignore=tests/gpu/test_activation_gpu.py \
   --ignore=tests/gpu/test_norm_gpu.py --ignore=tests/gpu/test_transpose_gpu.py --ignore=tests/gpu/test_launcher_gpu.py \
   $(printf -- '--ignore=%s ' "${multi[@]}" "${slow[@]}") --deselect tests/gpu/test_distributed_gpu.py::test_collective_matmuls_world2
