@@ -95,8 +95,35 @@ class BlockScalingQuantizer(Quantizer):
     def produce(self, first_pass, cast, amax_hook=None):
         self.allocate(None, None)
 
+    def native_plan(self, shape, dtype: torch.dtype, transpose: bool, dbias_dtype: Optional[torch.dtype]):
+        """The C++ cast plan (kernels/native.py) of this quantizer's cast of a contiguous 2-D
+        input of `shape` and `dtype` on the current CUDA device: one launch of the block cast
+        kernel (block_kernel.native_launch), dbias (dbias_dtype) from the same float32 column
+        sums as `cast`; None for 128 x 128 tiles (weights: Python casts them) or where the C++
+        launcher cannot run it. Made on the first call, kept with the preparations."""
+        key = ("native", tuple(shape), dtype, transpose, dbias_dtype)
+        prepared = self._prepared
+        if key in prepared:
+            return prepared[key]
+        from .kernels import block_kernel, native
+        ext = native.extension()
+        plan = None
+        if (self.block == ROW_BLOCKS and ext is not None and dtype in native.DTYPE_CODES
+                and (dbias_dtype is None or dbias_dtype in native.DTYPE_CODES)):
+            device = torch._C._cuda_getDevice()
+            spec = block_kernel.native_launch(shape, dtype, self.dtype, transpose, self.power_of_two,
+                                              torch.device("cuda", device))
+            if spec is not None:
+                m, k = shape
+                plan = ext.CastPlan(device, native.DTYPE_CODES[dtype], self.dtype == torch.float8_e5m2, [m, k],
+                                    [k, -(-m // 128) * 128] if transpose else [], [], [ext.Launch(*spec[0])], None,
+                                    None, native.DTYPE_CODES[dbias_dtype or torch.float32], list(spec[1]),
+                                    block=True, block_dbias=dbias_dtype is not None)
+        prepared[key] = plan
+        return plan
+
     def _steady_launches(self, shape, dtype, transpose, dbias):
-        return None  # no C++ cast plans: the C++ node does not take block scales
+        return None  # native_plan makes the block cast's plan itself
 
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:
         return isinstance(recipe, BlockScaling) and self.dtype == recipe.fp8_format.dtype(role)

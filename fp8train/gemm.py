@@ -263,7 +263,7 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
         a_scale_inv = F.pad(a_scale_inv, (0, 0, 0, rows - m), value=1.0)
     tiles = tuple(bt_block) == TILE
     scale_a = _column_major(a_scale_inv)
-    scale_b = _tile_scales(bt_scale_inv) if tiles else _column_major(bt_scale_inv)
+    scale_b = tile_scales(bt_scale_inv) if tiles else _column_major(bt_scale_inv)
     ext = native.gemm() if native.BLOCK_GEMM else None
     if ext is not None and out_dtype in native.DTYPE_CODES:
         y = ext.block_scaled_mm(a, scale_a, bt.t(), scale_b, tiles, native.DTYPE_CODES[out_dtype], bias)
@@ -310,10 +310,13 @@ def _column_major(s: torch.Tensor) -> torch.Tensor:
     return s if s.stride(0) == 1 or s.shape[0] == 1 else s.t().contiguous().t()
 
 
-def _tile_scales(s: torch.Tensor) -> torch.Tensor:
+def tile_scales(s: torch.Tensor) -> torch.Tensor:
     """bt's tile scales (Nb, Kb) as torch's BlockWise128x128 B operand: (round_up(Kb, 4), Nb)
-    with strides (1, round_up(Kb, 4)), the padding entries 1 (no block of K reads them)."""
+    with strides (1, round_up(Kb, 4)), the padding entries 1 (no block of K reads them); a view
+    of s where s is contiguous and Kb a multiple of 4 (the same layout, no padding)."""
     nb, kb = s.shape
+    if kb % 4 == 0 and s.is_contiguous():
+        return s.t()
     padded = s.new_ones(nb, -(-kb // 4) * 4)
     padded[:, :kb].copy_(s)
     return padded.t()

@@ -36,6 +36,12 @@ def cases(ext, dev):
         "CastPlan: a launch's hole beyond the table": lambda: ext.CastPlan(
             0, 1, True, [2, 16], [], [], [ext.Launch(0, 1, 128, 0, [0], [7])], None, None, 0, []),
         "CastPlan: bad dtype code": lambda: ext.CastPlan(0, 9, True, [2, 16], [], [], [], None, None, 0, []),
+        "CastPlan: a block plan of two launches": lambda: ext.CastPlan(
+            0, 1, False, [4, 16], [], [], [launch, launch], None, None, 0, [], True, False),
+        "CastPlan: a block plan whose transposed copy is not padded to whole blocks": lambda: ext.CastPlan(
+            0, 1, False, [4, 16], [16, 16], [], [launch], None, None, 0, [], True, False),
+        "CastPlan: block_dbias without block scaling": lambda: ext.CastPlan(
+            0, 1, False, [4, 16], [], [], [launch], None, None, 0, [], False, True),
         "Group: flags of the wrong count": lambda: ext.Group(0, 2, [], [], [], [True], []),
         "Group: a launch's hole beyond the table": lambda: ext.Group(
             0, 1, [ext.Launch(0, 1, 128, 0, [0], [3])], [], [], [True], []),
@@ -60,6 +66,12 @@ def cases(ext, dev):
             x, w, None, w8, one, None, None, None, True, False, False, 1, False, None, w8, None, one),
         "linear_forward: a pre-cast input without its scale_inv": lambda: ext.linear_forward(
             x, w, None, w8, one, None, None, None, True, False, False, 1, False, None, w8[:3], None, None),
+        "linear_forward: a block-scaled input with a per-tensor grad plan": lambda: ext.linear_forward(
+            x, w, None, w8, one, None, None, plan, True, False, False, 1, False, None, w8[:3], None,
+            torch.ones(1, 3, device=dev).t()),
+        "linear_forward: a block-scaled pre-cast input without its scale_inv_t": lambda: ext.linear_forward(
+            x, w, None, w8, one, None, None, None, True, False, False, 1, True, None, w8[:3], w8,
+            torch.ones(1, 3, device=dev).t()),
         "mlp_forward: no plan": lambda: ext.mlp_forward(
             None, x, ln_w, None, w, None, w, None, w8, one, None, w8, one, None, None, None),
         "mlp_forward: wrong input shape": lambda: ext.mlp_forward(

@@ -145,3 +145,16 @@ def test_no_kernel_module_shadows_a_dispatcher():
         assert info.name not in public, f"fp8train/kernels/{info.name}.py shadows kernels.{info.name}()"
     importlib.import_module("fp8train.kernels.block_kernel")
     assert callable(kernels.block_cast)
+
+
+@pytest.mark.parametrize("nb, kb", [(3, 8), (5, 6), (2, 22), (1, 1)])
+def test_tile_scales_are_the_gemms_padded_layout(nb, kb):
+    # (round_up(Kb, 4), Nb) with strides (1, rows), the padding 1; a view (no copy) where the
+    # tiles' scales are already laid out so: contiguous with Kb a multiple of 4
+    s = torch.rand(nb, kb) + 0.5
+    got = gemm.tile_scales(s)
+    kb4 = -(-kb // 4) * 4
+    assert got.shape == (kb4, nb) and got.stride() == (1, kb4)
+    assert torch.equal(got[:kb], s.t()) and bool((got[kb:] == 1).all())
+    assert (got.data_ptr() == s.data_ptr()) == (kb % 4 == 0)
+    assert gemm.tile_scales(s.t().contiguous().t()).stride() == (1, kb4)  # a column-major s is copied

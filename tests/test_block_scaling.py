@@ -192,7 +192,7 @@ def test_linear_is_the_block_math_in_float64(shape, n, fmt):
     assert ((layer.weight.grad.double() - dyc.t() @ xc).abs() <= sum_bound(dyc.t(), xc, m)).all()
     assert torch.allclose(layer.bias.grad.double(), dy2.double().sum(0), rtol=1e-5, atol=1e-4)
     assert fp8train.inspect.execution_paths(torch.nn.Sequential(layer)) == \
-        {"0": "Python node: BlockScaling (the C++ node takes per-tensor scales only)"}
+        {"0": "Python node: the C++ node runs on CUDA tensors only"}
 
 
 # Measured on CPU (torch 2.13, bf16 inputs, FP32 master weights, these shapes, 5 seeds): output

@@ -79,10 +79,10 @@ def test_extension_builds_and_checks_its_launches(ext):
     ext.Launch(0, 1, 128, 0, [1, 2, 3], [0, -1, 3])
     with pytest.raises(RuntimeError, match="bad hole -2"):
         ext.Launch(0, 1, 128, 0, [1, 2], [0, -2])
-    # a hole past the four of a cast: fine for a launch group's table (tests/test_replay.py),
+    # a hole past the five of a cast: fine for a launch group's table (tests/test_replay.py),
     # refused where the launch runs as a cast
-    wide = ext.Launch(0, 1, 128, 0, [1, 2], [0, 4])
-    with pytest.raises(RuntimeError, match="cast launch with hole 4"):
+    wide = ext.Launch(0, 1, 128, 0, [1, 2], [0, 5])
+    with pytest.raises(RuntimeError, match="cast launch with hole 5"):
         ext.launch(wide, 0, None, None, None, None)
     with pytest.raises(RuntimeError, match="one hole entry each"):
         ext.Launch(0, 1, 128, 0, [1, 2], [0])

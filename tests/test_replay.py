@@ -121,6 +121,6 @@ def test_cpp_group_checks_its_arguments():
         ext.run_group(group, [torch.zeros(4)])
     with pytest.raises(RuntimeError, match="is not on cuda:0"):
         ext.run_group(group, [torch.zeros(4), None])
-    # a cast plan's launches index the four cast holes only
+    # a per-tensor cast plan's launches index the four cast holes only (the fifth: block scales')
     with pytest.raises(RuntimeError, match="cast plan launch with hole 4"):
         ext.CastPlan(0, 1, False, [2, 16], [], [], [ext.Launch(0, 1, 128, 0, [0], [4])], None, None, 0, [])

@@ -148,8 +148,9 @@ void run(const Launch& l, const uint64_t* pointers, CUstream stream) {
 }
 
 // One quantizer's cast of one input shape: what kernels.PreparedCast launches, as data.
-// The call's pointers, in hole order: x, data, data_t, scale_inv.
-enum Hole { kX = 0, kData = 1, kDataT = 2, kScaleInv = 3, kHoles = 4 };
+// The call's pointers, in hole order: x, data, data_t, scale_inv, scale_inv_t (block scaling:
+// the transposed copy's own scales).
+enum Hole { kX = 0, kData = 1, kDataT = 2, kScaleInv = 3, kScaleInvT = 4, kHoles = 5 };
 
 struct CastPlan {
   int device = 0;
@@ -163,10 +164,14 @@ struct CastPlan {
   std::optional<Launch> dbias_sum;    // with partial: its column sums into the call's dbias (hole 0)
   c10::ScalarType dbias_dtype = at::kFloat;  // the dbias the colsum launch writes (compiled for it)
   std::vector<at::Tensor> keep;       // every fixed buffer the launches point into
+  // BlockScaling (1 x 128 blocks, block_quantizer.py): scale_inv (M, Kb) column-major (the
+  // block GEMM's layout), scale_inv_t (Mb, K) with the transposed copy; block_dbias: dbias is
+  // x's float32 column sums (the Python cast's torch op), in dbias_dtype
+  bool block = false, block_dbias = false;
 };
 
 struct CastOut {
-  at::Tensor data, data_t, scale_inv, dbias;
+  at::Tensor data, data_t, scale_inv, scale_inv_t, dbias;
 };
 
 // A cast's outputs that live equally long share one allocation: one caching-allocator call
@@ -225,11 +230,14 @@ enum class Outputs { kSaved, kTogether };
 
 // x: contiguous, of the plan's shape and dtype, 16-byte aligned (the binaries were
 // specialised on that); the current device is the plan's.
+CastOut block_cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs outputs);
+
 CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs outputs = Outputs::kSaved) {
   TORCH_CHECK(x.sizes() == c10::IntArrayRef(p.data_shape) && x.scalar_type() == p.x_dtype && x.is_contiguous() &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "fp8train native: cast plan for shape ", c10::IntArrayRef(p.data_shape), " got a tensor of shape ",
               x.sizes(), " ", x.scalar_type(), " (contiguous ", x.is_contiguous(), ", plan dtype ", p.x_dtype, ")");
+  if (p.block) return block_cast(p, x, stream, outputs);
   FP8_STAGE_START(t_alloc);
   CastOut out;
   const bool transposed = !p.data_t_shape.empty();
@@ -262,6 +270,42 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs ou
   return out;
 }
 
+// A block-scaled cast (p.block): payload (M, K) and scale_inv (M, Kb) column-major, with the
+// transposed copy (K, Mp) and its scale_inv_t (Mb, K) where the plan writes one; one launch
+// (block_kernel.block_cast_both_into's, or the 1 x 128 cast's). Allocated as cast's: kSaved
+// keeps the fprop's payload and scales apart from the transposed copy saved for wgrad.
+CastOut block_cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs outputs) {
+  FP8_STAGE_START(t_alloc);
+  const int64_t m = p.data_shape[0], k = p.data_shape[1], kb = (k + 127) / 128;
+  const bool transposed = !p.data_t_shape.empty();
+  const std::vector<int64_t> scales_t_shape = {transposed ? p.data_t_shape[1] / 128 : 0, k};
+  CastOut out;
+  at::Tensor scales;  // (Kb, M): scale_inv's storage, seen transposed
+  if (outputs == Outputs::kTogether || !transposed) {
+    auto parts = one_allocation(x.options(), {{at::kFloat, {kb, m}}, {p.fp8_dtype, p.data_shape},
+                                              {p.fp8_dtype, p.data_t_shape, transposed},
+                                              {at::kFloat, scales_t_shape, transposed}});
+    scales = parts[0], out.data = parts[1], out.data_t = parts[2], out.scale_inv_t = parts[3];
+  } else {
+    auto fprop = one_allocation(x.options(), {{at::kFloat, {kb, m}}, {p.fp8_dtype, p.data_shape}});
+    auto saved = one_allocation(x.options(), {{p.fp8_dtype, p.data_t_shape}, {at::kFloat, scales_t_shape}});
+    scales = fprop[0], out.data = fprop[1], out.data_t = saved[0], out.scale_inv_t = saved[1];
+  }
+  out.scale_inv = scales.t();
+  FP8_STAGE_STOP(kCastAlloc, t_alloc);
+  FP8_STAGE_START(t_launch);
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : uint64_t{0}; };
+  uint64_t pointers[kHoles] = {ptr(x), ptr(out.data), ptr(out.data_t), ptr(scales), ptr(out.scale_inv_t)};
+  ensure_context(p.device);
+  for (const auto& l : p.launches) run(l, pointers, stream);
+  FP8_STAGE_STOP(kCastLaunch, t_launch);
+  if (p.block_dbias) {
+    out.dbias = at::sum(x, {0}, false, at::kFloat);
+    if (p.dbias_dtype != at::kFloat) out.dbias = out.dbias.to(p.dbias_dtype);
+  }
+  return out;
+}
+
 // Why a weight and its workspace do not fit the re-cast plan `p` (below), or nullptr where they
 // fit. data_t: the transposed copy, (K, Np) or a view of its first N columns, given exactly
 // when the plan writes one. The binaries were specialised on 16-byte aligned pointers.
@@ -270,7 +314,8 @@ const char* recast_refusal(const CastPlan& p, const at::Tensor& w, const at::Ten
   auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
   auto on_device = [&p](const at::Tensor& t) { return t.is_cuda() && t.get_device() == p.device; };
   const c10::IntArrayRef shape(p.data_shape);
-  if (p.partial.defined()) return "the plan computes dbias";
+  if (p.partial.defined() || p.block_dbias) return "the plan computes dbias";
+  if (p.block) return "a block-scaled plan (weights are cast in tiles by Python)";
   if (!on_device(w) || w.sizes() != shape || w.scalar_type() != p.x_dtype)
     return "the weight is not of the plan's shape, dtype and device";
   if (!w.is_contiguous() || !aligned(w)) return "the weight is not contiguous and 16-byte aligned";
@@ -318,6 +363,9 @@ struct LinearBackward : public Node {
   std::shared_ptr<CastPlan> grad_plan;  // dY (M, N): transposed copy when dW is needed, dbias when db is
   at::Tensor x_t, x_scale_inv;          // X's transposed copy (K, Mp) and 1/scale, when dW is needed
   at::Tensor w_t, w_scale_inv;          // W's transposed copy (K, N) and 1/scale, when dX is needed
+  // block scaling: x_scale_inv is X^T's (K, Mb) 1 x 128 scales with strides (1, K), w_scale_inv
+  // W^T's tiles laid out for block_scaled_mm ((round_up(Nb, 4), Kb), strides (1, rows))
+  bool block = false;
   std::vector<int64_t> in_shape;
   c10::ScalarType act_dtype = at::kBFloat16, weight_dtype = at::kFloat;
   bool need_dgrad = false, need_wgrad = false, need_dbias = false;
@@ -355,14 +403,16 @@ struct LinearBackward : public Node {
     if (need_dgrad) {
       FP8_STAGE_START(t_dgrad);
       // dX (M, K) = dY (M, N) @ W: W's transposed copy (K, N) row-major, seen column-major
-      at::Tensor dx = scaled_mm(g.data, g.scale_inv, w_t.t(), w_scale_inv, fast_dgrad, act_dtype);
+      at::Tensor dx = block ? block_scaled_mm(g.data, g.scale_inv, w_t.t(), w_scale_inv, true, act_dtype)
+                            : scaled_mm(g.data, g.scale_inv, w_t.t(), w_scale_inv, fast_dgrad, act_dtype);
       out[0] = in_shape.size() == 2 ? dx : dx.view(in_shape);
       FP8_STAGE_STOP(kBwdDgrad, t_dgrad);
     }
     if (need_wgrad) {
       FP8_STAGE_START(t_wgrad);
       // dW (N, K) = dY^T @ X from the padded transposed copies dY^T (N, Mp) and X^T (K, Mp)
-      out[1] = scaled_mm(g.data_t, g.scale_inv, x_t.t(), x_scale_inv, fast_wgrad, weight_dtype);
+      out[1] = block ? block_scaled_mm(g.data_t, g.scale_inv_t.t(), x_t.t(), x_scale_inv, false, weight_dtype)
+                     : scaled_mm(g.data_t, g.scale_inv, x_t.t(), x_scale_inv, fast_wgrad, weight_dtype);
       FP8_STAGE_STOP(kBwdWgrad, t_wgrad);
     }
     if (need_dbias) out[2] = g.dbias;  // in the plan's dbias dtype, the bias's: the engine casts nothing
@@ -390,12 +440,17 @@ void launch(const Launch& l, int device, const std::optional<at::Tensor>& x, con
 // only when anything needs a gradient. x_data, x_data_t, x_scale_inv: x already cast (sibling
 // layers that read one tensor share its cast, Quantizer.cast_shared): x_data (M, K) fp8 and
 // its scale_inv, x_data_t (K, Mp) when need_wgrad; then x_plan is not used (may be None).
+// Block scaling (the plans' `block`, or a pre-cast x_scale_inv of two dims): the GEMMs are
+// block_scaled_mm's, w_scale_inv is W's tile scales laid out for it (gemm.tile_scales) and
+// w_t_scale_inv W^T's; a pre-cast x brings x_scale_inv_t, its transposed copy's (Mb, K) scales.
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const at::Tensor& w_data, const at::Tensor& w_scale_inv, const std::optional<at::Tensor>& w_t,
                           const std::shared_ptr<CastPlan>& x_plan, const std::shared_ptr<CastPlan>& grad_plan,
                           bool fast_fprop, bool fast_dgrad, bool fast_wgrad, int64_t act_code, bool need_wgrad,
                           const CastPlan* w_cast, const std::optional<at::Tensor>& x_data,
-                          const std::optional<at::Tensor>& x_data_t, const std::optional<at::Tensor>& x_scale_inv) {
+                          const std::optional<at::Tensor>& x_data_t, const std::optional<at::Tensor>& x_scale_inv,
+                          const std::optional<at::Tensor>& x_scale_inv_t,
+                          const std::optional<at::Tensor>& w_t_scale_inv) {
   FP8_STAGE_START(t_all);
   const c10::ScalarType act_dtype = float_dtype(act_code);
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
@@ -409,6 +464,12 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   TORCH_CHECK(!pre_cast || (x_scale_inv.has_value() && x_data->dim() == 2 && x.dim() > 0 &&
                             x_data->size(1) == x.size(-1) && x_data->numel() == x.numel()),
               "fp8train native: the pre-cast input does not fit x (want data (M, K) and its scale_inv)");
+  const bool block = pre_cast ? x_scale_inv->dim() == 2 : x_plan->block;
+  TORCH_CHECK(grad_plan == nullptr || grad_plan->block == block,
+              "fp8train native: the input and grad-output casts must both be block scaled, or neither");
+  TORCH_CHECK(!block || !pre_cast || !x_data_t.has_value() || x_scale_inv_t.has_value(),
+              "fp8train native: a block-scaled pre-cast input's transposed copy needs its scale_inv_t");
+  TORCH_CHECK(!block || w_cast == nullptr, "fp8train native: block-scaled weights are cast by Python");
   at::Tensor y, x_t, x_si;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -420,6 +481,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
       xc.data = *x_data;
       xc.scale_inv = *x_scale_inv;
       if (x_data_t.has_value()) xc.data_t = *x_data_t;
+      if (x_scale_inv_t.has_value()) xc.scale_inv_t = *x_scale_inv_t;
     } else {
       FP8_STAGE_START(t_rows);
       at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
@@ -431,7 +493,8 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
       FP8_STAGE_STOP(kFwdInputCast, t_cast);
     }
     FP8_STAGE_START(t_gemm);
-    y = scaled_mm(xc.data, xc.scale_inv, w_data.t(), w_scale_inv, fast_fprop, act_dtype, b);  // (M, N)
+    y = block ? block_scaled_mm(xc.data, xc.scale_inv, w_data.t(), w_scale_inv, true, act_dtype, b)
+              : scaled_mm(xc.data, xc.scale_inv, w_data.t(), w_scale_inv, fast_fprop, act_dtype, b);  // (M, N)
     FP8_STAGE_STOP(kFwdGemm, t_gemm);
     if (x.dim() != 2) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
@@ -439,7 +502,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
       y = at::_unsafe_view(y, shape);  // not a view: in-place ops on the output stay legal (modules/base.py)
     }
     x_t = xc.data_t;
-    x_si = xc.scale_inv;
+    x_si = block ? (xc.scale_inv_t.defined() ? xc.scale_inv_t.t() : at::Tensor()) : xc.scale_inv;
   }
   if (!(need_dgrad || need_wgrad || need_dbias)) return y;
   FP8_STAGE_START(t_node);
@@ -454,9 +517,11 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
     node->x_scale_inv = x_si;
   }
   if (need_dgrad) {
+    TORCH_CHECK(!block || w_t_scale_inv.has_value(), "fp8train native: no scales for the transposed weight's tiles");
     node->w_t = *w_t;
-    node->w_scale_inv = w_scale_inv;
+    node->w_scale_inv = block ? *w_t_scale_inv : w_scale_inv;
   }
+  node->block = block;
   node->in_shape.assign(x.sizes().begin(), x.sizes().end());
   node->act_dtype = act_dtype;
   node->weight_dtype = weight.scalar_type();
@@ -696,7 +761,8 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
 }
 
 // Standalone cast through a plan (tests compare it byte for byte with the Python launch):
-// (data, data_t or None, scale_inv, dbias or None); together: the grad-output cast's one buffer.
+// (data, data_t or None, scale_inv, dbias or None, scale_inv_t or None); together: the grad-output
+// cast's one buffer.
 std::vector<std::optional<at::Tensor>> cast_with(const std::shared_ptr<CastPlan>& plan, const at::Tensor& x,
                                                  bool together) {
   TORCH_CHECK(plan != nullptr && x.is_cuda() && x.get_device() == plan->device,
@@ -704,7 +770,7 @@ std::vector<std::optional<at::Tensor>> cast_with(const std::shared_ptr<CastPlan>
   c10::DeviceGuard device(x.device());
   CastOut o = cast(*plan, x, current_stream(plan->device), together ? Outputs::kTogether : Outputs::kSaved);
   auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
-  return {o.data, opt(o.data_t), o.scale_inv, opt(o.dbias)};
+  return {o.data, opt(o.data_t), o.scale_inv, opt(o.dbias), opt(o.scale_inv_t)};
 }
 
 }  // namespace fp8train_native
@@ -737,7 +803,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<int64_t> data_t_shape,
                        std::vector<at::Tensor> zero_first, std::vector<Launch> launches,
                        std::optional<at::Tensor> partial, std::optional<Launch> dbias_sum, int64_t dbias_code,
-                       std::vector<at::Tensor> keep) {
+                       std::vector<at::Tensor> keep, bool block, bool block_dbias) {
         TORCH_CHECK(partial.has_value() == dbias_sum.has_value() && (!dbias_sum || dbias_sum->max_hole == 0),
                     "fp8train native: a cast plan with dbias needs its partial sums and their colsum launch "
                     "(one hole: the call's dbias)");
@@ -748,15 +814,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p->data_shape = std::move(data_shape);
         p->data_t_shape = std::move(data_t_shape);
         p->zero_first = std::move(zero_first);
-        for (const Launch& l : launches)
-          TORCH_CHECK(l.max_hole < kHoles, "fp8train native: a cast plan launch with hole ", l.max_hole);
+        for (const Launch& l : launches)  // scale_inv_t: a block-scaled cast's own
+          TORCH_CHECK(l.max_hole < (block ? kHoles : kScaleInvT), "fp8train native: a cast plan launch with hole ",
+                      l.max_hole);
         p->launches = std::move(launches);
         if (partial.has_value()) p->partial = *partial;
         p->dbias_sum = std::move(dbias_sum);
         p->dbias_dtype = float_dtype(dbias_code);
         p->keep = std::move(keep);
+        TORCH_CHECK(!block_dbias || (block && !partial.has_value()),
+                    "fp8train native: block_dbias is a block-scaled plan's own column sum");
+        TORCH_CHECK(!block || (p->launches.size() == 1 && p->zero_first.empty() &&
+                               (p->data_t_shape.empty() || p->data_t_shape[1] % 128 == 0)),
+                    "fp8train native: a block-scaled cast plan is one launch, nothing zeroed, and a transposed "
+                    "copy padded to whole blocks");
+        p->block = block;
+        p->block_dbias = block_dbias;
         return p;
-      }));
+      }), py::arg("device"), py::arg("x_code"), py::arg("e5m2"), py::arg("data_shape"), py::arg("data_t_shape"),
+      py::arg("zero_first"), py::arg("launches"), py::arg("partial"), py::arg("dbias_sum"), py::arg("dbias_code"),
+      py::arg("keep"), py::arg("block") = false, py::arg("block_dbias") = false);
   py::class_<Group, std::shared_ptr<Group>>(m, "Group")
       .def(py::init([](int device, int64_t holes, std::vector<Launch> launches,
                        std::vector<std::vector<int64_t>> scratch_shapes, std::vector<bool> scratch_zeroed,
@@ -819,7 +896,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return p;
       }));
   m.def("mlp_forward", &mlp_forward);
-  m.def("linear_forward", &linear_forward);
+  m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("w_data"),
+        py::arg("w_scale_inv"), py::arg("w_t"), py::arg("x_plan"), py::arg("grad_plan"), py::arg("fast_fprop"),
+        py::arg("fast_dgrad"), py::arg("fast_wgrad"), py::arg("act_code"), py::arg("need_wgrad"), py::arg("w_cast"),
+        py::arg("x_data") = py::none(), py::arg("x_data_t") = py::none(), py::arg("x_scale_inv") = py::none(),
+        py::arg("x_scale_inv_t") = py::none(), py::arg("w_t_scale_inv") = py::none());
 #ifdef FP8TRAIN_STAGE_CLOCKS
   m.def("stage_clocks", [] {
     std::vector<std::tuple<std::string, int64_t, int64_t>> out;

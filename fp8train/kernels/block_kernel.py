@@ -189,6 +189,50 @@ def _kernel(mode: int, fp8_max: float, pow2: bool, shape: Tuple[int, int, int]) 
                         TILE_K=tile_k)
 
 
+class _Hole:
+    """Stands in for one of a C++ call's own tensors while a launch's fixed arguments are read."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+# csrc/linear_node.cpp's Hole order
+_NATIVE_HOLES = (_Hole("x"), _Hole("data"), _Hole("data_t"), _Hole("scale_inv"), _Hole("scale_inv_t"))
+
+
+def native_launch(shape, x_dtype: torch.dtype, fp8_dtype: torch.dtype, transpose: bool, power_of_two: bool,
+                  device: torch.device):
+    """The C++ launch (kernels.native.launch_spec: (Launch arguments, fixed tensors)) of one
+    block cast of a contiguous (M, K) `shape` input, into the outputs as csrc/linear_node.cpp's
+    block_cast allocates them: payload (M, K), scale_inv (M, Kb) column-major, and with
+    `transpose` the transposed copy (K, Mp) and its (Mb, K) scales (block_cast_both_into's
+    launch; else block_cast_into's 1 x 128). Holes: x, data, data_t, scale_inv, scale_inv_t.
+    None where the C++ launcher cannot make it (see launch_spec)."""
+    from . import native
+    m, k = shape
+    fp8_max, pow2 = scaling.fp8_max(fp8_dtype), bool(power_of_two)
+    # the binary is specialised on the arguments' dtypes and 16-byte alignment (and the ints):
+    # small aligned stand-ins compile the one the call's own tensors get
+    like = lambda dtype: torch.empty(16, dtype=dtype, device=device)  # noqa: E731
+    x, data, data_t, scale_inv, scale_inv_t = _NATIVE_HOLES
+    if transpose:
+        kernel = _both_kernel(fp8_max, pow2, launch_shapes().both)
+        grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
+        ints = (m, k, k, 1, m, -(-m // 128) * 128)
+        samples = (like(x_dtype), like(fp8_dtype), like(fp8_dtype), like(torch.float32), like(torch.float32))
+        holes = (x, data, data_t, scale_inv, scale_inv_t)
+    else:
+        tiles = launch_shapes().of(_ROWS)
+        kernel = _kernel(_ROWS, fp8_max, pow2, tiles)
+        grid = triton.cdiv(m, tiles[0]) * triton.cdiv(k, tiles[1])
+        ints = (m, k, k, 1, m)
+        samples = (like(x_dtype), like(fp8_dtype), like(torch.float32))
+        holes = (x, data, scale_inv)
+    with device_guard(device):
+        binary = kernel.binary_for(*samples, *ints)
+    return None if binary is None else native.launch_spec(binary, grid, (*holes, *ints), _NATIVE_HOLES)
+
+
 def _dense_2d(t: torch.Tensor) -> bool:
     """t (rows, cols) row-major, or column-major (the GEMM's layout of 1 x 128 scales)."""
     return t.is_contiguous() or t.t().is_contiguous()
@@ -265,4 +309,5 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
         kernel(grid, *args)
 
 
-__all__ = ["BlockShapes", "block_cast_both_into", "block_cast_into", "launch_shapes", "override_shapes"]
+__all__ = ["BlockShapes", "block_cast_both_into", "block_cast_into", "launch_shapes", "native_launch",
+           "override_shapes"]

@@ -202,19 +202,16 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 CPP_NODE = "C++ node"
 _OFF_CUDA = "Python node: the C++ node runs on CUDA tensors only"
 _SWITCHED_OFF = "Python node: the C++ node is switched off (kernels.native.ENABLED = False)"
-_BLOCK_SCALING = "Python node: BlockScaling (the C++ node takes per-tensor scales only)"
 
 
 def _block_scaled_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
                           config: GemmConfig, act_dtype: torch.dtype, grad: bool,
                           is_first_microbatch: Optional[bool]) -> torch.Tensor:
-    """The layer's FP8 forward under BlockScaling: the Python node with block-scaled operands
-    that the layer casts itself."""
+    """The layer's FP8 forward under BlockScaling: block-scaled operands that the layer casts
+    itself, in the C++ node where it takes the call, else the Python node."""
     refuse_per_tensor_fp8(layer, x, weight)
-    if not torch.compiler.is_compiling():
-        layer._path[0] = _BLOCK_SCALING
     return block_scaled_gemm(layer._workspace, x, weight, bias, q_input, q_weight, q_grad, config, act_dtype, grad,
-                             is_first_microbatch)
+                             is_first_microbatch, None if torch.compiler.is_compiling() else layer._path)
 
 
 def refuse_per_tensor_fp8(layer: FP8Module, x, *weights) -> None:
@@ -230,12 +227,78 @@ def refuse_per_tensor_fp8(layer: FP8Module, x, *weights) -> None:
 
 def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quantizer, q_weight: Quantizer,
                       q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
-                      is_first_microbatch: Optional[bool]) -> torch.Tensor:
-    """One block-scaled GEMM (x @ weight^T + bias) with its backward: the Python node with the
-    weight's block cast kept in `workspace`. The fused modules under BlockScaling compose
-    their norm and activation in high precision around it (layernorm_linear.py, layernorm_mlp.py)."""
+                      is_first_microbatch: Optional[bool], path: Optional[list] = None) -> torch.Tensor:
+    """One block-scaled GEMM (x @ weight^T + bias) with its backward, the weight's block cast
+    kept in `workspace`: the C++ node where it takes the call (_native_block_forward), else the
+    Python node. The fused modules under BlockScaling compose their norm and activation in
+    high precision around it (layernorm_linear.py, layernorm_mlp.py). path: where an eager
+    call notes which node ran, or why not (Linear._path)."""
+    if x.is_cuda and native.ENABLED:
+        y = _native_block_forward(workspace, x, weight, bias, q_input, q_weight, q_grad, act_dtype, grad,
+                                  is_first_microbatch, path if path is not None else [None])
+        if y is not None:
+            return y
+    elif path is not None:
+        path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
     w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad)
     return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, grad and weight.requires_grad)
+
+
+def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: Quantizer, q_weight: Quantizer,
+                          q_grad: Quantizer, act_dtype: torch.dtype, grad: bool, is_first_microbatch: Optional[bool],
+                          path: list) -> Optional[torch.Tensor]:
+    """_native_forward under BlockScaling: the same C++ node with block-scaled casts (the
+    quantizers' block plans) and GEMMs (cuBLASLt's block scaling), the weight's 128 x 128 cast
+    kept by Python (`workspace`) and its tile scales laid out for the GEMM here; or None with
+    nothing done where the Python node must run (as _native_forward's, and: e5m2 operands,
+    which only the Python node reports, and row counts that are not multiples of 4, which the
+    Python node pads)."""
+    if torch.compiler.is_compiling():
+        return None
+    if native.hooks_installed():
+        path[0] = "Python node: a Triton launch hook is installed (a profiler)"
+        return None
+    code = native.DTYPE_CODES.get(act_dtype)
+    if code is None or x.dtype not in native.DTYPE_CODES or x.get_device() != torch._C._cuda_getDevice():
+        path[0] = (f"Python node: input on cuda:{x.get_device()}, not the current device"
+                   if code is not None and x.dtype in native.DTYPE_CODES else
+                   f"Python node: no C++ path for a {x.dtype} input with {act_dtype} activations")
+        return None
+    e4m3 = torch.float8_e4m3fn
+    if not (q_input.dtype == q_weight.dtype == q_grad.dtype == e4m3):
+        path[0] = "Python node: BlockScaling with e5m2 (the block GEMM takes e4m3 only)"
+        return None
+    k = x.shape[-1]
+    m = x.numel() // k
+    if m % 4 or m == 0:
+        path[0] = f"Python node: BlockScaling with {m} rows (the C++ block GEMM takes a multiple of 4)"
+        return None
+    need_dgrad = grad and x.requires_grad
+    need_wgrad = grad and weight.requires_grad
+    need_dbias = grad and bias is not None and bias.requires_grad
+    shared = q_input.sharing > 1  # sibling layers read x: its one cast is Python's (cast_shared), passed in
+    x_plan = None if shared else q_input.native_plan((m, k), x.dtype, need_wgrad, None)
+    grad_plan = None
+    if need_dgrad or need_wgrad or need_dbias:
+        grad_plan = q_grad.native_plan((m, weight.shape[0]), act_dtype, need_wgrad, bias.dtype if need_dbias else None)
+        if grad_plan is None:
+            path[0] = _no_plan_reason(q_grad, m)
+            return None
+    if x_plan is None and not shared:
+        path[0] = _no_plan_reason(q_input, m)
+        return None
+    path[0] = CPP_NODE
+    w = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad)
+    w_data, w_scale_inv = weight_operands(w)
+    w_t, w_t_scale_inv = weight_transposed(w) if need_dgrad else (None, None)
+    xc = (None, None, None, None)
+    if shared:
+        cast = q_input.cast_shared(x, transpose=need_wgrad)
+        xc = (cast.data.view(m, k), cast.data_t, cast.scale_inv,
+              None if cast.scale_inv_t is None else cast.scale_inv_t.t())  # (Mb, K) as the C++ cast writes it
+    return native.extension().linear_forward(
+        x, weight, bias, w_data, gemm.tile_scales(w_scale_inv), w_t, x_plan, grad_plan, False, False, False, code,
+        need_wgrad, None, *xc, None if w_t is None else gemm.tile_scales(w_t_scale_inv))
 
 
 def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,

@@ -1,0 +1,199 @@
+"""BlockScaling in the C++ Linear node (csrc/linear_node.cpp's block plans and GEMMs;
+block_quantizer.BlockScalingQuantizer.native_plan) against the Python node it replaces: the
+same bytes for every cast, output and gradient (both GEMM paths call the extension's cuBLASLt
+block GEMM; the Python path is the reference, `native.ENABLED = False`)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fp8train
+from fp8train import BlockScaling
+from fp8train.kernels import native
+from fp8train.modules import base
+from fp8train.quantizer_factory import make_quantizer
+from fp8train.roles import TensorRole
+from tests.helpers import assert_bitwise
+from tests.test_shared_inputs import GROUPS, Block
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+NATIVE_NODE = "fp8train::LinearBackward"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if native.extension() is None:
+        pytest.fail(f"the C++ extension did not build: {native.failure()}")
+
+
+@pytest.mark.parametrize("role", [TensorRole.INPUT, TensorRole.GRAD_OUTPUT], ids=lambda r: r.name)
+@pytest.mark.parametrize("shape, dtype, transpose, dbias", [
+    ((256, 1024), torch.bfloat16, True, None),
+    ((333, 256), torch.float32, True, torch.bfloat16),   # rows past a block: the zero padding of (K, Mp)
+    ((64, 300), torch.bfloat16, False, None),            # a column tail block
+    ((1000, 2048), torch.float32, False, torch.float32),
+], ids=str)
+def test_block_cast_plan_matches_the_python_cast(role, shape, dtype, transpose, dbias):
+    q = make_quantizer(BlockScaling(), role, device=CUDA)
+    x = torch.randn(shape, device=CUDA) * torch.logspace(-3, 3, shape[1], device=CUDA)
+    x[0, 0] = float("nan")
+    x = x.to(dtype)
+    plan = q.native_plan(shape, dtype, transpose, dbias)
+    assert plan is not None
+    want = q.cast(x, transpose=transpose, dbias=dbias is not None)
+    for together in (False, True):  # a forward input's outputs, then a grad output's one buffer
+        data, data_t, scale_inv, db, scale_inv_t = native.extension().cast_with(plan, x, together)
+        assert_bitwise(data, want.data, "data")
+        assert_bitwise(scale_inv, want.scale_inv, "scale_inv")
+        assert scale_inv.stride() == (1, shape[0])  # the block GEMM's a_scale layout, no copy
+        assert (data_t is None) == (want.data_t is None) == (scale_inv_t is None)
+        if transpose:
+            assert_bitwise(data_t, want.data_t, "data_t")
+            assert_bitwise(scale_inv_t, want.scale_inv_t.t(), "scale_inv_t")
+        assert (db is None) == (dbias is None)
+        if dbias is not None:
+            assert_bitwise(db, want.dbias.to(dbias), "dbias")
+        assert data.data_ptr() % 256 == 0 and (data_t is None or data_t.data_ptr() % 256 == 0)
+
+
+def test_weight_quantizer_has_no_plan():
+    q = make_quantizer(BlockScaling(), TensorRole.WEIGHT, device=CUDA)
+    assert q.native_plan((256, 256), torch.float32, True, None) is None  # tiles: Python casts the weight
+
+
+CASES = [
+    # in, out, bias, params dtype, input shape, input dtype
+    (1024, 1024, True, torch.bfloat16, (256, 1024), torch.bfloat16),
+    (1024, 512, False, torch.float32, (4, 64, 1024), torch.float32),  # torch.autocast's float32 input
+    (256, 384, True, torch.float32, (3, 100, 256), torch.bfloat16),   # 300 rows: a partial row block
+    (2816, 1024, True, torch.float32, (512, 2816), torch.bfloat16),   # Kb = 22: padded tile scales
+]
+
+
+def _steps(layer, xs, dys, frozen_weight=False):
+    outs = []
+    for x, dy in zip(xs, dys):
+        x = x.detach().clone().requires_grad_(x.requires_grad)
+        with fp8train.autocast(recipe=BlockScaling()):
+            y = layer(x)
+        name = y.grad_fn.name() if y.grad_fn is not None else "none"
+        y.backward(dy)
+        outs.append((name, y.detach(), None if x.grad is None else x.grad.clone(),
+                     {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}))
+        layer.zero_grad(set_to_none=True)
+    return outs
+
+
+def _compare(got, want):
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_bitwise(g[1], w[1], f"step {step} output")
+        assert (g[2] is None) == (w[2] is None)
+        if w[2] is not None:
+            assert_bitwise(g[2], w[2], f"step {step} dx")
+        assert g[3].keys() == w[3].keys()
+        for name in w[3]:
+            assert g[3][name].dtype == w[3][name].dtype
+            assert_bitwise(g[3][name], w[3][name], f"step {step} d{name}")
+
+
+def _python_node(fn):
+    native.ENABLED = False
+    try:
+        return fn()
+    finally:
+        native.ENABLED = True
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-bias{int(c[2])}-{str(c[3])[6:]}-"
+                         f"{'x'.join(map(str, c[4]))}-{str(c[5])[6:]}")
+def test_block_linear_node_matches_the_python_node(case):
+    """Four fwd+bwd steps in the C++ node (from the first: a block plan needs no preparation)
+    and in the Python node on a twin: outputs and every gradient bit for bit."""
+    k, n, bias, pdtype, shape, xdtype = case
+    torch.manual_seed(3)
+    layer = fp8train.Linear(k, n, bias=bias, params_dtype=pdtype, device=CUDA)
+    twin = copy.deepcopy(layer)
+    xs = [(torch.randn(shape, device=CUDA) * (1 + i)).to(xdtype).requires_grad_() for i in range(4)]
+    dys = [torch.randn(*shape[:-1], n, device=CUDA).to(torch.bfloat16) for _ in range(4)]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=xdtype == torch.float32):
+        got = _steps(layer, xs, dys)
+        want = _python_node(lambda: _steps(twin, xs, dys))
+    assert [g[0] for g in got] == [NATIVE_NODE] * 4
+    assert fp8train.inspect.execution_paths(torch.nn.Sequential(layer)) == {"0": "C++ node"}
+    assert NATIVE_NODE not in [w[0] for w in want]
+    _compare(got, want)
+
+
+@pytest.mark.parametrize("what", ["frozen_input", "frozen_weight", "no_grad"])
+def test_block_linear_node_variants_match(what):
+    """No dgrad (no transposed weight), no wgrad (no transposed copy of X: the 1 x 128 cast
+    alone), no graph at all."""
+    layer = fp8train.Linear(512, 256, params_dtype=torch.float32, device=CUDA)
+    if what == "frozen_weight":
+        layer.weight.requires_grad_(False)
+    twin = copy.deepcopy(layer)
+    xs = [torch.randn(96, 512, device=CUDA, dtype=torch.bfloat16).requires_grad_(what != "frozen_input")
+          for _ in range(3)]
+    dys = [torch.randn(96, 256, device=CUDA, dtype=torch.bfloat16) for _ in range(3)]
+
+    def run(m):
+        if what == "no_grad":
+            with torch.no_grad(), fp8train.autocast(recipe=BlockScaling()):
+                return [("none", m(x), None, {}) for x in xs]
+        return _steps(m, xs, dys)
+    got = run(layer)
+    want = _python_node(lambda: run(twin))
+    if what != "no_grad":
+        assert [g[0] for g in got] == [NATIVE_NODE] * 3
+    assert fp8train.inspect.execution_paths(torch.nn.Sequential(layer)) == {"0": "C++ node"}
+    _compare(got, want)
+
+
+def test_rows_not_a_multiple_of_4_take_the_python_node():
+    layer = fp8train.Linear(256, 256, device=CUDA)
+    with fp8train.autocast(recipe=BlockScaling()):
+        y = layer(torch.randn(70, 256, device=CUDA, requires_grad=True))
+    assert y.grad_fn.name() != NATIVE_NODE
+    assert "multiple of 4" in fp8train.inspect.execution_paths(torch.nn.Sequential(layer))["0"]
+
+
+@pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16], ids=["fp32-autocast-bf16", "bf16"])
+def test_shared_inputs_pass_their_block_cast_into_the_node(params_dtype, monkeypatch):
+    """q/k/v and gate/up read one tensor each: the group's one Python block cast goes into
+    the C++ node (pre-cast, with its transposed copy's scales); bit for bit untied layers."""
+    monkeypatch.setattr(base, "SHARE_INPUT_CASTS", True)
+    torch.manual_seed(0)
+    tied = Block(d=256, f=512, dtype=params_dtype).to(CUDA)
+    torch.manual_seed(0)
+    untied = Block(d=256, f=512, dtype=params_dtype).to(CUDA)
+    xs = [torch.randn(4, 128, 256, device=CUDA).to(params_dtype) for _ in range(3)]
+
+    def steps(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        for x in xs:
+            x = x.clone().requires_grad_(True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params_dtype == torch.float32), \
+                    fp8train.autocast(recipe=BlockScaling()):
+                y = model(x)
+            y.float().pow(2).mean().backward()
+            out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return out
+    with monkeypatch.context() as m:
+        m.setattr(base, "SHARE_INPUT_CASTS", False)
+        want = steps(untied)
+    got = steps(tied)
+    assert fp8train.inspect.shared_input_casts(tied) == GROUPS
+    assert set(fp8train.inspect.execution_paths(tied).values()) == {"C++ node"}
+    for i, ((y, dx, grads), (y_ref, dx_ref, grads_ref)) in enumerate(zip(got, want)):
+        assert_bitwise(y, y_ref, f"step {i}: y")
+        assert_bitwise(dx, dx_ref, f"step {i}: x.grad")
+        for name in grads_ref:
+            assert_bitwise(grads[name], grads_ref[name], f"step {i}: {name}.grad")
