@@ -21,6 +21,8 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                instead of the extension's operator (an A/B of it)
   fp8 eager block, fp8 compile block           BlockScaling (1x128 / 128x128 block scales; eager:
                                                its layers run the Python node)
+  fp8 eager block node                         the same, its Linears in the C++ node
+                                               (native.BLOCK_NODE on; off by default until checked)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -49,6 +51,7 @@ ending the run. Writes JSON; never asserts on time.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import gc
@@ -84,12 +87,12 @@ SHAPES = {
     "h4096": Shape(4096, 14336, 2, 32, 8),
     "tiny": Shape(64, 128, 2, 4, 2, batch=2, seq=64),
 }
-_BLOCK_GEMM = native.BLOCK_GEMM  # the library's defaults, restored after each step
+_BLOCK_GEMM, _BLOCK_NODE = native.BLOCK_GEMM, native.BLOCK_NODE  # the library's defaults, restored after each step
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
-            "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
-            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro"]
+            "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 eager block node",
+            "fp8 compile block", "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro"]
 
 
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
@@ -161,6 +164,7 @@ class Runner:
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
+        self.block_node = "node" in variant.split() or _BLOCK_NODE
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -174,6 +178,9 @@ class Runner:
         self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
         self.fp8_layers = sum(isinstance(m, fp8train.Linear) for m in self.model.modules())
         self.shared_groups = len(fp8train.inspect.shared_input_casts(self.model))
+        # which node the Linears' last eager call (warm-up) ran, before the profiler's hooks change it
+        self.paths = dict(collections.Counter(fp8train.inspect.execution_paths(self.model).values())) \
+            if variant.split()[:2] == ["fp8", "eager"] else {}
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -181,11 +188,11 @@ class Runner:
 
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
-        native.GEMM_OP, native.BLOCK_GEMM = not self.aten_mm, self.block_gemm
+        native.GEMM_OP, native.BLOCK_GEMM, native.BLOCK_NODE = not self.aten_mm, self.block_gemm, self.block_node
         try:
             return self._step(m, recipe)
         finally:
-            native.GEMM_OP, native.BLOCK_GEMM = True, _BLOCK_GEMM
+            native.GEMM_OP, native.BLOCK_GEMM, native.BLOCK_NODE = True, _BLOCK_GEMM, _BLOCK_NODE
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]
@@ -295,7 +302,7 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
                      "device_kinds": prof["device_kinds"], "device_top": prof["device_top"],
                      "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
                      "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
-                     "shared_input_groups": run.shared_groups})
+                     "shared_input_groups": run.shared_groups, "linear_paths": run.paths})
     return rows
 
 
@@ -315,6 +322,9 @@ def print_table(name: str, rows: List[Dict]) -> None:
               f"{cell(r['wall_over_device'], 9, '.2f')}{cell(r['vs_bf16_eager'], 14, '.2f', 'x')}"
               f"{cell(r['vs_torchao'], 11, '.2f', 'x')}{cell(r['peak_gib'], 9, '.1f')}"
               f"{cell(r['kernels_per_step'], 8, '.0f')}{r['loss']:>8.3f}")
+    for r in rows:
+        for path, count in r.get("linear_paths", {}).items():
+            print(f"  path {r['variant']:<24}{count:3d} Linears  {path[:100]}")
     for r in rows:
         for key, ms, count in r.get("host_top", []):
             print(f"  host {r['variant']:<24}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")

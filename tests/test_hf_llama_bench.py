@@ -35,3 +35,7 @@ def test_hf_llama_benchmark_runs_on_cpu(tmp_path, capsys):
     # training bit for bit as without
     assert rows[1]["shared_input_groups"] == 4 and rows[2]["shared_input_groups"] == 0
     assert rows[2]["loss"] == rows[1]["loss"]
+    # which node the eager FP8 variants' Linears ran (on the CPU: the Python node, and why)
+    assert rows[0]["linear_paths"] == {}
+    assert rows[1]["linear_paths"] == {"Python node: the C++ node runs on CUDA tensors only": 14}
+    assert "path fp8 eager delayed" in printed

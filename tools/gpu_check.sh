@@ -9,12 +9,12 @@
 #   demo   the 2000-step GPU demo, hybrid and (second GPU) e4m3 formats side by side
 #   tests  the GPU suite (tools/gpu_tests_parallel.sh: shards over the GPUs, then multi-GPU files)
 #   native the C++ Linear node: its build, its GPU tests beside the Linear and graph tests, the
-#          host-time ratio (benchmarks/linear.py, 1024 only) and tools/probe_host_state.py
+#          host-time ratio (benchmarks/linear.py, 1024 only)
 #   lt     the extension's cuBLASLt GEMM: its GPU tests, the node/fused/graph tests, the node's
 #          stage clocks, the Linear host-time ratio and LayerNormMLP's host time, each with A/B
 #   high   the high-precision C++ node (csrc/high_mlp.cpp): its GPU tests beside the native,
 #          precision, compile, fused-module, graph, MLP-node and replay tests (two shards where
-#          there are two GPUs), then tools/probe_high_mlp.py
+#          there are two GPUs)
 #   hf     the HF Llama GPU tests (tests/gpu/test_hf_llama_gpu.py), then benchmarks/hf_llama.py
 #          at h1024 (one compile per compiled variant)
 #   hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape. hf steps: VARIANTS picks the
@@ -27,7 +27,9 @@
 #          (~1 minute per recipe at h1024); `python benchmarks/numerics.py --merge <the JSONs>`
 #          pairs gaps only within one run's JSON (each holds its own bf16)
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, both GEMM paths, the
-#          compiled Linear), then benchmarks/hf_llama.py's block variants at h1024, each GEMM path
+#          compiled Linear, the C++ node's block path with native.BLOCK_NODE on), then
+#          benchmarks/hf_llama.py's block variants at h1024: eager on the Python node and on the
+#          C++ node ("node"), compiled, and each GEMM path
 #   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
 #          variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a bf16 gradient
@@ -91,19 +93,18 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       python3 -c "from fp8train.kernels import native; print('C++ node:', 'built' if native.extension() else native.failure())"
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_native_gpu.py \
         tests/gpu/test_linear_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tail -12
-      timeout 80 python3 benchmarks/linear.py --sizes 1024 --json "$OUT/linear_host.json" 2>&1 | tail -6
-      timeout 120 python3 tools/probe_host_state.py 2>&1 | grep -v "Warn\|warn\|run_backward" | tail -22 ;;
+      timeout 80 python3 benchmarks/linear.py --sizes 1024 --json "$OUT/linear_host.json" 2>&1 | tail -6 ;;
     hf)
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_hf_llama_gpu.py \
         2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_h1024.json" 2>&1 \
-        | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round)|failed" ;;
+        | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path)|failed" ;;
     hf-h2048|hf-h4096)
       shape=${step#hf-}
       timeout 560 python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
-        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  round)|failed" ;;
+        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  round|  path)|failed" ;;
     numerics-h1024|numerics-h2048)
       shape=${step#numerics-}
       for seed in ${SEEDS:-0}; do
@@ -115,11 +116,11 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       for seed in ${SEEDS:-0}; do grep -v "Warn\|warn\|append" "$OUT/numerics_${shape}_s$seed.log" | tail -8; done ;;
     block)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_scaling_gpu.py \
-        tests/gpu/test_block_cast_gpu.py 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
+        tests/gpu/test_block_cast_gpu.py tests/gpu/test_block_native_gpu.py 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
-        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block torch-gemm,fp8 compile block,\
+        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block node,fp8 compile block,\
 fp8 compile block torch-gemm}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_block.log" \
-        | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round)|failed" ;;
+        | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path)|failed" ;;
     blockcast)
       timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_cast_gpu.py 2>&1 \
         | grep -E "passed|failed|^(FAILED|ERROR)"
@@ -147,8 +148,7 @@ fp8 compile block torch-gemm}" --json "$OUT/hf_block.json" 2>&1 | tee "$OUT/hf_b
         tests/gpu/test_fused_modules_gpu.py tests/gpu/test_graphs_gpu.py tests/gpu/test_mlp_node_gpu.py \
         tests/gpu/test_replay_gpu.py > "$OUT/high_b.log" 2>&1 &
       wait
-      for log in "$OUT"/high_a.log "$OUT"/high_b.log; do grep -h "^FAILED\|^ERROR" "$log" | head -8; tail -1 "$log"; done
-      PYTHONPATH=$PYTHONPATH:benchmarks timeout 100 python3 tools/probe_high_mlp.py 2>&1 | grep -v "warn\|Warn\|run_backward" ;;
+      for log in "$OUT"/high_a.log "$OUT"/high_b.log; do grep -h "^FAILED\|^ERROR" "$log" | head -8; tail -1 "$log"; done ;;
     lt)
       python3 -c "from fp8train.kernels import native; e = native.extension(); print('C++ extension:', \
 'built, libcublasLt %s' % e.lt_version() if e else native.failure())"
