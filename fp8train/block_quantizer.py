@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from . import kernels, ops
 from .kernels.block_reference import Block, blocks_of
@@ -64,19 +65,10 @@ class BlockScalingQuantizer(Quantizer):
         x = self._checked(x)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
         traced = torch.compiler.is_compiling()
-        both = transpose and self.block == ROW_BLOCKS  # x also in 128 x 1 blocks, transposed
-        if traced:  # the eager kernels as the operator fp8train::block_cast, launched by Inductor
-            data, scale_inv, data_t, scale_inv_cols = torch.ops.fp8train.block_cast(
-                rows.detach(), self.dtype, self.block == TILE_BLOCKS, both, self.power_of_two)
+        if self.block == TILE_BLOCKS:
+            data, scale_inv, data_t, scale_inv_t = _tiles(rows, self.dtype, transpose, self.power_of_two, traced)
         else:
-            data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, self.dtype, self.block, both, self.power_of_two)
-        scale_inv_t = scale_inv_cols.t() if both else None
-        if transpose and not both:  # 128 x 128 tiles: the payload's bytes transposed, (K, Mp) and (Kb, Mb)
-            cols = padded_rows(rows.shape[0])
-            data_t = ops.bytes_transposed(data, cols) if traced else transpose_padded(data, cols)
-            scale_inv_t = scale_inv.t()
-        elif not both:
-            data_t = None
+            data, scale_inv, data_t, scale_inv_t = _rows(rows, self.dtype, transpose, self.power_of_two, traced)
         db = rows.sum(0, dtype=torch.float32) if dbias else None
         return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
 
@@ -160,18 +152,81 @@ def _new_cast(rows: torch.Tensor, dtype: torch.dtype, block: Block, both: bool, 
     return data, scale_inv, data_t, scale_inv_cols
 
 
+def _rows(rows: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two: bool, traced: bool):
+    """rows (M, K) in 1 x 128 blocks: (data, scale_inv, data_t, scale_inv_t), the last two
+    with transpose (rows also in 128 x 1 blocks, transposed: BlockScalingQuantizer.cast) else None."""
+    if traced:  # the eager kernels as the operator fp8train::block_cast, launched by Inductor
+        data, scale_inv, data_t, scale_inv_cols = torch.ops.fp8train.block_cast(
+            rows.detach(), dtype, False, transpose, power_of_two)
+    else:
+        data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, dtype, ROW_BLOCKS, transpose, power_of_two)
+    return data, scale_inv, (data_t if transpose else None), (scale_inv_cols.t() if transpose else None)
+
+
+def _tiles(w: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two: bool, traced: bool):
+    """w (M, K) in 128 x 128 tiles: (data, scale_inv (Mb, Kb), data_t (K, Mp), scale_inv_t
+    (Kb, Mb)), the last two with transpose (the payload's bytes transposed) else None. Each
+    scale_inv is the first columns of a buffer whose rows are padded to a multiple of 4 with
+    1s: gemm.tile_scales reads it as the block GEMM's operand without a copy."""
+    mb, kb = blocks_of(w.shape, TILE_BLOCKS)
+    if traced:  # the Triton kernel launched by Inductor (operator fp8train::block_cast)
+        data, scales, data_t, scales_t = torch.ops.fp8train.block_cast(w.detach(), dtype, True, transpose,
+                                                                       power_of_two)
+    else:
+        data, scales, data_t, scales_t = _new_tiles(w, dtype, transpose, power_of_two)
+    if not transpose:
+        return data, scales[:, :kb], None, None
+    return data, scales[:, :kb], data_t, scales_t[:, :mb]
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def _new_tiles(w: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two: bool, traced: bool = False):
+    """_tiles' fresh buffers, from one launch on CUDA (kernels.weight_tiles): (data, scales
+    (Mb, round4(Kb)), data_t (K, Mp), scales_t (Kb, round4(Mb))), the last two None
+    without transpose."""
+    m, k = w.shape
+    mb, kb = blocks_of(w.shape, TILE_BLOCKS)
+    data = torch.empty(w.shape, dtype=dtype, device=w.device)
+    scales = torch.empty((mb, _round4(kb)), dtype=torch.float32, device=w.device)
+    data_t = scales_t = None
+    if transpose:
+        data_t = torch.empty((k, padded_rows(m)), dtype=dtype, device=w.device)
+        scales_t = torch.empty((kb, _round4(mb)), dtype=torch.float32, device=w.device)
+    kernels.weight_tiles(w, data, scales, data_t, scales_t, power_of_two, traced)
+    return data, scales, data_t, scales_t
+
+
 @torch.library.triton_op("fp8train::block_cast", mutates_args=())
 def _block_cast_op(rows: torch.Tensor, fp8_dtype: torch.dtype, tiles: bool, both: bool, power_of_two: bool
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_new_cast as an operator for traced code: its body launches the Triton kernels through
-    wrap_triton, so Inductor launches them from its own code (off CUDA: ops.block_cast's
-    torch ops, traced into the graph; the eager twin's copies into FP8 buffers fail
-    Inductor's CPU code, torch 2.13). Absent outputs are empty (0,) tensors."""
-    block = TILE_BLOCKS if tiles else ROW_BLOCKS
+    """_new_cast (row blocks; both: the transposed 128 x 1 cast too) or _new_tiles (tiles;
+    both: the transposed copy too, scales padded) as an operator for traced code: its body
+    launches the Triton kernels through wrap_triton, so Inductor launches them from its own
+    code (off CUDA: ops.block_cast's torch ops, traced into the graph; the eager twin's
+    copies into FP8 buffers fail Inductor's CPU code, torch 2.13). Absent outputs are empty
+    (0,) tensors."""
+    if tiles:
+        if rows.is_cuda:
+            data, scales, data_t, scales_t = _new_tiles(rows, fp8_dtype, both, power_of_two, traced=True)
+        else:
+            data, _, scale_inv, _, _ = ops.block_cast(rows, fp8_dtype, TILE_BLOCKS, power_of_two, False, False)
+            mb, kb = scale_inv.shape
+            scales = F.pad(scale_inv, (0, _round4(kb) - kb), value=1.0)
+            if both:
+                data_t = ops.bytes_transposed(data, padded_rows(rows.shape[0]))
+                scales_t = F.pad(scale_inv.t(), (0, _round4(mb) - mb), value=1.0)
+        if not both:
+            data_t, scales_t = rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
+        return data, scales, data_t, scales_t
     if rows.is_cuda:
-        data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, fp8_dtype, block, both, power_of_two, traced=True)
+        data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, fp8_dtype, ROW_BLOCKS, both, power_of_two,
+                                                            traced=True)
     else:
-        data, data_t, scale_inv, _, scale_inv_t = ops.block_cast(rows, fp8_dtype, block, power_of_two, both, False)
+        data, data_t, scale_inv, _, scale_inv_t = ops.block_cast(rows, fp8_dtype, ROW_BLOCKS, power_of_two, both,
+                                                                 False)
         scale_inv_cols = scale_inv_t.t() if both else None
     if not both:
         data_t, scale_inv_cols = rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
@@ -191,4 +246,7 @@ def transpose_tiles(cast: BlockCast) -> BlockCast:
     if cast.data_t is not None:
         return cast
     data = cast.data
-    return cast._replace(data_t=transpose_padded(data, padded_rows(data.shape[0])), scale_inv_t=cast.scale_inv.t())
+    mb = cast.scale_inv.shape[0]
+    scales_t = cast.scale_inv.new_ones(cast.scale_inv.shape[1], _round4(mb))  # padded as _tiles' (tile_scales)
+    scales_t[:, :mb].copy_(cast.scale_inv.t())
+    return cast._replace(data_t=transpose_padded(data, padded_rows(data.shape[0])), scale_inv_t=scales_t[:, :mb])

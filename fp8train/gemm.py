@@ -312,14 +312,26 @@ def _column_major(s: torch.Tensor) -> torch.Tensor:
 
 def tile_scales(s: torch.Tensor) -> torch.Tensor:
     """bt's tile scales (Nb, Kb) as torch's BlockWise128x128 B operand: (round_up(Kb, 4), Nb)
-    with strides (1, round_up(Kb, 4)), the padding entries 1 (no block of K reads them); a view
-    of s where s is contiguous and Kb a multiple of 4 (the same layout, no padding)."""
+    with strides (1, round_up(Kb, 4)), the padding entries 1 (no block of K reads them). A view,
+    no copy, where s is contiguous with Kb a multiple of 4, or the first Kb columns of a
+    (Nb, round_up(Kb, 4)) buffer (the weight cast's scales: block_quantizer._tiles)."""
     nb, kb = s.shape
+    kb4 = -(-kb // 4) * 4
     if kb % 4 == 0 and s.is_contiguous():
         return s.t()
+    if nb > 0 and s.stride() == (kb4, 1) and _holds(s, nb * kb4):
+        return s.as_strided((kb4, nb), (1, kb4))
     padded = s.new_ones(nb, -(-kb // 4) * 4)
     padded[:, :kb].copy_(s)
     return padded.t()
+
+
+def _holds(s: torch.Tensor, numel: int) -> bool:
+    """Whether s's storage holds `numel` elements from s's offset on (in traced code, where
+    the only such strided scales are the weight cast's padded buffers, taken as so)."""
+    if torch.compiler.is_compiling():
+        return True
+    return (s.storage_offset() + numel) * s.element_size() <= s.untyped_storage().nbytes()
 
 
 def fprop(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,

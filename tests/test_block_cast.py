@@ -158,3 +158,15 @@ def test_tile_scales_are_the_gemms_padded_layout(nb, kb):
     assert torch.equal(got[:kb], s.t()) and bool((got[kb:] == 1).all())
     assert (got.data_ptr() == s.data_ptr()) == (kb % 4 == 0)
     assert gemm.tile_scales(s.t().contiguous().t()).stride() == (1, kb4)  # a column-major s is copied
+
+
+def test_tile_scales_read_a_padded_buffer_in_place_only_where_it_is_there():
+    # the first Kb columns of an (Nb, round_up(Kb, 4)) buffer: a view over its padding
+    buf = torch.full((5, 4), 7.0)
+    buf[:, :3] = torch.rand(5, 3) + 0.5
+    got = gemm.tile_scales(buf[:, :3])
+    assert got.data_ptr() == buf.data_ptr() and got.stride() == (1, 4) and torch.equal(got, buf.t())
+    # the same strides over storage that ends before the last row's padding: a padded copy
+    short = torch.rand(5 * 4 - 1).as_strided((5, 3), (4, 1))
+    got = gemm.tile_scales(short)
+    assert got.data_ptr() != short.data_ptr() and torch.equal(got[:3], short.t()) and bool((got[3] == 1).all())

@@ -96,6 +96,13 @@ def test_weight_quantizer_transposes_its_tiles():
     assert torch.equal(c.scale_inv, torch.from_numpy(want_si)) and c.scale_inv.shape == (3, 3)
     assert torch.equal(c.data_t.view(torch.uint8), c.data.view(torch.uint8).t())  # the same tiles, no second cast
     assert torch.equal(c.scale_inv_t, c.scale_inv.t())
+    # both scale grids sit in buffers padded with 1 to 4 columns, which the GEMM reads without a copy
+    for s, other in ((c.scale_inv, c.scale_inv_t), (c.scale_inv_t, c.scale_inv)):
+        operand = gemm.tile_scales(s)
+        assert operand.data_ptr() == s.data_ptr() and operand.shape == (4, 3) and operand.stride() == (1, 4)
+        assert torch.equal(operand[:3], s.t()) and bool((operand[3] == 1).all())
+    plain = q.cast(w).scale_inv  # without the transposed copy: the same padded buffer
+    assert gemm.tile_scales(plain).data_ptr() == plain.data_ptr() and torch.equal(plain, c.scale_inv)
     g = make_quantizer(BlockScaling(fp8_format=Format.HYBRID), TensorRole.GRAD_OUTPUT)
     assert g.dtype == E5M2 and g.block == ROW
 

@@ -66,6 +66,29 @@ def block_cast_both(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, sca
     byte_transpose(again, out_t)
 
 
+def weight_tiles(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, out_t: Optional[torch.Tensor] = None,
+                 scales_t: Optional[torch.Tensor] = None, power_of_two: bool = False, traced: bool = False) -> None:
+    """x (M, K) in 128 x 128 tiles into out and scales (Mb, round_up(Kb, 4)): the tiles'
+    scale_inv in the first Kb columns, 1 in the rest (the block GEMM's B layout, rows padded to
+    4); with out_t (K, Mp) and scales_t (Kb, round_up(Mb, 4)) also out's bytes transposed (zero
+    beyond M) and the scales transposed, likewise padded. On CUDA one Triton launch
+    (block_kernel.weight_tiles_into), elsewhere its twin: block_cast, byte_transpose and copies."""
+    if x.is_cuda:
+        from .block_kernel import weight_tiles_into
+        weight_tiles_into(x, out, scales, out_t, scales_t, power_of_two, traced)
+        return
+    from .block_reference import block_cast as twin
+    data, scale_inv = twin(x.detach(), out.dtype, (128, 128), power_of_two)
+    out.copy_(data)
+    mb, kb = scale_inv.shape
+    scales[:, :kb].copy_(scale_inv)
+    scales[:, kb:].fill_(1.0)
+    if out_t is not None:
+        byte_transpose(out, out_t)
+        scales_t[:, :mb].copy_(scale_inv.t())
+        scales_t[:, mb:].fill_(1.0)
+
+
 def byte_transpose(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst (N, Mp)[:, :M] = src (M, N) transposed, zero beyond (transpose.transpose_reference):
     the Triton byte transpose on CUDA (kernels/transpose.py), a torch copy elsewhere."""

@@ -177,6 +177,55 @@ def _block_cast_both_kernel(
     tl.store(slot, tl.math.div_rn(1.0, scale), mask=used)
 
 
+@triton.jit
+def _weight_tiles_kernel(
+    x_ptr,       # (M, K) bf16/fp16/fp32, row stride stride_xm, unit column stride
+    out_ptr,     # (M, K) fp8, row-major: x in 128 x 128 tiles
+    out_t_ptr,   # (K, Mp) fp8, row-major: out's bytes transposed, zero in columns M..Mp (TRANSPOSE)
+    sinv_ptr,    # (Mb, Kb4) float32 row-major: the tiles' scale_inv, 1 in columns Kb..Kb4
+    sinv_t_ptr,  # (Kb, Mb4) float32 row-major: the same transposed, 1 in columns Mb..Mb4 (TRANSPOSE)
+    M, K, stride_xm, out_t_cols,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr,
+):
+    """A weight's 128 x 128 tile cast (mode 2 of _block_cast_kernel) with what both of its
+    GEMMs read, from one launch: the payload, its bytes transposed (the dgrad's W^T), and the
+    tile scales laid out as cuBLASLt's block scaling takes a B operand's, rows padded to a
+    multiple of 4 (gemm.tile_scales sees them as (Kb4, Mb) with strides (1, Kb4) without a
+    copy): where the byte transpose and two padded copies per step were three more launches."""
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, 128)
+    rb = pid // tiles_k
+    cb = pid % tiles_k
+    r = rb * 128 + tl.arange(0, 128)
+    c = cb * 128 + tl.arange(0, 128)
+    inside = (r < M)[:, None] & (c < K)[None, :]
+    x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.max(_abs_bits(x), axis=1), axis=0), FP8_MAX, POW2)
+    y = _saturate(x, scale, FP8_MAX).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y, mask=inside)
+    kb4 = tl.cdiv(tiles_k, 4) * 4
+    pad = tl.arange(0, 4)
+    sinv = tl.math.div_rn(1.0, scale)
+    tl.store(sinv_ptr + rb * kb4 + cb, sinv)
+    # the last tile of a row of tiles writes the row's padding
+    tl.store(sinv_ptr + rb * kb4 + tiles_k + pad, tl.full([4], 1.0, tl.float32),
+             mask=(tiles_k + pad < kb4) & (pad * 0 + cb == tiles_k - 1))
+    if TRANSPOSE:
+        # rows M..Mp of the tile loaded 0: their bytes are out_t's zero padding
+        tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], tl.trans(y),
+                 mask=(c < K)[:, None] & (r < out_t_cols)[None, :])
+        tiles_m = tl.cdiv(M, 128)
+        mb4 = tl.cdiv(tiles_m, 4) * 4
+        tl.store(sinv_t_ptr + cb * mb4 + rb, sinv)
+        tl.store(sinv_t_ptr + cb * mb4 + tiles_m + pad, tl.full([4], 1.0, tl.float32),
+                 mask=(tiles_m + pad < mb4) & (pad * 0 + rb == tiles_m - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_kernel(fp8_max: float, pow2: bool, transpose: bool, warps: int) -> DirectKernel:
+    return DirectKernel(_weight_tiles_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, TRANSPOSE=transpose)
+
+
 @functools.lru_cache(maxsize=None)
 def _both_kernel(fp8_max: float, pow2: bool, warps: int) -> DirectKernel:
     return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2)
@@ -187,6 +236,47 @@ def _kernel(mode: int, fp8_max: float, pow2: bool, shape: Tuple[int, int, int]) 
     tile_m, tile_k, warps = shape
     return DirectKernel(_block_cast_kernel, num_warps=warps, MODE=mode, FP8_MAX=fp8_max, POW2=pow2, TILE_M=tile_m,
                         TILE_K=tile_k)
+
+
+def weight_tiles_into(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, out_t=None, scales_t=None,
+                      power_of_two: bool = False, traced: bool = False) -> None:
+    """x (M, K) in 128 x 128 tiles into out (M, K) fp8 and scales (Mb, Kb4) (Kb4: Kb rounded up
+    to 4; the tiles' scale_inv in its first Kb columns, 1 in the rest); with out_t (K, Mp) (Mp >= M
+    a multiple of 16) and scales_t (Kb, Mb4) also the payload's bytes transposed (zero in
+    columns M..Mp) and the scales transposed, likewise padded. One launch of the Triton kernel
+    (twin: kernels.weight_tiles dispatches). traced: as block_cast_into's."""
+    if x.dim() != 2:
+        raise ValueError(f"weight_tiles_into: x must be 2-D, got {tuple(x.shape)}")
+    m, k = x.shape
+    mb, kb = -(-m // 128), -(-k // 128)
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if out.shape != x.shape or out.dtype not in fp8 or not out.is_contiguous():
+        raise ValueError(f"weight_tiles_into: out must be a contiguous fp8 tensor of x's shape {tuple(x.shape)}")
+    want = [("scales", scales, (mb, -(-kb // 4) * 4))]
+    if (out_t is None) != (scales_t is None):
+        raise ValueError("weight_tiles_into: out_t and scales_t come together")
+    if out_t is not None:
+        if out_t.dim() != 2 or out_t.shape[0] != k or out_t.shape[1] < m or out_t.shape[1] % 16 or \
+                out_t.dtype != out.dtype or not out_t.is_contiguous():
+            raise ValueError(f"weight_tiles_into: out_t must be a contiguous {out.dtype} tensor ({k}, Mp), Mp >= {m} "
+                             f"a multiple of 16, got {tuple(out_t.shape)}")
+        want.append(("scales_t", scales_t, (kb, -(-mb // 4) * 4)))
+    for name, t, shape in want:
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"weight_tiles_into: {name} must be a contiguous float32 tensor of shape {shape}")
+    if x.stride(1) != 1 and k > 1:
+        x = x.contiguous()
+    if x.numel() == 0:
+        return
+    transpose = out_t is not None
+    kernel = _weight_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), transpose, launch_shapes().tiles[2])
+    args = (x, out, out_t if transpose else out, scales, scales_t if transpose else scales, m, k,
+            x.stride(0) if m > 1 else k, out_t.shape[1] if transpose else 16)
+    if traced:
+        kernel.traced(mb * kb, *args)
+        return
+    with device_guard(x.device):
+        kernel(mb * kb, *args)
 
 
 class _Hole:
@@ -310,4 +400,4 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
 
 
 __all__ = ["BlockShapes", "block_cast_both_into", "block_cast_into", "launch_shapes", "native_launch",
-           "override_shapes"]
+           "override_shapes", "weight_tiles_into"]

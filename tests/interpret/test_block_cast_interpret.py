@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from fp8train import kernels  # noqa: E402
 from fp8train.kernels import block_reference as br  # noqa: E402
-from fp8train.kernels.block_kernel import block_cast_both_into, block_cast_into  # noqa: E402
+from fp8train.kernels.block_kernel import block_cast_both_into, block_cast_into, weight_tiles_into  # noqa: E402
 
 BLOCKS = [pytest.param(b, id=f"{b[0]}x{b[1]}") for b in br.BLOCKS]
 
@@ -136,3 +136,64 @@ def test_block_cast_both_into_checks_its_buffers():
         block_cast_both_into(x, out, torch.empty(256, 64, dtype=e4m3), si, si_t)  # not padded to 128
     with pytest.raises(ValueError, match="scale_inv_t_out must be"):
         block_cast_both_into(x, out, torch.empty(256, 128, dtype=e4m3), si, torch.empty(256, 1))
+
+
+def _weight_want(x, fp8, power_of_two, mp):
+    """The weight tiles' outputs from the twin: its 128 x 128 cast, the payload transposed by
+    torch with zero columns M..mp, both scale grids padded with 1 to a multiple of 4 columns."""
+    data, si = br.block_cast(x, fp8, (128, 128), power_of_two)
+    mb, kb = si.shape
+    scales, scales_t = torch.ones(mb, -(-kb // 4) * 4), torch.ones(kb, -(-mb // 4) * 4)
+    scales[:, :kb], scales_t[:, :mb] = si, si.t()
+    data_t = torch.zeros(x.shape[1], mp, dtype=torch.uint8)
+    data_t[:, :x.shape[0]] = data.view(torch.uint8).t()
+    return data, scales, data_t.view(fp8), scales_t
+
+
+@TRACED
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape, dtype", [((200, 300), torch.bfloat16), ((512, 640), torch.float32),
+                                          ((37, 1000), torch.float32)], ids=["tails-bf16", "whole-fp32", "short-fp32"])
+def test_weight_tiles_kernel_matches_the_twin(shape, dtype, fp8, power_of_two, traced, exact_conversions):
+    # 200 x 300: Mb 2, Kb 3 (both grids padded); 512 x 640: Mb 4, Kb 5; 37 x 1000: Mb 1, Kb 8
+    # (no padding in scales, 3 in scales_t; Mp 48: 11 zero columns in out_t)
+    x = _input(shape, dtype, seed=13)
+    m, k = shape
+    mp = -(-m // 16) * 16
+    want, want_s, want_t, want_s_t = _weight_want(x, fp8, power_of_two, mp)
+    out, out_t = torch.empty(shape, dtype=fp8), torch.full((k, mp), 0x55, dtype=torch.uint8).view(fp8)
+    scales, scales_t = torch.full(want_s.shape, -1.0), torch.full(want_s_t.shape, -1.0)
+    weight_tiles_into(x, out, scales, out_t, scales_t, power_of_two, traced=traced)
+    assert torch.equal(scales, want_s) and torch.equal(scales_t, want_s_t)
+    assert_fp8_equal(out, want)
+    assert_fp8_equal(out_t, want_t)
+    # without the transposed copy: the payload and padded scales alone, and the twin's dispatch agrees
+    out2, scales2 = torch.empty(shape, dtype=fp8), torch.full(want_s.shape, -1.0)
+    weight_tiles_into(x, out2, scales2, power_of_two=power_of_two, traced=traced)
+    assert torch.equal(scales2, want_s)
+    assert_fp8_equal(out2, want)
+
+
+def test_weight_tiles_kernel_reads_strided_rows(exact_conversions):
+    x = _input((150, 400), torch.bfloat16, seed=5)[:, 50:350]  # row stride 400
+    want, want_s, want_t, want_s_t = _weight_want(x, torch.float8_e4m3fn, False, 160)
+    out, out_t = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(300, 160, dtype=torch.float8_e4m3fn)
+    scales, scales_t = torch.empty(want_s.shape), torch.empty(want_s_t.shape)
+    weight_tiles_into(x, out, scales, out_t, scales_t)
+    assert torch.equal(scales, want_s) and torch.equal(scales_t, want_s_t)
+    assert_fp8_equal(out, want)
+    assert_fp8_equal(out_t, want_t)
+
+
+def test_weight_tiles_into_checks_its_buffers():
+    x, e4m3 = torch.zeros(200, 300), torch.float8_e4m3fn
+    out, scales = torch.empty(200, 300, dtype=e4m3), torch.empty(2, 4)
+    with pytest.raises(ValueError, match="scales must be"):
+        weight_tiles_into(x, out, torch.empty(2, 3))  # Kb 3 not padded to 4
+    with pytest.raises(ValueError, match="come together"):
+        weight_tiles_into(x, out, scales, torch.empty(300, 208, dtype=e4m3))
+    with pytest.raises(ValueError, match="out_t must be"):
+        weight_tiles_into(x, out, scales, torch.empty(300, 200, dtype=e4m3), torch.empty(3, 4))  # 200 % 16
+    with pytest.raises(ValueError, match="scales_t must be"):
+        weight_tiles_into(x, out, scales, torch.empty(300, 208, dtype=e4m3), torch.empty(3, 2))
