@@ -67,12 +67,18 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
     both = {"x_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv", "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32",
             "sinv_t_ptr": "*fp32", **{n: "i32" for n in _INTS}, "FP8_MAX": "constexpr", "POW2": "constexpr"}
     yield "both", compiled(block_kernel._block_cast_both_kernel, both, {"FP8_MAX": 448.0, "POW2": False}, shapes.both)
+    weight = {**both, "TRANSPOSE": "constexpr"}
+    del weight["stride_sr"], weight["stride_sc"]
+    yield "weight", compiled(block_kernel._weight_tiles_kernel, weight,
+                             {"FP8_MAX": 448.0, "POW2": False, "TRANSPOSE": True}, shapes.tiles[2])
 
 
 def _warps_and_tile(shapes: block_kernel.BlockShapes, name: str):
     """(warps, elements of the tile a program casts) of the kernel `name` under `shapes`."""
     if name == "both":
         return shapes.both, 128 * 128
+    if name == "weight":
+        return shapes.tiles[2], 128 * 128
     tm, tk, warps = shapes.of({"1x128": 0, "128x1": 1, "128x128": 2}[name])
     return warps, tm * tk
 
@@ -87,13 +93,13 @@ def main(argv=None) -> None:
     from cast import BLOCK_VARIANTS  # benchmarks/cast.py: the variants the GPU sweep times
 
     default = block_kernel.BlockShapes()
-    wanted = {"rows": "1x128", "cols": "128x1", "tiles": "128x128", "both": "both"}
+    wanted = {"rows": ("1x128",), "cols": ("128x1",), "tiles": ("128x128", "weight"), "both": ("both",)}
     print(f"block cast kernels, x {args.dtype}, sm_90a, triton {triton.__version__}")
     for field, values in [(None, [None])] + BLOCK_VARIANTS:
         for value in values:
             shapes = dataclasses.replace(default, **{field: value}) if field else default
             for name, kernel in block_kernels(shapes, args.dtype):
-                if field and name != wanted[field]:
+                if field and name not in wanted[field]:
                     continue
                 r = resources(kernel)
                 label = f"{name} {'default' if field is None else f'{field}={value}'}"
