@@ -23,6 +23,11 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                its layers run the Python node)
   fp8 eager block node                         the same, its Linears in the C++ node
                                                (native.BLOCK_NODE on; off by default until checked)
+  fp8 compile block one-launch, fp8 eager block node one-launch
+                                               the same, each weight's tile cast, transposed copy
+                                               and GEMM scale layouts from one launch
+                                               (block_quantizer.ONE_LAUNCH_TILES on; off by default
+                                               until checked)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -65,6 +70,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import fp8train
+from fp8train import block_quantizer
 from fp8train.data import ByteCorpus
 from fp8train.kernels import native
 from fp8train.modules import base as module_base
@@ -87,12 +93,14 @@ SHAPES = {
     "h4096": Shape(4096, 14336, 2, 32, 8),
     "tiny": Shape(64, 128, 2, 4, 2, batch=2, seq=64),
 }
-_BLOCK_GEMM, _BLOCK_NODE = native.BLOCK_GEMM, native.BLOCK_NODE  # the library's defaults, restored after each step
+# the library's defaults, restored after each step
+_BLOCK_GEMM, _BLOCK_NODE, _ONE_LAUNCH = native.BLOCK_GEMM, native.BLOCK_NODE, block_quantizer.ONE_LAUNCH_TILES
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 eager block node",
-            "fp8 compile block", "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro"]
+            "fp8 eager block node one-launch", "fp8 compile block", "fp8 compile block one-launch",
+            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro"]
 
 
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
@@ -165,6 +173,7 @@ class Runner:
         self.aten_mm = "aten-mm" in variant.split()
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
         self.block_node = "node" in variant.split() or _BLOCK_NODE
+        self.one_launch = "one-launch" in variant.split() or _ONE_LAUNCH
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -189,10 +198,12 @@ class Runner:
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
         native.GEMM_OP, native.BLOCK_GEMM, native.BLOCK_NODE = not self.aten_mm, self.block_gemm, self.block_node
+        block_quantizer.ONE_LAUNCH_TILES = self.one_launch
         try:
             return self._step(m, recipe)
         finally:
             native.GEMM_OP, native.BLOCK_GEMM, native.BLOCK_NODE = True, _BLOCK_GEMM, _BLOCK_NODE
+            block_quantizer.ONE_LAUNCH_TILES = _ONE_LAUNCH
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]
@@ -308,7 +319,7 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
 
 def print_table(name: str, rows: List[Dict]) -> None:
     print(f"\n{name}: {SHAPES[name]} (vs: the median over rounds of the ratio within a round)")
-    print(f"{'variant':<24}{'wall ms':>9}{'device ms':>10}{'wall/dev':>9}{'vs bf16 eager':>14}"
+    print(f"{'variant':<34}{'wall ms':>9}{'device ms':>10}{'wall/dev':>9}{'vs bf16 eager':>14}"
           f"{'vs torchao':>11}{'peak GiB':>9}{'kernels':>8}{'loss':>8}")
 
     def cell(v: Optional[float], width: int, spec: str, unit: str = "") -> str:
@@ -316,24 +327,24 @@ def print_table(name: str, rows: List[Dict]) -> None:
 
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<24}  failed: {r['error'][:150]}")
+            print(f"{r['variant']:<34}  failed: {r['error'][:150]}")
             continue
-        print(f"{r['variant']:<24}{cell(r['wall_ms'], 9, '.2f')}{cell(r['device_ms'], 10, '.2f')}"
+        print(f"{r['variant']:<34}{cell(r['wall_ms'], 9, '.2f')}{cell(r['device_ms'], 10, '.2f')}"
               f"{cell(r['wall_over_device'], 9, '.2f')}{cell(r['vs_bf16_eager'], 14, '.2f', 'x')}"
               f"{cell(r['vs_torchao'], 11, '.2f', 'x')}{cell(r['peak_gib'], 9, '.1f')}"
               f"{cell(r['kernels_per_step'], 8, '.0f')}{r['loss']:>8.3f}")
     for r in rows:
         for path, count in r.get("linear_paths", {}).items():
-            print(f"  path {r['variant']:<24}{count:3d} Linears  {path[:100]}")
+            print(f"  path {r['variant']:<34}{count:3d} Linears  {path[:100]}")
     for r in rows:
         for key, ms, count in r.get("host_top", []):
-            print(f"  host {r['variant']:<24}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
+            print(f"  host {r['variant']:<34}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
     for r in rows:
         if r.get("device_kinds"):
             kinds = "  ".join(f"{k} {ms:.2f}" for k, ms in sorted(r["device_kinds"].items(), key=lambda kv: -kv[1]))
-            print(f"  dev  {r['variant']:<24}{kinds}")
+            print(f"  dev  {r['variant']:<34}{kinds}")
         for key, ms, count in r.get("device_top", []):
-            print(f"  dev  {r['variant']:<24}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
+            print(f"  dev  {r['variant']:<34}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
 
 
 def main(argv: Optional[List[str]] = None) -> Dict:
