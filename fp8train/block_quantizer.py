@@ -120,6 +120,42 @@ class BlockScalingQuantizer(Quantizer):
         prepared[key] = plan
         return plan
 
+    def native_recast(self, w: torch.Tensor, kept: BlockCast, transpose: bool):
+        """The C++ re-cast plan (csrc/linear_node.cpp `recast`, a tile plan) that casts the
+        weight `w` into `kept`'s buffers in place, the node's first step: one launch of the
+        one-launch tile cast (block_kernel.native_launch(tiles=True)); or None where Python
+        must cast: ONE_LAUNCH_TILES off, `kept` not of that form (its scales the first
+        columns of padded buffers) or without the transposed copy `transpose` wants, w not a
+        contiguous, 16-byte aligned 2-D CUDA tensor of kept's shape and device, no extension.
+        Made on the first call, kept with the preparations."""
+        if not (ONE_LAUNCH_TILES and self.block == TILE_BLOCKS) or not w.is_cuda or w.dim() != 2 \
+                or not w.is_contiguous() or w.data_ptr() & 15 or kept.data.shape != w.shape \
+                or kept.data.dtype != self.dtype or kept.data.device != w.device:
+            return None
+        if transpose and kept.data_t is None:
+            return None
+        for s in (kept.scale_inv, kept.scale_inv_t) if transpose else (kept.scale_inv,):
+            if s.stride() != (_round4(s.shape[1]), 1):  # not a padded buffer's first columns
+                return None
+        key = ("recast", tuple(w.shape), w.dtype, transpose)
+        prepared = self._prepared
+        if key in prepared:
+            return prepared[key]
+        from .kernels import block_kernel, native
+        ext = native.extension()
+        plan = None
+        if ext is not None and w.dtype in native.DTYPE_CODES:
+            device = w.get_device()
+            spec = block_kernel.native_launch(w.shape, w.dtype, self.dtype, transpose, self.power_of_two,
+                                              torch.device("cuda", device), tiles=True)
+            if spec is not None:
+                m, k = w.shape
+                plan = ext.CastPlan(device, native.DTYPE_CODES[w.dtype], self.dtype == torch.float8_e5m2, [m, k],
+                                    [k, padded_rows(m)] if transpose else [], [], [ext.Launch(*spec[0])], None, None,
+                                    native.DTYPE_CODES[torch.float32], list(spec[1]), block=True, tiles=True)
+        prepared[key] = plan
+        return plan
+
     def _steady_launches(self, shape, dtype, transpose, dbias):
         return None  # native_plan makes the block cast's plan itself
 

@@ -23,6 +23,9 @@ def cases(ext, dev):
     fwd_groups = (ext.Group(dev_index, 9, [], [], [], [False] * 9, []), ext.Group(dev_index, 4, [], [], [], [False] * 4, []))
     mlp_plan = ext.MlpPlan(dev_index, [4, 16, 16, 16, 16], True, False, [False] * 7, [1, 4, 4, 5, 0],
                            [True, False, False], *fwd_groups, None, None, None)
+    tile_plan = ext.CastPlan(dev_index, 1, False, [16, 16], [], [], [launch], None, None, 0, [], True, False, True)
+    tile_plan_t = ext.CastPlan(dev_index, 1, False, [16, 16], [16, 16], [], [launch], None, None, 0, [], True, False,
+                               True)
     x = torch.zeros(3, 16, dtype=bf16, device=dev)
     w = torch.zeros(16, 16, dtype=bf16, device=dev)
     w8 = torch.zeros(16, 16, dtype=torch.float8_e4m3fn, device=dev)
@@ -42,6 +45,18 @@ def cases(ext, dev):
             0, 1, False, [4, 16], [16, 16], [], [launch], None, None, 0, [], True, False),
         "CastPlan: block_dbias without block scaling": lambda: ext.CastPlan(
             0, 1, False, [4, 16], [], [], [launch], None, None, 0, [], False, True),
+        "CastPlan: a tile plan without block scaling": lambda: ext.CastPlan(
+            0, 1, False, [4, 16], [], [], [launch], None, None, 0, [], False, False, True),
+        "CastPlan: a tile plan with dbias": lambda: ext.CastPlan(
+            0, 1, False, [4, 16], [], [], [launch], None, None, 0, [], True, True, True),
+        "cast_with: a tile plan": lambda: ext.cast_with(tile_plan, w),
+        "recast_with: a tile plan with per-tensor scales": lambda: ext.recast_with(tile_plan, w, w8, None, one),
+        "recast_with: a tile plan without the transposed scales": lambda: ext.recast_with(
+            tile_plan_t, w, w8, w8, torch.ones(4, 1, device=dev)),
+        "recast_with: per-tensor plan with transposed scales": lambda: ext.recast_with(
+            plan, w[:2], w8[:2], None, one, one),
+        "linear_forward: a tile plan for a per-tensor layer": lambda: ext.linear_forward(
+            x, w, None, w8, one, None, plan, None, True, False, False, 1, False, tile_plan, None, None, None),
         "Group: flags of the wrong count": lambda: ext.Group(0, 2, [], [], [], [True], []),
         "Group: a launch's hole beyond the table": lambda: ext.Group(
             0, 1, [ext.Launch(0, 1, 128, 0, [0], [3])], [], [], [True], []),

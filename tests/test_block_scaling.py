@@ -425,3 +425,20 @@ def test_one_launch_weight_tiles_train_as_the_default_form(monkeypatch):
         results.append((y.detach(), x.grad, layer.weight.grad, layer.bias.grad))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_weight_workspace_casts_in_python_where_no_tile_plan_runs(monkeypatch):
+    # the C++ re-cast of a kept weight cast (a tile plan) is CUDA's: on the CPU, and with
+    # ONE_LAUNCH_TILES off, the workspace casts in Python and hands the node no plan
+    from fp8train.modules.weight_workspace import WeightWorkspace
+    q = make_quantizer(BlockScaling(), TensorRole.WEIGHT)
+    w = torch.randn(256, 384)
+    for one_launch in (False, True):
+        monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
+        ws = WeightWorkspace()
+        first, plan = ws.for_native(w, q, None, need_transpose=True)
+        assert plan is None and first is ws.block and first.data_t is not None
+        assert q.native_recast(w, first, True) is None
+        second, plan = ws.for_native(w, q, None, need_transpose=True)
+        assert plan is None and second is ws.block and second is not first  # cast again, fresh buffers
+        assert torch.equal(second.data.view(torch.uint8), first.data.view(torch.uint8))

@@ -168,6 +168,10 @@ struct CastPlan {
   // block GEMM's layout), scale_inv_t (Mb, K) with the transposed copy; block_dbias: dbias is
   // x's float32 column sums (the Python cast's torch op), in dbias_dtype
   bool block = false, block_dbias = false;
+  // block with tiles: a weight's 128 x 128 tiles (block_kernel.weight_tiles_into), only ever
+  // re-cast into its workspace (recast): payload, transposed copy (N, Mp), and both tile-scale
+  // grids in buffers padded to 4 columns, given as the GEMM's views of them (gemm.tile_scales)
+  bool tiles = false;
 };
 
 struct CastOut {
@@ -275,6 +279,7 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs ou
 // (block_kernel.block_cast_both_into's, or the 1 x 128 cast's). Allocated as cast's: kSaved
 // keeps the fprop's payload and scales apart from the transposed copy saved for wgrad.
 CastOut block_cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs outputs) {
+  TORCH_CHECK(!p.tiles, "fp8train native: a weight tile plan only re-casts into a workspace (recast_with)");
   FP8_STAGE_START(t_alloc);
   const int64_t m = p.data_shape[0], k = p.data_shape[1], kb = (k + 127) / 128;
   const bool transposed = !p.data_t_shape.empty();
@@ -309,21 +314,31 @@ CastOut block_cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outp
 // Why a weight and its workspace do not fit the re-cast plan `p` (below), or nullptr where they
 // fit. data_t: the transposed copy, (K, Np) or a view of its first N columns, given exactly
 // when the plan writes one. The binaries were specialised on 16-byte aligned pointers.
+const char* tile_scales_refusal(const CastPlan& p, const at::Tensor& w, const at::Tensor& scale_inv,
+                                const std::optional<at::Tensor>& scale_inv_t);
+
 const char* recast_refusal(const CastPlan& p, const at::Tensor& w, const at::Tensor& data,
-                           const std::optional<at::Tensor>& data_t, const at::Tensor& scale_inv) {
+                           const std::optional<at::Tensor>& data_t, const at::Tensor& scale_inv,
+                           const std::optional<at::Tensor>& scale_inv_t) {
   auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
   auto on_device = [&p](const at::Tensor& t) { return t.is_cuda() && t.get_device() == p.device; };
   const c10::IntArrayRef shape(p.data_shape);
   if (p.partial.defined() || p.block_dbias) return "the plan computes dbias";
-  if (p.block) return "a block-scaled plan (weights are cast in tiles by Python)";
+  if (p.block && !p.tiles) return "a plan of 1 x 128 blocks (inputs and gradients; weights re-cast in tiles)";
   if (!on_device(w) || w.sizes() != shape || w.scalar_type() != p.x_dtype)
     return "the weight is not of the plan's shape, dtype and device";
   if (!w.is_contiguous() || !aligned(w)) return "the weight is not contiguous and 16-byte aligned";
   if (!on_device(data) || data.sizes() != shape || data.scalar_type() != p.fp8_dtype || !data.is_contiguous() ||
       !aligned(data))
     return "the payload buffer does not fit the plan";
-  if (!on_device(scale_inv) || scale_inv.numel() != 1 || scale_inv.scalar_type() != at::kFloat || !aligned(scale_inv))
+  if (p.tiles) {
+    if (const char* why = tile_scales_refusal(p, w, scale_inv, scale_inv_t)) return why;
+  } else if (scale_inv_t.has_value()) {
+    return "a scale_inv_t buffer for a per-tensor plan";
+  } else if (!on_device(scale_inv) || scale_inv.numel() != 1 || scale_inv.scalar_type() != at::kFloat ||
+             !aligned(scale_inv)) {
     return "the scale_inv buffer is not one aligned float32 on the plan's device";
+  }
   const bool transposed = !p.data_t_shape.empty();
   if (data_t.has_value() != transposed)
     return transposed ? "no transposed buffer for a plan that writes one" : "a transposed buffer for a plan that writes none";
@@ -338,19 +353,42 @@ const char* recast_refusal(const CastPlan& p, const at::Tensor& w, const at::Ten
   return nullptr;
 }
 
+// A tile plan's scale buffers as the block GEMM reads them (gemm.tile_scales): W's (Mb, Kb)
+// tile scales as a (round_up(Kb, 4), Mb) view with strides (1, round_up(Kb, 4)) of a buffer
+// that holds the padding, and with a transposed copy W^T's (Kb, Mb) likewise.
+const char* tile_scales_refusal(const CastPlan& p, const at::Tensor& w, const at::Tensor& scale_inv,
+                                const std::optional<at::Tensor>& scale_inv_t) {
+  auto laid_out = [&p](const at::Tensor& s, int64_t blocks, int64_t cols) {
+    const int64_t padded = (blocks + 3) / 4 * 4;
+    return s.is_cuda() && s.get_device() == p.device && s.scalar_type() == at::kFloat && s.dim() == 2 &&
+           s.size(0) == padded && s.size(1) == cols && s.stride(0) == 1 && s.stride(1) == padded &&
+           reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0 &&
+           static_cast<int64_t>(s.storage().nbytes()) >= (s.storage_offset() + padded * cols) * 4;
+  };
+  const int64_t mb = (w.size(0) + 127) / 128, kb = (w.size(1) + 127) / 128;
+  if (!laid_out(scale_inv, kb, mb)) return "the tile scales are not the block GEMM's padded view of their buffer";
+  if (scale_inv_t.has_value() != !p.data_t_shape.empty())
+    return p.data_t_shape.empty() ? "transposed tile scales for a plan that writes no transposed copy"
+                                  : "no transposed tile scales for a plan that writes a transposed copy";
+  if (scale_inv_t.has_value() && !laid_out(*scale_inv_t, mb, kb))
+    return "the transposed tile scales are not the block GEMM's padded view of their buffer";
+  return nullptr;
+}
+
 // A weight's steady-state re-cast into its FP8 workspace (WeightWorkspace.for_native): the
 // weight quantizer's cast plan, as for an input (Quantizer.native_plan), run into the
 // workspace's own buffers instead of fresh ones: its scratch zeroed first (current scaling's
 // amax), then its launches (current scaling: the amax pass, then the cast).
 void recast(const CastPlan& p, const at::Tensor& w, const at::Tensor& data, const std::optional<at::Tensor>& data_t,
-            const at::Tensor& scale_inv) {
-  const char* why = recast_refusal(p, w, data, data_t, scale_inv);
+            const at::Tensor& scale_inv, const std::optional<at::Tensor>& scale_inv_t) {
+  const char* why = recast_refusal(p, w, data, data_t, scale_inv, scale_inv_t);
   TORCH_CHECK(why == nullptr, "fp8train native: a weight re-cast plan for ", c10::IntArrayRef(p.data_shape), " ",
               p.x_dtype, " on cuda:", p.device, " got a weight ", w.sizes(), " ", w.scalar_type(), ": ", why);
   const bool transposed = !p.data_t_shape.empty();
   uint64_t pointers[kHoles] = {
       reinterpret_cast<uint64_t>(w.data_ptr()), reinterpret_cast<uint64_t>(data.data_ptr()),
-      transposed ? reinterpret_cast<uint64_t>(data_t->data_ptr()) : 0, reinterpret_cast<uint64_t>(scale_inv.data_ptr())};
+      transposed ? reinterpret_cast<uint64_t>(data_t->data_ptr()) : 0, reinterpret_cast<uint64_t>(scale_inv.data_ptr()),
+      scale_inv_t.has_value() ? reinterpret_cast<uint64_t>(scale_inv_t->data_ptr()) : 0};
   c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(p.device)));
   ensure_context(p.device);
   CUstream stream = current_stream(p.device);
@@ -469,12 +507,13 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
               "fp8train native: the input and grad-output casts must both be block scaled, or neither");
   TORCH_CHECK(!block || !pre_cast || !x_data_t.has_value() || x_scale_inv_t.has_value(),
               "fp8train native: a block-scaled pre-cast input's transposed copy needs its scale_inv_t");
-  TORCH_CHECK(!block || w_cast == nullptr, "fp8train native: block-scaled weights are cast by Python");
+  TORCH_CHECK(w_cast == nullptr || w_cast->tiles == block,
+              "fp8train native: a block-scaled layer's weight re-cast plan is a tile plan, and only its");
   at::Tensor y, x_t, x_si;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     FP8_STAGE_START(t_wcast);
-    if (w_cast != nullptr) recast(*w_cast, weight, w_data, w_t, w_scale_inv);
+    if (w_cast != nullptr) recast(*w_cast, weight, w_data, w_t, w_scale_inv, block ? w_t_scale_inv : std::nullopt);
     FP8_STAGE_STOP(kFwdWeightCast, t_wcast);
     CastOut xc;
     if (pre_cast) {
@@ -712,8 +751,8 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
   at::Tensor x2, mean, rstd, xq, x_t, x_si, h, aq, a_t, a_si, y;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    if (w1_cast != nullptr) recast(*w1_cast, w1, w1_data, w1_t, w1_si);
-    if (w2_cast != nullptr) recast(*w2_cast, w2, w2_data, w2_t, w2_si);
+    if (w1_cast != nullptr) recast(*w1_cast, w1, w1_data, w1_t, w1_si, std::nullopt);
+    if (w2_cast != nullptr) recast(*w2_cast, w2, w2_data, w2_t, w2_si, std::nullopt);
     x2 = rows_of(x, p.hidden);
     // what the backward keeps in one allocation each (x's and a's scale_inv, transposed
     // copies, the norm's statistics); the payloads, dropped after their GEMM, apart
@@ -803,7 +842,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<int64_t> data_t_shape,
                        std::vector<at::Tensor> zero_first, std::vector<Launch> launches,
                        std::optional<at::Tensor> partial, std::optional<Launch> dbias_sum, int64_t dbias_code,
-                       std::vector<at::Tensor> keep, bool block, bool block_dbias) {
+                       std::vector<at::Tensor> keep, bool block, bool block_dbias, bool tiles) {
         TORCH_CHECK(partial.has_value() == dbias_sum.has_value() && (!dbias_sum || dbias_sum->max_hole == 0),
                     "fp8train native: a cast plan with dbias needs its partial sums and their colsum launch "
                     "(one hole: the call's dbias)");
@@ -825,15 +864,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         TORCH_CHECK(!block_dbias || (block && !partial.has_value()),
                     "fp8train native: block_dbias is a block-scaled plan's own column sum");
         TORCH_CHECK(!block || (p->launches.size() == 1 && p->zero_first.empty() &&
-                               (p->data_t_shape.empty() || p->data_t_shape[1] % 128 == 0)),
+                               (p->data_t_shape.empty() || p->data_t_shape[1] % (tiles ? 16 : 128) == 0)),
                     "fp8train native: a block-scaled cast plan is one launch, nothing zeroed, and a transposed "
-                    "copy padded to whole blocks");
+                    "copy padded to whole blocks (tiles: to 16 rows)");
+        TORCH_CHECK(!tiles || (block && !block_dbias), "fp8train native: a tile plan is a block-scaled plan "
+                    "without dbias");
         p->block = block;
         p->block_dbias = block_dbias;
+        p->tiles = tiles;
         return p;
       }), py::arg("device"), py::arg("x_code"), py::arg("e5m2"), py::arg("data_shape"), py::arg("data_t_shape"),
       py::arg("zero_first"), py::arg("launches"), py::arg("partial"), py::arg("dbias_sum"), py::arg("dbias_code"),
-      py::arg("keep"), py::arg("block") = false, py::arg("block_dbias") = false);
+      py::arg("keep"), py::arg("block") = false, py::arg("block_dbias") = false, py::arg("tiles") = false);
   py::class_<Group, std::shared_ptr<Group>>(m, "Group")
       .def(py::init([](int device, int64_t holes, std::vector<Launch> launches,
                        std::vector<std::vector<int64_t>> scratch_shapes, std::vector<bool> scratch_zeroed,
@@ -914,9 +956,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("cast_with", &cast_with, py::arg("plan"), py::arg("x"), py::arg("together") = false);
   m.def("recast_with", &recast, py::arg("plan"), py::arg("w"), py::arg("data"), py::arg("data_t"),
-        py::arg("scale_inv"));
+        py::arg("scale_inv"), py::arg("scale_inv_t") = py::none());
   m.def("recast_refusal", &recast_refusal, py::arg("plan"), py::arg("w"), py::arg("data"), py::arg("data_t"),
-        py::arg("scale_inv"));
+        py::arg("scale_inv"), py::arg("scale_inv_t") = py::none());
   m.def("scaled_mm", [](const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
                         const at::Tensor& b_scale_inv, bool fast_accum, int64_t out_code,
                         std::optional<at::Tensor> bias, std::optional<at::Tensor> out) {

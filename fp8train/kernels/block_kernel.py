@@ -32,6 +32,7 @@ from . import block_reference
 from .cast import _INF_BITS, _abs_bits, _saturate
 from .launcher import DirectKernel, LaunchOverride, device_guard
 from .scale_update import compute_scale
+from ..tensor import padded_rows
 
 _ROWS, _COLS, _TILE = 0, 1, 2
 _MODES = {(1, 128): _ROWS, (128, 1): _COLS, (128, 128): _TILE}
@@ -291,13 +292,16 @@ _NATIVE_HOLES = (_Hole("x"), _Hole("data"), _Hole("data_t"), _Hole("scale_inv"),
 
 
 def native_launch(shape, x_dtype: torch.dtype, fp8_dtype: torch.dtype, transpose: bool, power_of_two: bool,
-                  device: torch.device):
+                  device: torch.device, tiles: bool = False):
     """The C++ launch (kernels.native.launch_spec: (Launch arguments, fixed tensors)) of one
     block cast of a contiguous (M, K) `shape` input, into the outputs as csrc/linear_node.cpp's
     block_cast allocates them: payload (M, K), scale_inv (M, Kb) column-major, and with
     `transpose` the transposed copy (K, Mp) and its (Mb, K) scales (block_cast_both_into's
-    launch; else block_cast_into's 1 x 128). Holes: x, data, data_t, scale_inv, scale_inv_t.
-    None where the C++ launcher cannot make it (see launch_spec)."""
+    launch; else block_cast_into's 1 x 128). tiles: a weight's 128 x 128 tile cast into its
+    workspace instead (weight_tiles_into's launch: padded scale buffers (Mb, round_up(Kb, 4)),
+    with `transpose` the transposed copy (K, padded_rows(M)) and (Kb, round_up(Mb, 4)) scales).
+    Holes: x, data, data_t, scale_inv, scale_inv_t. None where the C++ launcher cannot make it
+    (see launch_spec)."""
     from . import native
     m, k = shape
     fp8_max, pow2 = scaling.fp8_max(fp8_dtype), bool(power_of_two)
@@ -305,7 +309,13 @@ def native_launch(shape, x_dtype: torch.dtype, fp8_dtype: torch.dtype, transpose
     # small aligned stand-ins compile the one the call's own tensors get
     like = lambda dtype: torch.empty(16, dtype=dtype, device=device)  # noqa: E731
     x, data, data_t, scale_inv, scale_inv_t = _NATIVE_HOLES
-    if transpose:
+    if tiles:
+        kernel = _weight_kernel(fp8_max, pow2, bool(transpose), launch_shapes().tiles[2])
+        grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
+        ints = (m, k, k, padded_rows(m) if transpose else 16)
+        samples = (like(x_dtype), like(fp8_dtype), like(fp8_dtype), like(torch.float32), like(torch.float32))
+        holes = (x, data, data_t, scale_inv, scale_inv_t) if transpose else (x, data, data, scale_inv, scale_inv)
+    elif transpose:
         kernel = _both_kernel(fp8_max, pow2, launch_shapes().both)
         grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
         ints = (m, k, k, 1, m, -(-m // 128) * 128)

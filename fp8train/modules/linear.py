@@ -250,7 +250,8 @@ def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: 
                           path: list) -> Optional[torch.Tensor]:
     """_native_forward under BlockScaling: the same C++ node with block-scaled casts (the
     quantizers' block plans) and GEMMs (cuBLASLt's block scaling), the weight's 128 x 128 cast
-    kept by Python (`workspace`) and its tile scales laid out for the GEMM here; or None with
+    kept in `workspace` (cast by Python, or re-cast by the node: a tile plan, with
+    block_quantizer.ONE_LAUNCH_TILES) and its tile scales laid out for the GEMM here; or None with
     nothing done where the Python node must run (as _native_forward's, and: e5m2 operands,
     which only the Python node reports, and row counts that are not multiples of 4, which the
     Python node pads)."""
@@ -289,7 +290,8 @@ def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: 
         path[0] = _no_plan_reason(q_input, m)
         return None
     path[0] = CPP_NODE
-    w = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad)
+    # the kept cast re-cast by the node (a tile plan), or cast or kept here
+    w, w_plan = workspace.for_native(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad)
     w_data, w_scale_inv = weight_operands(w)
     w_t, w_t_scale_inv = weight_transposed(w) if need_dgrad else (None, None)
     xc = (None, None, None, None)
@@ -299,7 +301,7 @@ def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: 
               None if cast.scale_inv_t is None else cast.scale_inv_t.t())  # (Mb, K) as the C++ cast writes it
     return native.extension().linear_forward(
         x, weight, bias, w_data, gemm.tile_scales(w_scale_inv), w_t, x_plan, grad_plan, False, False, False, code,
-        need_wgrad, None, *xc, None if w_t is None else gemm.tile_scales(w_t_scale_inv))
+        need_wgrad, w_plan, *xc, None if w_t is None else gemm.tile_scales(w_t_scale_inv))
 
 
 def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,

@@ -25,8 +25,10 @@ class WeightWorkspace:
     is specialised on (one graph per value used). `fp8` is not updated by compiled calls.
 
     Block scaling (a blockwise quantizer): the weight's block cast is kept as a `BlockCast` in
-    `block` (a Float8Tensor holds one scale_inv), cast into fresh buffers when it is cast;
-    a kept cast without the transposed copy gets its tiles transposed (no second cast).
+    `block` (a Float8Tensor holds one scale_inv), cast into fresh buffers when Python casts it
+    and re-cast into the same buffers by the C++ node (for_native, with
+    block_quantizer.ONE_LAUNCH_TILES); a kept cast without the transposed copy gets its tiles
+    transposed (no second cast).
     """
 
     def __init__(self):
@@ -69,7 +71,16 @@ class WeightWorkspace:
         Python."""
         if isinstance(weight, Float8Tensor):  # gathered by FSDP2 in FP8: nothing to cast
             return weight, None
-        if is_first_microbatch is not False and skip is None and self.fits(weight, quantizer):
+        if quantizer.blockwise:  # the re-cast into the kept block cast's buffers (a tile plan)
+            kept = self.block
+            if is_first_microbatch is not False and skip is None and kept is not None \
+                    and kept.data.device == weight.device:
+                plan = quantizer.native_recast(weight, kept, need_transpose)
+                if plan is not None:
+                    if not need_transpose and kept.data_t is not None:  # not rewritten: no longer kept
+                        self.block = kept = kept._replace(data_t=None, scale_inv_t=None)
+                    return kept, plan
+        elif is_first_microbatch is not False and skip is None and self.fits(weight, quantizer):
             plan = quantizer.native_recast(weight, self.fp8, need_transpose)
             if plan is not None:
                 return self.fp8, plan

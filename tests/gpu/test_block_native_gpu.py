@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import BlockScaling
+from fp8train import BlockScaling, block_quantizer, gemm
 from fp8train.kernels import native
 from fp8train.modules import base
 from fp8train.quantizer_factory import make_quantizer
@@ -66,7 +66,48 @@ def test_block_cast_plan_matches_the_python_cast(role, shape, dtype, transpose, 
 
 def test_weight_quantizer_has_no_plan():
     q = make_quantizer(BlockScaling(), TensorRole.WEIGHT, device=CUDA)
-    assert q.native_plan((256, 256), torch.float32, True, None) is None  # tiles: Python casts the weight
+    assert q.native_plan((256, 256), torch.float32, True, None) is None  # tiles: only re-cast (native_recast)
+
+
+@pytest.mark.parametrize("shape, dtype", [((384, 1024), torch.float32), ((300, 2816), torch.bfloat16),
+                                          ((1000, 272), torch.float32)], ids=str)
+@pytest.mark.parametrize("transpose", [False, True], ids=["no-t", "t"])
+def test_weight_tile_plan_recasts_as_the_python_cast(shape, dtype, transpose, monkeypatch):
+    """The tile plan (block_quantizer.ONE_LAUNCH_TILES) re-casts a changed weight into the kept
+    cast's buffers: the bytes, scales and padding of a fresh Python cast of it. 300 x 2816:
+    Mb 3, Kb 22, both grids padded; 1000 x 272: Mp 1008, Kb 3."""
+    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", True)
+    q = make_quantizer(BlockScaling(), TensorRole.WEIGHT, device=CUDA)
+    w = torch.randn(shape, device=CUDA).to(dtype)
+    kept = q.cast(w, transpose=transpose)
+    w2 = (torch.randn(shape, device=CUDA) * torch.logspace(-3, 3, shape[1], device=CUDA)).to(dtype)
+    plan = q.native_recast(w2, kept, transpose)
+    assert plan is not None
+    ptrs = [t.data_ptr() for t in kept if isinstance(t, torch.Tensor)]
+    si_t = gemm.tile_scales(kept.scale_inv_t) if transpose else None
+    native.extension().recast_with(plan, w2, kept.data, kept.data_t, gemm.tile_scales(kept.scale_inv), si_t)
+    want = q.cast(w2, transpose=transpose)
+    assert [t.data_ptr() for t in kept if isinstance(t, torch.Tensor)] == ptrs
+    assert_bitwise(kept.data, want.data, "data")
+    assert_bitwise(gemm.tile_scales(kept.scale_inv), gemm.tile_scales(want.scale_inv), "scale_inv with padding")
+    if transpose:
+        assert_bitwise(kept.data_t, want.data_t, "data_t")
+        assert_bitwise(gemm.tile_scales(kept.scale_inv_t), gemm.tile_scales(want.scale_inv_t), "scale_inv_t")
+    # scales not laid out for the GEMM (the operand's shape, row-major): refused, with the reason
+    row_major = gemm.tile_scales(kept.scale_inv).contiguous()
+    why = native.extension().recast_refusal(plan, w2, kept.data, kept.data_t, row_major, si_t)
+    assert why is not None and "tile scales" in why
+
+
+def test_weight_tile_plan_needs_the_one_launch_form(monkeypatch):
+    q = make_quantizer(BlockScaling(), TensorRole.WEIGHT, device=CUDA)
+    w = torch.randn(256, 384, device=CUDA)
+    apart = q.cast(w, transpose=True)  # ONE_LAUNCH_TILES off: unpadded scales
+    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", True)
+    assert q.native_recast(w, apart, True) is None
+    kept = q.cast(w, transpose=False)
+    assert q.native_recast(w, kept, True) is None  # no transposed buffer to write
+    assert q.native_recast(w, kept, False) is not None
 
 
 CASES = [
@@ -112,11 +153,14 @@ def _python_node(fn):
         native.ENABLED = True
 
 
+@pytest.mark.parametrize("one_launch", [False, True], ids=["apart", "one-launch"])  # block_quantizer.ONE_LAUNCH_TILES
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-bias{int(c[2])}-{str(c[3])[6:]}-"
                          f"{'x'.join(map(str, c[4]))}-{str(c[5])[6:]}")
-def test_block_linear_node_matches_the_python_node(case):
+def test_block_linear_node_matches_the_python_node(case, one_launch, monkeypatch):
     """Four fwd+bwd steps in the C++ node (from the first: a block plan needs no preparation)
-    and in the Python node on a twin: outputs and every gradient bit for bit."""
+    and in the Python node on a twin: outputs and every gradient bit for bit (one launch: the
+    node re-casts the weight from the second step on)."""
+    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
     k, n, bias, pdtype, shape, xdtype = case
     torch.manual_seed(3)
     layer = fp8train.Linear(k, n, bias=bias, params_dtype=pdtype, device=CUDA)
@@ -130,6 +174,44 @@ def test_block_linear_node_matches_the_python_node(case):
     assert fp8train.inspect.execution_paths(torch.nn.Sequential(layer)) == {"0": "C++ node"}
     assert NATIVE_NODE not in [w[0] for w in want]
     _compare(got, want)
+
+
+@pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_linear_node_recasts_an_updated_weight_in_place(params_dtype, monkeypatch):
+    """With ONE_LAUNCH_TILES the node re-casts the weight into the kept cast's buffers every
+    step (the same addresses), after SGD moved it: bit for bit the Python node's fresh casts;
+    an eval call without grad (no transposed copy written) drops the kept transposed copy, and
+    the next training step casts it anew."""
+    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", True)
+    torch.manual_seed(5)
+    layer = fp8train.Linear(640, 384, params_dtype=params_dtype, device=CUDA)
+    twin = copy.deepcopy(layer)
+    xs = [torch.randn(4, 64, 640, device=CUDA, dtype=torch.bfloat16) for _ in range(5)]
+
+    def steps(m, eval_at=None):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        out, kept = [], []
+        for i, x in enumerate(xs):
+            if i == eval_at:
+                with torch.no_grad(), fp8train.autocast(recipe=BlockScaling()):
+                    out.append((m(x),))
+                continue
+            x = x.clone().requires_grad_(True)
+            with fp8train.autocast(recipe=BlockScaling()):
+                y = m(x)
+            y.float().pow(2).mean().backward()
+            out.append((y.detach(), x.grad, m.weight.grad.clone()))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            kept.append(m._workspace.block.data.data_ptr())
+        return out, kept
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params_dtype == torch.float32):
+        got, kept = steps(layer, eval_at=3)
+        want, _ = _python_node(lambda: steps(twin, eval_at=3))
+    assert kept[1] == kept[2] and kept[0] == kept[1]  # cast once by Python, then re-cast in place
+    for i, (g, w) in enumerate(zip(got, want)):
+        for j, (a, b) in enumerate(zip(g, w)):
+            assert_bitwise(a, b, f"step {i} output {j}")
 
 
 @pytest.mark.parametrize("what", ["frozen_input", "frozen_weight", "no_grad"])
