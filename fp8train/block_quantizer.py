@@ -97,8 +97,9 @@ class BlockScalingQuantizer(Quantizer):
         """The C++ cast plan (kernels/native.py) of this quantizer's cast of a contiguous 2-D
         input of `shape` and `dtype` on the current CUDA device: one launch of the block cast
         kernel (block_kernel.native_launch), dbias (dbias_dtype) from the same float32 column
-        sums as `cast`; None for 128 x 128 tiles (weights: Python casts them) or where the C++
-        launcher cannot run it. Made on the first call, kept with the preparations."""
+        sums as `cast`; None for 128 x 128 tiles (weights: Python casts them, the node may
+        re-cast them, native_recast) or where the C++ launcher cannot run it. Made on the first
+        call, kept with the preparations."""
         key = ("native", tuple(shape), dtype, transpose, dbias_dtype)
         prepared = self._prepared
         if key in prepared:
@@ -207,9 +208,10 @@ def _rows(rows: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two:
 
 def _tiles(w: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two: bool, traced: bool):
     """w (M, K) in 128 x 128 tiles: (data, scale_inv (Mb, Kb), data_t (K, Mp), scale_inv_t
-    (Kb, Mb)), the last two with transpose (the payload's bytes transposed) else None. Each
-    scale_inv is the first columns of a buffer whose rows are padded to a multiple of 4 with
-    1s: gemm.tile_scales reads it as the block GEMM's operand without a copy."""
+    (Kb, Mb)), the last two with transpose (the payload's bytes transposed) else None. With
+    ONE_LAUNCH_TILES each scale_inv is the first columns of a buffer whose rows are padded to a
+    multiple of 4 with 1s (gemm.tile_scales reads it as the block GEMM's operand without a
+    copy); else _tiles_apart's."""
     if not ONE_LAUNCH_TILES:
         return _tiles_apart(w, dtype, transpose, power_of_two, traced)
     mb, kb = blocks_of(w.shape, TILE_BLOCKS)

@@ -321,7 +321,7 @@ def tile_scales(s: torch.Tensor) -> torch.Tensor:
         return s.t()
     if nb > 0 and s.stride() == (kb4, 1) and _holds(s, nb * kb4):
         return s.as_strided((kb4, nb), (1, kb4))
-    padded = s.new_ones(nb, -(-kb // 4) * 4)
+    padded = s.new_ones(nb, kb4)
     padded[:, :kb].copy_(s)
     return padded.t()
 
