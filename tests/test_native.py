@@ -187,3 +187,23 @@ def test_weight_recast_refuses_what_its_plan_was_not_made_for(ext):
     assert "weight is not of the plan's shape, dtype and device" in ext.recast_refusal(plan, w, data, None, torch.ones(1))
     with pytest.raises(RuntimeError, match="re-cast plan for .2, 16. BFloat16 on cuda:0 got a weight"):
         ext.recast_with(plan, w, data, None, torch.ones(1))
+
+
+def test_node_refusal_names_why_the_cpp_node_cannot_take_an_input(monkeypatch):
+    # modules.linear.node_refusal, both C++ paths' (per-tensor and block) first check; its
+    # device test asks the current CUDA device, stood in for here (the input's index is -1)
+    from fp8train.modules import linear
+    from fp8train.tensor import Float8Tensor
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    assert linear.node_refusal(x, torch.bfloat16) is None
+    assert linear.node_refusal(x.float(), torch.float16) is None
+    assert "no C++ path for a torch.float64 input" in linear.node_refusal(x.double(), torch.bfloat16)
+    assert "with torch.float64 activations" in linear.node_refusal(x, torch.float64)
+    fp8 = Float8Tensor(torch.zeros(4, 16, dtype=torch.float8_e4m3fn), torch.ones(1), torch.bfloat16)
+    assert linear.node_refusal(fp8, torch.bfloat16) == "Python node: a Float8Tensor input"
+    monkeypatch.setattr(native, "hooks_installed", lambda: True)
+    assert "launch hook" in linear.node_refusal(x, torch.bfloat16)
+    monkeypatch.setattr(native, "hooks_installed", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    assert linear.node_refusal(x, torch.bfloat16) == "Python node: input on cuda:-1, not the current device"

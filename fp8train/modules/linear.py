@@ -245,6 +245,21 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
     return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, grad and weight.requires_grad)
 
 
+def node_refusal(x: torch.Tensor, act_dtype: torch.dtype) -> Optional[str]:
+    """Why the C++ node cannot take the CUDA input x with act_dtype activations, as
+    layer._path says it (a Float8Tensor input, a Triton launch hook, a dtype it has no path
+    for, another device than the current one), or None."""
+    if isinstance(x, Float8Tensor):
+        return "Python node: a Float8Tensor input"
+    if native.hooks_installed():
+        return "Python node: a Triton launch hook is installed (a profiler)"
+    if act_dtype not in native.DTYPE_CODES or x.dtype not in native.DTYPE_CODES:
+        return f"Python node: no C++ path for a {x.dtype} input with {act_dtype} activations"
+    if x.get_device() != torch._C._cuda_getDevice():
+        return f"Python node: input on cuda:{x.get_device()}, not the current device"
+    return None
+
+
 def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: Quantizer, q_weight: Quantizer,
                           q_grad: Quantizer, act_dtype: torch.dtype, grad: bool, is_first_microbatch: Optional[bool],
                           path: list) -> Optional[torch.Tensor]:
@@ -257,15 +272,11 @@ def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: 
     Python node pads)."""
     if torch.compiler.is_compiling():
         return None
-    if native.hooks_installed():
-        path[0] = "Python node: a Triton launch hook is installed (a profiler)"
+    refusal = node_refusal(x, act_dtype)
+    if refusal is not None:
+        path[0] = refusal
         return None
-    code = native.DTYPE_CODES.get(act_dtype)
-    if code is None or x.dtype not in native.DTYPE_CODES or x.get_device() != torch._C._cuda_getDevice():
-        path[0] = (f"Python node: input on cuda:{x.get_device()}, not the current device"
-                   if code is not None and x.dtype in native.DTYPE_CODES else
-                   f"Python node: no C++ path for a {x.dtype} input with {act_dtype} activations")
-        return None
+    code = native.DTYPE_CODES[act_dtype]
     e4m3 = torch.float8_e4m3fn
     if not (q_input.dtype == q_weight.dtype == q_grad.dtype == e4m3):
         path[0] = "Python node: BlockScaling with e5m2 (the block GEMM takes e4m3 only)"
@@ -318,16 +329,11 @@ def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight
     if torch.compiler.is_compiling():
         return None
     path = layer._path
-    if isinstance(x, Float8Tensor) or native.hooks_installed():
-        path[0] = ("Python node: a Float8Tensor input" if isinstance(x, Float8Tensor) else
-                   "Python node: a Triton launch hook is installed (a profiler)")
+    refusal = node_refusal(x, act_dtype)
+    if refusal is not None:
+        path[0] = refusal
         return None
-    code = native.DTYPE_CODES.get(act_dtype)
-    if code is None or x.dtype not in native.DTYPE_CODES or x.get_device() != torch._C._cuda_getDevice():
-        path[0] = (f"Python node: input on cuda:{x.get_device()}, not the current device"
-                   if code is not None and x.dtype in native.DTYPE_CODES else
-                   f"Python node: no C++ path for a {x.dtype} input with {act_dtype} activations")
-        return None
+    code = native.DTYPE_CODES[act_dtype]
     k = x.shape[-1]
     m = x.numel() // k
     need_dgrad = grad and x.requires_grad

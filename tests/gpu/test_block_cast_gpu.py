@@ -14,13 +14,18 @@ CUDA = torch.device("cuda")
 BLOCKS = [pytest.param(b, id=f"{b[0]}x{b[1]}") for b in br.BLOCKS]
 
 
+def _every_bf16_pattern(dtype) -> torch.Tensor:
+    """(259, 255) on CUDA: every bf16 bit pattern, then zeros; tails in both dims."""
+    v = all_bf16_values()
+    return torch.cat([v, torch.zeros(259 * 255 - v.numel(), dtype=v.dtype)]).reshape(259, 255).to(dtype).to(CUDA)
+
+
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("block", BLOCKS)
 def test_block_cast_kernel_is_the_twin_on_the_gpu(block, dtype, fp8, power_of_two):
-    v = all_bf16_values()
-    x = torch.cat([v, torch.zeros(259 * 255 - v.numel(), dtype=v.dtype)]).reshape(259, 255).to(dtype).to(CUDA)
+    x = _every_bf16_pattern(dtype)
     out = torch.empty(x.shape, dtype=fp8, device=CUDA)
     scale_inv = torch.full(br.blocks_of(x.shape, block), -1.0, device=CUDA)
     kernels.block_cast(x, out, scale_inv, block, power_of_two)
@@ -33,8 +38,7 @@ def test_block_cast_kernel_is_the_twin_on_the_gpu(block, dtype, fp8, power_of_tw
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_block_cast_both_kernel_is_the_twin_on_the_gpu(dtype, fp8, power_of_two):
-    v = all_bf16_values()
-    x = torch.cat([v, torch.zeros(259 * 255 - v.numel(), dtype=v.dtype)]).reshape(259, 255).to(dtype).to(CUDA)
+    x = _every_bf16_pattern(dtype)
     mp = 384  # 259 rows rounded up to 128: 125 zero columns in the transposed copy
     out, out_t = torch.empty(x.shape, dtype=fp8, device=CUDA), torch.full((255, mp), 0x55, dtype=torch.uint8, device=CUDA)
     si = torch.full(br.blocks_of(x.shape, (1, 128)), -1.0, device=CUDA)
@@ -54,8 +58,7 @@ def test_block_cast_both_kernel_is_the_twin_on_the_gpu(dtype, fp8, power_of_two)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_weight_tiles_kernel_is_the_twin_on_the_gpu(dtype, fp8, power_of_two):
     # 259 x 255: Mb 3, Kb 2, both scale grids padded with 1 to 4 columns; Mp 272 (13 zero columns)
-    v = all_bf16_values()
-    x = torch.cat([v, torch.zeros(259 * 255 - v.numel(), dtype=v.dtype)]).reshape(259, 255).to(dtype).to(CUDA)
+    x = _every_bf16_pattern(dtype)
     out = torch.empty(x.shape, dtype=fp8, device=CUDA)
     out_t = torch.full((255, 272), 0x55, dtype=torch.uint8, device=CUDA)
     scales, scales_t = torch.full((3, 4), -1.0, device=CUDA), torch.full((2, 4), -1.0, device=CUDA)
