@@ -259,3 +259,21 @@ def make_input(shape, dtype, device="cuda") -> torch.Tensor:
         idx = torch.randint(0, flat.numel(), (specials.numel() * 4,), device=device)
         flat[idx] = specials.repeat(4)
     return x
+
+
+def sgd_steps(model, recipe, xs, params_dtype):
+    """Per step: (output, input grad, parameter grads) of a squared-mean loss under `recipe`
+    (with torch.autocast to bf16 where the parameters are float32); SGD between steps."""
+    import fp8train
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for x in xs:
+        x = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params_dtype == torch.float32), \
+                fp8train.autocast(recipe=recipe):
+            y = model(x)
+        y.float().pow(2).mean().backward()
+        out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out

@@ -15,7 +15,7 @@ from fp8train.kernels import native
 from fp8train.modules import base
 from fp8train.quantizer_factory import make_quantizer
 from fp8train.roles import TensorRole
-from tests.helpers import assert_bitwise
+from tests.helpers import assert_bitwise, sgd_steps
 from tests.test_shared_inputs import GROUPS, Block
 
 pytest.importorskip("triton")
@@ -259,18 +259,7 @@ def test_shared_inputs_pass_their_block_cast_into_the_node(params_dtype, monkeyp
     xs = [torch.randn(4, 128, 256, device=CUDA).to(params_dtype) for _ in range(3)]
 
     def steps(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        for x in xs:
-            x = x.clone().requires_grad_(True)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params_dtype == torch.float32), \
-                    fp8train.autocast(recipe=BlockScaling()):
-                y = model(x)
-            y.float().pow(2).mean().backward()
-            out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return out
+        return sgd_steps(model, BlockScaling(), xs, params_dtype)
     with monkeypatch.context() as m:
         m.setattr(base, "SHARE_INPUT_CASTS", False)
         want = steps(untied)

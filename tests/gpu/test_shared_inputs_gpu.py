@@ -12,7 +12,7 @@ import torch
 import fp8train
 from fp8train.kernels import native
 from fp8train.modules import base
-from tests.helpers import assert_bitwise
+from tests.helpers import assert_bitwise, sgd_steps
 from tests.test_shared_inputs import GROUPS, Block, count_input_casts
 
 pytestmark = pytest.mark.gpu
@@ -24,22 +24,6 @@ RECIPES = [pytest.param(fp8train.DelayedScaling(), id="delayed"), pytest.param(f
 def sharing_on(monkeypatch):
     # the switch is off by default until the GPU run; these tests are about it switched on
     monkeypatch.setattr(base, "SHARE_INPUT_CASTS", True)
-
-
-def _steps(model, recipe, xs, params_dtype):
-    """Per step: (output, input grad, parameter grads); SGD between steps."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for x in xs:
-        x = x.clone().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params_dtype == torch.float32), \
-                fp8train.autocast(recipe=recipe):
-            y = model(x)
-        y.float().pow(2).mean().backward()
-        out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return out
 
 
 @pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16], ids=["fp32-autocast-bf16", "bf16"])
@@ -54,10 +38,10 @@ def test_block_casts_each_shared_input_once_and_matches_untied_layers(recipe, pa
     xs = [torch.randn(4, 128, 256, device=CUDA, generator=g).to(params_dtype) for _ in range(4)]
     with monkeypatch.context() as m:
         m.setattr(base, "SHARE_INPUT_CASTS", False)
-        want = _steps(untied, recipe, xs, params_dtype)
+        want = sgd_steps(untied, recipe, xs, params_dtype)
 
     casts = count_input_casts(monkeypatch)
-    got = _steps(tied, recipe, xs, params_dtype)
+    got = sgd_steps(tied, recipe, xs, params_dtype)
     assert fp8train.inspect.shared_input_casts(tied) == GROUPS
     paths = fp8train.inspect.execution_paths(tied)
     assert set(paths.values()) == {"C++ node"}, paths
