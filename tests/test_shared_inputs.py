@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8train
+from fp8train.block_quantizer import BlockScalingQuantizer
 from fp8train.modules import base
 from fp8train.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer, update_delayed_scales
 from fp8train.roles import TensorRole
@@ -25,7 +26,8 @@ def sharing_on(monkeypatch):
     monkeypatch.setattr(base, "SHARE_INPUT_CASTS", True)
 
 
-RECIPES = [pytest.param(fp8train.DelayedScaling(), id="delayed"), pytest.param(fp8train.CurrentScaling(), id="current")]
+RECIPES = [pytest.param(fp8train.DelayedScaling(), id="delayed"), pytest.param(fp8train.CurrentScaling(), id="current"),
+           pytest.param(fp8train.BlockScaling(), id="block")]
 GROUPS = [["q", "k", "v"], ["gate", "up"]]
 
 
@@ -95,14 +97,16 @@ def count_input_casts(monkeypatch) -> list:
     """The INPUT quantizers' Quantizer.cast calls from now on, one entry (the quantizer) each
     (also tests/gpu/test_shared_inputs_gpu.py's)."""
     calls = []
-    cast = Quantizer.cast
 
-    def counting(self, x, **kw):
-        if self.role is TensorRole.INPUT:
-            calls.append(self)
-        return cast(self, x, **kw)
+    def counting(cast):
+        def counted(self, x, **kw):
+            if self.role is TensorRole.INPUT:
+                calls.append(self)
+            return cast(self, x, **kw)
+        return counted
 
-    monkeypatch.setattr(Quantizer, "cast", counting)
+    for cls in (Quantizer, BlockScalingQuantizer):  # the block quantizer's cast is its own
+        monkeypatch.setattr(cls, "cast", counting(cls.cast))
     return calls
 
 
@@ -242,7 +246,7 @@ def test_checkpoint_round_trip_of_a_tied_model(recipe):
     batches = _batches(4)
     _train(model, recipe, batches[:2], autocast_bf16=False)
     state = copy.deepcopy(model.state_dict())
-    assert "q.input_quantizer.scale" in state and "k.input_quantizer.scale" in state
+    assert "q.input_quantizer.fp8_max" in state and "k.input_quantizer.fp8_max" in state  # the tie saved per layer
     want = _train(model, recipe, batches[2:], autocast_bf16=False)
     want_state = _state(model)
     resumed = _block(seed=5)

@@ -116,7 +116,8 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       for seed in ${SEEDS:-0}; do grep -v "Warn\|warn\|append" "$OUT/numerics_${shape}_s$seed.log" | tail -8; done ;;
     block)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_scaling_gpu.py \
-        tests/gpu/test_block_cast_gpu.py tests/gpu/test_block_native_gpu.py 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
+        tests/gpu/test_block_cast_gpu.py tests/gpu/test_block_native_gpu.py 2>&1 | tee "$OUT/block_tests.log" \
+        | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
         --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block node,\
 fp8 eager block node one-launch,fp8 compile block,fp8 compile block one-launch}" --json "$OUT/hf_block.json" 2>&1 \

@@ -212,9 +212,15 @@ def _weight_tiles_kernel(
     tl.store(sinv_ptr + rb * kb4 + tiles_k + pad, tl.full([4], 1.0, tl.float32),
              mask=(tiles_k + pad < kb4) & (pad * 0 + cb == tiles_k - 1))
     if TRANSPOSE:
-        # rows M..Mp of the tile loaded 0: their bytes are out_t's zero padding
-        tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], tl.trans(y),
-                 mask=(c < K)[:, None] & (r < out_t_cols)[None, :])
+        # The bytes just stored, read back transposed (bar.sync orders the CTA's stores before
+        # its loads; .cg reads L2, where they went), not tl.trans(y): with float32 x, Triton
+        # 3.6's code for the transposed FP8 values was wrong in whole rows on the H200
+        # (2026-12-02; bf16 x was right). Rows M..Mp load 0: out_t's zero padding.
+        tl.debug_barrier()
+        t_mask = (c < K)[:, None] & (r < out_t_cols)[None, :]
+        y_t = tl.load(out_ptr + tl.cast(r, tl.int64)[None, :] * K + c[:, None], mask=t_mask & (r < M)[None, :],
+                      other=0.0, cache_modifier=".cg")
+        tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=t_mask)
         tiles_m = tl.cdiv(M, 128)
         mb4 = tl.cdiv(tiles_m, 4) * 4
         tl.store(sinv_t_ptr + cb * mb4 + rb, sinv)

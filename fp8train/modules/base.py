@@ -144,7 +144,7 @@ class FP8Module(nn.Module):
         on this same x (same object, unchanged since) under an equal recipe in the same
         autocast region, made this layer's own too (a tie: one module under both layers, for
         good), or else q; noted for the next."""
-        if not SHARE_INPUT_CASTS or q.blockwise or isinstance(x, Float8Tensor) or torch.compiler.is_compiling():
+        if not SHARE_INPUT_CASTS or isinstance(x, Float8Tensor) or torch.compiler.is_compiling():
             return q
         last = _last_input[0]
         if last is not None:

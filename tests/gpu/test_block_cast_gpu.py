@@ -1,17 +1,23 @@
 """The block-scaled cast kernels (kernels/block_kernel.py) on the GPU against their twin
 (kernels/block_reference.py), bit for bit, with the hardware's fp8 conversion: every bf16
-pattern in shapes with tails, float32 and float16 inputs, both formats, power-of-two scales;
-the one-read kernel (1 x 128 and transposed 128 x 1 casts) against the twin's composition."""
+pattern in shapes with tails, and fresh random values whose float32 mantissas go past bf16's
+(a float32 x holding bf16 values hid a wrong transposed copy: the one-launch weight kernel,
+2026-12-02), with a column count that is a multiple of 16 and one that is not (Triton
+compiles each apart); float32 and float16 inputs, both formats, power-of-two scales; the
+one-read kernel (1 x 128 and transposed 128 x 1 casts) against the twin's composition; the
+one-launch weight kernel against the twin's cast, byte transpose and padded scales."""
 import pytest
 import torch
 
 from fp8train import kernels
 from fp8train.kernels import block_reference as br
+from fp8train.tensor import padded_rows
 from helpers import all_bf16_values
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 BLOCKS = [pytest.param(b, id=f"{b[0]}x{b[1]}") for b in br.BLOCKS]
+INPUTS = ["every-bf16", "random-259x255", "random-291x304"]
 
 
 def _every_bf16_pattern(dtype) -> torch.Tensor:
@@ -20,12 +26,24 @@ def _every_bf16_pattern(dtype) -> torch.Tensor:
     return torch.cat([v, torch.zeros(259 * 255 - v.numel(), dtype=v.dtype)]).reshape(259, 255).to(dtype).to(CUDA)
 
 
+def _input(kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """every-bf16, or random-MxK: fresh normal values over 12 decades of column magnitude
+    (blocks with very different scales; a third of the rows 1000x smaller), then in dtype."""
+    if kind == "every-bf16":
+        return _every_bf16_pattern(dtype)
+    m, k = (int(n) for n in kind.split("-")[1].split("x"))
+    x = torch.randn(m, k) * torch.logspace(-6, 6, k)
+    x[: m // 3] *= 1e-3
+    return x.to(dtype).to(CUDA)
+
+
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("kind", INPUTS)
 @pytest.mark.parametrize("block", BLOCKS)
-def test_block_cast_kernel_is_the_twin_on_the_gpu(block, dtype, fp8, power_of_two):
-    x = _every_bf16_pattern(dtype)
+def test_block_cast_kernel_is_the_twin_on_the_gpu(block, kind, dtype, fp8, power_of_two):
+    x = _input(kind, dtype)
     out = torch.empty(x.shape, dtype=fp8, device=CUDA)
     scale_inv = torch.full(br.blocks_of(x.shape, block), -1.0, device=CUDA)
     kernels.block_cast(x, out, scale_inv, block, power_of_two)
@@ -37,17 +55,19 @@ def test_block_cast_kernel_is_the_twin_on_the_gpu(block, dtype, fp8, power_of_tw
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_block_cast_both_kernel_is_the_twin_on_the_gpu(dtype, fp8, power_of_two):
-    x = _every_bf16_pattern(dtype)
-    mp = 384  # 259 rows rounded up to 128: 125 zero columns in the transposed copy
-    out, out_t = torch.empty(x.shape, dtype=fp8, device=CUDA), torch.full((255, mp), 0x55, dtype=torch.uint8, device=CUDA)
+@pytest.mark.parametrize("kind", INPUTS)
+def test_block_cast_both_kernel_is_the_twin_on_the_gpu(kind, dtype, fp8, power_of_two):
+    x = _input(kind, dtype)
+    m, k = x.shape
+    mp = -(-m // 128) * 128  # rows rounded up to 128: zero columns in the transposed copy
+    out, out_t = torch.empty(x.shape, dtype=fp8, device=CUDA), torch.full((k, mp), 0x55, dtype=torch.uint8, device=CUDA)
     si = torch.full(br.blocks_of(x.shape, (1, 128)), -1.0, device=CUDA)
     si_t = torch.full(br.blocks_of(x.shape, (128, 1)), -1.0, device=CUDA)
     kernels.block_cast_both(x, out, out_t.view(fp8), si, si_t, power_of_two)
     want, want_si = br.block_cast(x, fp8, (1, 128), power_of_two)
     cols, want_si_t = br.block_cast(x, fp8, (128, 1), power_of_two)
-    want_t = torch.zeros((255, mp), dtype=torch.uint8, device=CUDA)
-    want_t[:, :259] = cols.view(torch.uint8).t()
+    want_t = torch.zeros((k, mp), dtype=torch.uint8, device=CUDA)
+    want_t[:, :m] = cols.view(torch.uint8).t()
     assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(out_t, want_t)
@@ -56,18 +76,23 @@ def test_block_cast_both_kernel_is_the_twin_on_the_gpu(dtype, fp8, power_of_two)
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_weight_tiles_kernel_is_the_twin_on_the_gpu(dtype, fp8, power_of_two):
-    # 259 x 255: Mb 3, Kb 2, both scale grids padded with 1 to 4 columns; Mp 272 (13 zero columns)
-    x = _every_bf16_pattern(dtype)
+@pytest.mark.parametrize("kind", INPUTS)
+def test_weight_tiles_kernel_is_the_twin_on_the_gpu(kind, dtype, fp8, power_of_two):
+    # both scale grids padded with 1 to a multiple of 4 columns; the transposed copy's rows
+    # padded to padded_rows(M) with zero bytes
+    x = _input(kind, dtype)
+    m, k = x.shape
+    mb, kb, mp = -(-m // 128), -(-k // 128), padded_rows(m)
     out = torch.empty(x.shape, dtype=fp8, device=CUDA)
-    out_t = torch.full((255, 272), 0x55, dtype=torch.uint8, device=CUDA)
-    scales, scales_t = torch.full((3, 4), -1.0, device=CUDA), torch.full((2, 4), -1.0, device=CUDA)
+    out_t = torch.full((k, mp), 0x55, dtype=torch.uint8, device=CUDA)
+    scales = torch.full((mb, -(-kb // 4) * 4), -1.0, device=CUDA)
+    scales_t = torch.full((kb, -(-mb // 4) * 4), -1.0, device=CUDA)
     kernels.weight_tiles(x, out, scales, out_t.view(fp8), scales_t, power_of_two)
     want, want_si = br.block_cast(x, fp8, (128, 128), power_of_two)
-    want_s, want_s_t = torch.ones(3, 4, device=CUDA), torch.ones(2, 4, device=CUDA)
-    want_s[:, :2], want_s_t[:, :3] = want_si, want_si.t()
-    want_t = torch.zeros((255, 272), dtype=torch.uint8, device=CUDA)
-    want_t[:, :259] = want.view(torch.uint8).t()
+    want_s, want_s_t = torch.ones_like(scales), torch.ones_like(scales_t)
+    want_s[:, :kb], want_s_t[:, :mb] = want_si, want_si.t()
+    want_t = torch.zeros((k, mp), dtype=torch.uint8, device=CUDA)
+    want_t[:, :m] = want.view(torch.uint8).t()
     assert torch.equal(scales, want_s) and torch.equal(scales_t, want_s_t)
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(out_t, want_t)
