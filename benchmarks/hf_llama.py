@@ -19,15 +19,7 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                the same, torch.compile(model) after one eager step
   fp8 compile delayed aten-mm                  the same, compiled GEMMs through torch._scaled_mm
                                                instead of the extension's operator (an A/B of it)
-  fp8 eager block, fp8 compile block           BlockScaling (1x128 / 128x128 block scales; eager:
-                                               its layers run the Python node)
-  fp8 eager block node                         the same, its Linears in the C++ node
-                                               (native.BLOCK_NODE on; off by default until checked)
-  fp8 compile block one-launch, fp8 eager block node one-launch
-                                               the same, each weight's tile cast, transposed copy
-                                               and GEMM scale layouts from one launch
-                                               (block_quantizer.ONE_LAUNCH_TILES on; off by default
-                                               until checked)
+  fp8 eager block, fp8 compile block           BlockScaling (1x128 / 128x128 block scales)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -70,7 +62,6 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import fp8train
-from fp8train import block_quantizer
 from fp8train.data import ByteCorpus
 from fp8train.kernels import native
 from fp8train.modules import base as module_base
@@ -94,12 +85,11 @@ SHAPES = {
     "tiny": Shape(64, 128, 2, 4, 2, batch=2, seq=64),
 }
 # the library's defaults, restored after each step
-_BLOCK_GEMM, _BLOCK_NODE, _ONE_LAUNCH = native.BLOCK_GEMM, native.BLOCK_NODE, block_quantizer.ONE_LAUNCH_TILES
+_BLOCK_GEMM = native.BLOCK_GEMM
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
-            "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 eager block node",
-            "fp8 eager block node one-launch", "fp8 compile block", "fp8 compile block one-launch",
+            "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro"]
 
 
@@ -172,8 +162,6 @@ class Runner:
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
-        self.block_node = "node" in variant.split() or _BLOCK_NODE
-        self.one_launch = "one-launch" in variant.split() or _ONE_LAUNCH
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -197,13 +185,11 @@ class Runner:
 
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
-        native.GEMM_OP, native.BLOCK_GEMM, native.BLOCK_NODE = not self.aten_mm, self.block_gemm, self.block_node
-        block_quantizer.ONE_LAUNCH_TILES = self.one_launch
+        native.GEMM_OP, native.BLOCK_GEMM = not self.aten_mm, self.block_gemm
         try:
             return self._step(m, recipe)
         finally:
-            native.GEMM_OP, native.BLOCK_GEMM, native.BLOCK_NODE = True, _BLOCK_GEMM, _BLOCK_NODE
-            block_quantizer.ONE_LAUNCH_TILES = _ONE_LAUNCH
+            native.GEMM_OP, native.BLOCK_GEMM = True, _BLOCK_GEMM
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]

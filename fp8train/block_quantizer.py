@@ -36,12 +36,6 @@ class BlockCast(NamedTuple):
 ROW_BLOCKS: Block = (1, 128)    # inputs and gradients: 128 along each row (the GEMM's reduction dim)
 TILE_BLOCKS: Block = (128, 128)  # weights
 
-# A weight's tile cast, transposed copy and GEMM-laid-out scales from one launch (_new_tiles,
-# kernels.weight_tiles), where today a cast, a byte transpose and a padded copy of the scales
-# per GEMM run. Off until its GPU tests have run (written and checked under the Triton
-# interpreter and on the CPU, 2026-12-02); off, weights are cast as before (_tiles_apart).
-ONE_LAUNCH_TILES = False
-
 
 class BlockScalingQuantizer(Quantizer):
     """Block-scaled casts (recipe.BlockScaling; the blocks and edge cases are
@@ -125,11 +119,11 @@ class BlockScalingQuantizer(Quantizer):
         """The C++ re-cast plan (csrc/linear_node.cpp `recast`, a tile plan) that casts the
         weight `w` into `kept`'s buffers in place, the node's first step: one launch of the
         one-launch tile cast (block_kernel.native_launch(tiles=True)); or None where Python
-        must cast: ONE_LAUNCH_TILES off, `kept` not of that form (its scales the first
-        columns of padded buffers) or without the transposed copy `transpose` wants, w not a
+        must cast: `kept` not of _tiles' form (its scales the first columns of padded
+        buffers) or without the transposed copy `transpose` wants, w not a
         contiguous, 16-byte aligned 2-D CUDA tensor of kept's shape and device, no extension.
         Made on the first call, kept with the preparations."""
-        if not (ONE_LAUNCH_TILES and self.block == TILE_BLOCKS) or not w.is_cuda or w.dim() != 2 \
+        if self.block != TILE_BLOCKS or not w.is_cuda or w.dim() != 2 \
                 or not w.is_contiguous() or w.data_ptr() & 15 or kept.data.shape != w.shape \
                 or kept.data.dtype != self.dtype or kept.data.device != w.device:
             return None
@@ -177,17 +171,16 @@ def _scales(rows: torch.Tensor, block: Block) -> torch.Tensor:
     return torch.empty((n_rows, n_cols), dtype=torch.float32, device=rows.device)
 
 
-def _new_cast(rows: torch.Tensor, dtype: torch.dtype, block: Block, both: bool, power_of_two: bool,
-              traced: bool = False):
-    """rows (M, K) cast in `block`s into fresh buffers: (data, scale_inv, data_t, scale_inv_cols).
-    both (row blocks only): rows also in 128 x 1 blocks, transposed into data_t (K, Mb * 128)
+def _new_cast(rows: torch.Tensor, dtype: torch.dtype, both: bool, power_of_two: bool, traced: bool = False):
+    """rows (M, K) cast in 1 x 128 blocks into fresh buffers: (data, scale_inv, data_t,
+    scale_inv_cols). both: rows also in 128 x 1 blocks, transposed into data_t (K, Mb * 128)
     with scale_inv_cols (Mb, K), from one read of rows on CUDA (kernels.block_cast_both); else
     the last two are None. traced: inside the operator fp8train::block_cast."""
     m, k = rows.shape
     data = torch.empty(rows.shape, dtype=dtype, device=rows.device)
-    scale_inv = _scales(rows, block)
+    scale_inv = _scales(rows, ROW_BLOCKS)
     if not both:
-        kernels.block_cast(rows, data, scale_inv, block, power_of_two, traced)
+        kernels.block_cast(rows, data, scale_inv, ROW_BLOCKS, power_of_two, traced)
         return data, scale_inv, None, None
     data_t = torch.empty((k, padded_rows(m, 128)), dtype=dtype, device=rows.device)
     scale_inv_cols = _scales(rows, (128, 1))
@@ -200,44 +193,27 @@ def _rows(rows: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two:
     with transpose (rows also in 128 x 1 blocks, transposed: BlockScalingQuantizer.cast) else None."""
     if traced:  # the eager kernels as the operator fp8train::block_cast, launched by Inductor
         data, scale_inv, data_t, scale_inv_cols = torch.ops.fp8train.block_cast(
-            rows.detach(), dtype, False, transpose, power_of_two, False)
+            rows.detach(), dtype, False, transpose, power_of_two)
     else:
-        data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, dtype, ROW_BLOCKS, transpose, power_of_two)
+        data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, dtype, transpose, power_of_two)
     return data, scale_inv, (data_t if transpose else None), (scale_inv_cols.t() if transpose else None)
 
 
 def _tiles(w: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two: bool, traced: bool):
     """w (M, K) in 128 x 128 tiles: (data, scale_inv (Mb, Kb), data_t (K, Mp), scale_inv_t
-    (Kb, Mb)), the last two with transpose (the payload's bytes transposed) else None. With
-    ONE_LAUNCH_TILES each scale_inv is the first columns of a buffer whose rows are padded to a
-    multiple of 4 with 1s (gemm.tile_scales reads it as the block GEMM's operand without a
-    copy); else _tiles_apart's."""
-    if not ONE_LAUNCH_TILES:
-        return _tiles_apart(w, dtype, transpose, power_of_two, traced)
+    (Kb, Mb)), the last two with transpose (the payload's bytes transposed) else None, from
+    one launch on CUDA. Each scale_inv is the first columns of a buffer whose rows are padded
+    to a multiple of 4 with 1s: gemm.tile_scales reads it as the block GEMM's operand without
+    a copy (apart, a cast, a byte transpose and a padded copy of the scales per GEMM ran)."""
     mb, kb = blocks_of(w.shape, TILE_BLOCKS)
     if traced:  # the Triton kernel launched by Inductor (operator fp8train::block_cast)
         data, scales, data_t, scales_t = torch.ops.fp8train.block_cast(w.detach(), dtype, True, transpose,
-                                                                       power_of_two, True)
+                                                                       power_of_two)
     else:
         data, scales, data_t, scales_t = _new_tiles(w, dtype, transpose, power_of_two)
     if not transpose:
         return data, scales[:, :kb], None, None
     return data, scales[:, :kb], data_t, scales_t[:, :mb]
-
-
-def _tiles_apart(w: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two: bool, traced: bool):
-    """_tiles with ONE_LAUNCH_TILES off: the tile cast (scale_inv (Mb, Kb) contiguous), then
-    its bytes transposed by a launch of their own (torch ops in traced code), scale_inv_t a
-    transposed view; gemm.tile_scales copies each into the GEMM's layout."""
-    if traced:
-        data, scale_inv, _, _ = torch.ops.fp8train.block_cast(w.detach(), dtype, True, False, power_of_two, False)
-    else:
-        data, scale_inv, _, _ = _new_cast(w, dtype, TILE_BLOCKS, False, power_of_two)
-    if not transpose:
-        return data, scale_inv, None, None
-    cols = padded_rows(w.shape[0])
-    data_t = ops.bytes_transposed(data, cols) if traced else transpose_padded(data, cols)
-    return data, scale_inv, data_t, scale_inv.t()
 
 
 def _round4(n: int) -> int:
@@ -261,15 +237,14 @@ def _new_tiles(w: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_tw
 
 
 @torch.library.triton_op("fp8train::block_cast", mutates_args=())
-def _block_cast_op(rows: torch.Tensor, fp8_dtype: torch.dtype, tiles: bool, both: bool, power_of_two: bool,
-                   one_launch: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_new_cast (row blocks; both: the transposed 128 x 1 cast too; tiles without
-    one_launch: the tile cast alone) or _new_tiles (tiles with one_launch; both: the
-    transposed copy too, scales padded) as an operator for traced code: its body launches the
+def _block_cast_op(rows: torch.Tensor, fp8_dtype: torch.dtype, tiles: bool, both: bool,
+                   power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_new_cast (row blocks; both: the transposed 128 x 1 cast too) or _new_tiles (tiles;
+    both: the transposed copy too, scales padded) as an operator for traced code: its body launches the
     Triton kernels through wrap_triton, so Inductor launches them from its own code (off CUDA:
     ops.block_cast's torch ops, traced into the graph; the eager twin's copies into FP8
     buffers fail Inductor's CPU code, torch 2.13). Absent outputs are empty (0,) tensors."""
-    if tiles and one_launch:
+    if tiles:
         if rows.is_cuda:
             data, scales, data_t, scales_t = _new_tiles(rows, fp8_dtype, both, power_of_two, traced=True)
         else:
@@ -282,12 +257,10 @@ def _block_cast_op(rows: torch.Tensor, fp8_dtype: torch.dtype, tiles: bool, both
         if not both:
             data_t, scales_t = rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
         return data, scales, data_t, scales_t
-    block = TILE_BLOCKS if tiles else ROW_BLOCKS
-    both = both and not tiles
     if rows.is_cuda:
-        data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, fp8_dtype, block, both, power_of_two, traced=True)
+        data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, fp8_dtype, both, power_of_two, traced=True)
     else:
-        data, data_t, scale_inv, _, scale_inv_t = ops.block_cast(rows, fp8_dtype, block, power_of_two, both, False)
+        data, data_t, scale_inv, _, scale_inv_t = ops.block_cast(rows, fp8_dtype, ROW_BLOCKS, power_of_two, both, False)
         scale_inv_cols = scale_inv_t.t() if both else None
     if not both:
         data_t, scale_inv_cols = rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
@@ -307,8 +280,6 @@ def transpose_tiles(cast: BlockCast) -> BlockCast:
     if cast.data_t is not None:
         return cast
     data = cast.data
-    if not ONE_LAUNCH_TILES:
-        return cast._replace(data_t=transpose_padded(data, padded_rows(data.shape[0])), scale_inv_t=cast.scale_inv.t())
     mb = cast.scale_inv.shape[0]
     scales_t = cast.scale_inv.new_ones(cast.scale_inv.shape[1], _round4(mb))  # padded as _tiles' (tile_scales)
     scales_t[:, :mb].copy_(cast.scale_inv.t())

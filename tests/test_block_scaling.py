@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import BlockScaling, CurrentScaling, DelayedScaling, Format, TensorRole, block_quantizer, gemm
+from fp8train import BlockScaling, CurrentScaling, DelayedScaling, Format, TensorRole, gemm
 from fp8train.block_quantizer import BlockScalingQuantizer
 from fp8train.quantizer_factory import make_quantizer
 from fp8train.recipe import GemmConfig, check_recipe
@@ -86,9 +86,7 @@ def test_quantizer_casts_match_the_numpy_reference(power_of_two):
     assert plain.data_t is None and plain.dbias is None and torch.equal(plain.scale_inv, c.scale_inv)
 
 
-@pytest.mark.parametrize("one_launch", [False, True], ids=["apart", "one-launch"])
-def test_weight_quantizer_transposes_its_tiles(one_launch, monkeypatch):
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
+def test_weight_quantizer_transposes_its_tiles():
     w = torch.randn(272, 304)
     q = make_quantizer(BlockScaling(fp8_format=Format.HYBRID), TensorRole.WEIGHT)
     assert q.block == TILE and q.dtype == E4M3
@@ -98,15 +96,15 @@ def test_weight_quantizer_transposes_its_tiles(one_launch, monkeypatch):
     assert torch.equal(c.scale_inv, torch.from_numpy(want_si)) and c.scale_inv.shape == (3, 3)
     assert torch.equal(c.data_t.view(torch.uint8), c.data.view(torch.uint8).t())  # the same tiles, no second cast
     assert torch.equal(c.scale_inv_t, c.scale_inv.t())
-    # the GEMM's scale operands, (4, 3) with the padding 1; one launch: both scale grids sit in
-    # buffers padded with 1 to 4 columns, which the GEMM reads without a copy
+    # the GEMM's scale operands, (4, 3) with the padding 1: both scale grids sit in buffers
+    # padded with 1 to 4 columns, which the GEMM reads without a copy
     plain = q.cast(w).scale_inv  # without the transposed copy
     assert torch.equal(plain, c.scale_inv)
     for s in (c.scale_inv, c.scale_inv_t, plain):
         operand = gemm.tile_scales(s)
         assert operand.shape == (4, 3) and operand.stride() == (1, 4)
         assert torch.equal(operand[:3], s.t()) and bool((operand[3] == 1).all())
-        assert (operand.data_ptr() == s.data_ptr()) == one_launch
+        assert operand.data_ptr() == s.data_ptr()
     g = make_quantizer(BlockScaling(fp8_format=Format.HYBRID), TensorRole.GRAD_OUTPUT)
     assert g.dtype == E5M2 and g.block == ROW
 
@@ -276,9 +274,7 @@ def test_block_scaling_beats_tensor_scaling_on_outliers(fmt):
             assert block[1] >= tensor[1] + 6.0, (name, results)
 
 
-@pytest.mark.parametrize("one_launch", [False, True], ids=["apart", "one-launch"])
-def test_microbatch_caching_keeps_the_weight_cast(one_launch, monkeypatch):
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
+def test_microbatch_caching_keeps_the_weight_cast():
     torch.manual_seed(1)
     layer = fp8train.Linear(256, 128)
     x = torch.randn(40, 256)
@@ -410,35 +406,16 @@ def test_layers_and_features_that_do_not_take_block_scaling_say_so():
     assert copy.deepcopy(linear).input_quantizer.block == ROW
 
 
-def test_one_launch_weight_tiles_train_as_the_default_form(monkeypatch):
-    # block_quantizer.ONE_LAUNCH_TILES changes where the weight's scales live (padded buffers),
-    # not a byte of what a layer computes: output and every gradient as with it off
-    results = []
-    for one_launch in (False, True):
-        monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
-        torch.manual_seed(3)
-        layer = fp8train.Linear(304, 144)  # W 144 x 304: Mb 2, Kb 3, both grids padded
-        x = torch.randn(2, 70, 304, requires_grad=True)
-        with fp8train.autocast(recipe=BlockScaling()):
-            y = layer(x)
-        y.backward(torch.randn_like(y))
-        results.append((y.detach(), x.grad, layer.weight.grad, layer.bias.grad))
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-
-
-def test_weight_workspace_casts_in_python_where_no_tile_plan_runs(monkeypatch):
-    # the C++ re-cast of a kept weight cast (a tile plan) is CUDA's: on the CPU, and with
-    # ONE_LAUNCH_TILES off, the workspace casts in Python and hands the node no plan
+def test_weight_workspace_casts_in_python_where_no_tile_plan_runs():
+    # the C++ re-cast of a kept weight cast (a tile plan) is CUDA's: on the CPU the workspace
+    # casts in Python and hands the node no plan
     from fp8train.modules.weight_workspace import WeightWorkspace
     q = make_quantizer(BlockScaling(), TensorRole.WEIGHT)
     w = torch.randn(256, 384)
-    for one_launch in (False, True):
-        monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
-        ws = WeightWorkspace()
-        first, plan = ws.for_native(w, q, None, need_transpose=True)
-        assert plan is None and first is ws.block and first.data_t is not None
-        assert q.native_recast(w, first, True) is None
-        second, plan = ws.for_native(w, q, None, need_transpose=True)
-        assert plan is None and second is ws.block and second is not first  # cast again, fresh buffers
-        assert torch.equal(second.data.view(torch.uint8), first.data.view(torch.uint8))
+    ws = WeightWorkspace()
+    first, plan = ws.for_native(w, q, None, need_transpose=True)
+    assert plan is None and first is ws.block and first.data_t is not None
+    assert q.native_recast(w, first, True) is None
+    second, plan = ws.for_native(w, q, None, need_transpose=True)
+    assert plan is None and second is ws.block and second is not first  # cast again, fresh buffers
+    assert torch.equal(second.data.view(torch.uint8), first.data.view(torch.uint8))

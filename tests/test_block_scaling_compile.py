@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import BlockScaling, TensorRole, block_quantizer, gemm
+from fp8train import BlockScaling, TensorRole, gemm
 from fp8train.quantizer_factory import make_quantizer
 from helpers import rel_err
 
@@ -45,12 +45,10 @@ def test_traced_block_cast_is_the_eager_cast(backend, shape, power_of_two, dtype
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_traced_one_launch_tile_cast_is_the_eager_cast(backend, monkeypatch):
-    # block_quantizer.ONE_LAUNCH_TILES: the weight's scales in buffers padded to 4 columns, both
-    # GEMMs' scale operands read from them in place (gemm.tile_scales' as_strided view over the
-    # padding, which the traced code must keep); every role's cast as eager's, and the weight's
-    # as the default form's
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", True)
+def test_traced_tile_cast_is_the_eager_cast(backend):
+    # the weight's scales sit in buffers padded with 1 to 4 columns, both GEMMs' scale operands
+    # read from them in place (gemm.tile_scales' as_strided view over the padding, which the
+    # traced code must keep): every role's cast as eager's, and the weight's GEMM operands too
     x = _extreme_input((3, 45, 304), torch.bfloat16)  # W (135, 304): Mb 2, Kb 3, both grids padded
     _check_traced_casts(x, backend)
     q = make_quantizer(BlockScaling(), TensorRole.WEIGHT)
@@ -62,15 +60,16 @@ def test_traced_one_launch_tile_cast_is_the_eager_cast(backend, monkeypatch):
     w = x.reshape(-1, 304)
     torch._dynamo.reset()
     got, fprop_scales, dgrad_scales = torch.compile(operands, backend=backend, fullgraph=True)(w)
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", False)
-    apart = q.cast(w, transpose=True)
-    assert torch.equal(fprop_scales, gemm.tile_scales(apart.scale_inv))  # the padding 1, as the copy's
-    assert torch.equal(dgrad_scales, gemm.tile_scales(apart.scale_inv_t))
-    assert torch.equal(got.scale_inv, apart.scale_inv) and torch.equal(got.scale_inv_t, apart.scale_inv_t)
-    nan = apart.data.float().isnan()
-    assert torch.equal(got.data.view(torch.uint8)[~nan], apart.data.view(torch.uint8)[~nan])
-    nan_t = apart.data_t.float().isnan()
-    assert torch.equal(got.data_t.view(torch.uint8)[~nan_t], apart.data_t.view(torch.uint8)[~nan_t])
+    eager = q.cast(w, transpose=True)
+    for operand, s in ((fprop_scales, eager.scale_inv), (dgrad_scales, eager.scale_inv_t)):
+        want = torch.ones(-(-s.shape[1] // 4) * 4, s.shape[0])  # (Kb rounded up to 4, Mb): the padding 1
+        want[: s.shape[1]] = s.t()
+        assert torch.equal(operand, want)
+    assert torch.equal(got.scale_inv, eager.scale_inv) and torch.equal(got.scale_inv_t, eager.scale_inv_t)
+    nan = eager.data.float().isnan()
+    assert torch.equal(got.data.view(torch.uint8)[~nan], eager.data.view(torch.uint8)[~nan])
+    nan_t = eager.data_t.float().isnan()
+    assert torch.equal(got.data_t.view(torch.uint8)[~nan_t], eager.data_t.view(torch.uint8)[~nan_t])
 
 
 def test_traced_block_casts_are_the_kernel_operator():

@@ -26,10 +26,9 @@
 #          (default: the script's; torchao's need its wheel carried), JSON per seed into $OUT
 #          (~1 minute per recipe at h1024); `python benchmarks/numerics.py --merge <the JSONs>`
 #          pairs gaps only within one run's JSON (each holds its own bf16)
-#   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, both GEMM paths, the
-#          compiled Linear, the C++ node's block path with native.BLOCK_NODE on), then
-#          benchmarks/hf_llama.py's block variants at h1024: eager on the Python node and on the
-#          C++ node ("node"), compiled, each with the one-launch weight cast ("one-launch")
+#   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, the weight's one-launch
+#          cast, both GEMM paths, the compiled Linear, the C++ node's block path), then
+#          benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled
 #   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
 #          variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a bf16 gradient
@@ -119,8 +118,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         tests/gpu/test_block_cast_gpu.py tests/gpu/test_block_native_gpu.py 2>&1 | tee "$OUT/block_tests.log" \
         | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
-        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block node,\
-fp8 eager block node one-launch,fp8 compile block,fp8 compile block one-launch}" --json "$OUT/hf_block.json" 2>&1 \
+        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 compile block}" --json "$OUT/hf_block.json" 2>&1 \
         | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path)|failed" ;;
     blockcast)

@@ -17,10 +17,8 @@ switch: benchmarks/hf_llama.py's "aten-mm" variant; Dynamo guards on it). `BLOCK
 BlockScaling's CUDA GEMMs, eager and traced, through the extension's `block_scaled_mm`
 (cuBLASLt's block scale modes, the algorithm cached) instead of torch.nn.functional.scaled_mm
 (on; off is an A/B switch: benchmarks/hf_llama.py's "torch-gemm" variants; the GPU test,
-tests/gpu/test_block_scaling_gpu.py, runs every case both ways). `BLOCK_NODE` lets the C++ node
-take BlockScaling's Linears (block cast plans, block GEMMs): off until its GPU tests
-(tests/gpu/test_block_native_gpu.py, which turn it on) have run on an H200; off, those layers
-run the Python node, as they did before it.
+tests/gpu/test_block_scaling_gpu.py, runs every case both ways). BlockScaling's Linears take
+the same C++ node (block cast plans, block GEMMs; tests/gpu/test_block_native_gpu.py).
 
 The extension's FP8 GEMM (`scaled_mm`, lt_gemm.cpp: cuBLASLt with the algorithm cached per
 problem, torch._scaled_mm's bytes at a fraction of its host time) serves the C++ nodes and
@@ -44,7 +42,6 @@ from ..tensor import padded_rows
 ENABLED = True
 GEMM_OP = True
 BLOCK_GEMM = True
-BLOCK_NODE = False  # written 2026-12-02 and checked on the CPU only: see the docstring
 
 _CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [str(_CSRC / "linear_node.cpp"), str(_CSRC / "lt_gemm.cpp"), str(_CSRC / "high_mlp.cpp")]

@@ -202,7 +202,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 CPP_NODE = "C++ node"
 _OFF_CUDA = "Python node: the C++ node runs on CUDA tensors only"
 _SWITCHED_OFF = "Python node: the C++ node is switched off (kernels.native.ENABLED = False)"
-_BLOCK_NODE_OFF = "Python node: BlockScaling's C++ node is switched off (kernels.native.BLOCK_NODE = False)"
 
 
 def _block_scaled_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
@@ -234,13 +233,13 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
     Python node. The fused modules under BlockScaling compose their norm and activation in
     high precision around it (layernorm_linear.py, layernorm_mlp.py). path: where an eager
     call notes which node ran, or why not (Linear._path)."""
-    if x.is_cuda and native.ENABLED and native.BLOCK_NODE:
+    if x.is_cuda and native.ENABLED:
         y = _native_block_forward(workspace, x, weight, bias, q_input, q_weight, q_grad, act_dtype, grad,
                                   is_first_microbatch, path if path is not None else [None])
         if y is not None:
             return y
     elif path is not None:
-        path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF if not native.ENABLED else _BLOCK_NODE_OFF
+        path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
     w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad)
     return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, grad and weight.requires_grad)
 
@@ -265,8 +264,7 @@ def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: 
                           path: list) -> Optional[torch.Tensor]:
     """_native_forward under BlockScaling: the same C++ node with block-scaled casts (the
     quantizers' block plans) and GEMMs (cuBLASLt's block scaling), the weight's 128 x 128 cast
-    kept in `workspace` (cast by Python, or re-cast by the node: a tile plan, with
-    block_quantizer.ONE_LAUNCH_TILES) and its tile scales laid out for the GEMM here; or None with
+    kept in `workspace` (cast by Python, or re-cast in place by the node: a tile plan) and its tile scales laid out for the GEMM here; or None with
     nothing done where the Python node must run (as _native_forward's, and: e5m2 operands,
     which only the Python node reports, and row counts that are not multiples of 4, which the
     Python node pads)."""

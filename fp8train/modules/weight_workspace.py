@@ -26,8 +26,7 @@ class WeightWorkspace:
 
     Block scaling (a blockwise quantizer): the weight's block cast is kept as a `BlockCast` in
     `block` (a Float8Tensor holds one scale_inv), cast into fresh buffers when Python casts it
-    and re-cast into the same buffers by the C++ node (for_native, with
-    block_quantizer.ONE_LAUNCH_TILES); a kept cast without the transposed copy gets its tiles
+    and re-cast into the same buffers by the C++ node (for_native); a kept cast without the transposed copy gets its tiles
     transposed (no second cast).
     """
 

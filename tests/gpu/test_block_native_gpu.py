@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import BlockScaling, block_quantizer, gemm
+from fp8train import BlockScaling, gemm
 from fp8train.kernels import native
 from fp8train.modules import base
 from fp8train.quantizer_factory import make_quantizer
@@ -29,9 +29,6 @@ NATIVE_NODE = "fp8train::LinearBackward"
 def built():
     if native.extension() is None:
         pytest.fail(f"the C++ extension did not build: {native.failure()}")
-    was, native.BLOCK_NODE = native.BLOCK_NODE, True  # off by default until these tests have run
-    yield
-    native.BLOCK_NODE = was
 
 
 @pytest.mark.parametrize("role", [TensorRole.INPUT, TensorRole.GRAD_OUTPUT], ids=lambda r: r.name)
@@ -72,11 +69,10 @@ def test_weight_quantizer_has_no_plan():
 @pytest.mark.parametrize("shape, dtype", [((384, 1024), torch.float32), ((300, 2816), torch.bfloat16),
                                           ((1000, 272), torch.float32)], ids=str)
 @pytest.mark.parametrize("transpose", [False, True], ids=["no-t", "t"])
-def test_weight_tile_plan_recasts_as_the_python_cast(shape, dtype, transpose, monkeypatch):
-    """The tile plan (block_quantizer.ONE_LAUNCH_TILES) re-casts a changed weight into the kept
-    cast's buffers: the bytes, scales and padding of a fresh Python cast of it. 300 x 2816:
-    Mb 3, Kb 22, both grids padded; 1000 x 272: Mp 1008, Kb 3."""
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", True)
+def test_weight_tile_plan_recasts_as_the_python_cast(shape, dtype, transpose):
+    """The tile plan re-casts a changed weight into the kept cast's buffers: the bytes, scales
+    and padding of a fresh Python cast of it. 300 x 2816: Mb 3, Kb 22, both grids padded;
+    1000 x 272: Mp 1008, Kb 3."""
     q = make_quantizer(BlockScaling(), TensorRole.WEIGHT, device=CUDA)
     w = torch.randn(shape, device=CUDA).to(dtype)
     kept = q.cast(w, transpose=transpose)
@@ -99,12 +95,13 @@ def test_weight_tile_plan_recasts_as_the_python_cast(shape, dtype, transpose, mo
     assert why is not None and "tile scales" in why
 
 
-def test_weight_tile_plan_needs_the_one_launch_form(monkeypatch):
+def test_weight_tile_plan_needs_the_padded_scales():
     q = make_quantizer(BlockScaling(), TensorRole.WEIGHT, device=CUDA)
-    w = torch.randn(256, 384, device=CUDA)
-    apart = q.cast(w, transpose=True)  # ONE_LAUNCH_TILES off: unpadded scales
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", True)
-    assert q.native_recast(w, apart, True) is None
+    w = torch.randn(256, 384, device=CUDA)  # Mb 2, Kb 3: both scale grids padded to 4 columns
+    cast = q.cast(w, transpose=True)
+    assert q.native_recast(w, cast, True) is not None
+    unpadded = cast._replace(scale_inv=cast.scale_inv.contiguous(), scale_inv_t=cast.scale_inv_t.contiguous())
+    assert q.native_recast(w, unpadded, True) is None
     kept = q.cast(w, transpose=False)
     assert q.native_recast(w, kept, True) is None  # no transposed buffer to write
     assert q.native_recast(w, kept, False) is not None
@@ -153,14 +150,12 @@ def _python_node(fn):
         native.ENABLED = True
 
 
-@pytest.mark.parametrize("one_launch", [False, True], ids=["apart", "one-launch"])  # block_quantizer.ONE_LAUNCH_TILES
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-bias{int(c[2])}-{str(c[3])[6:]}-"
                          f"{'x'.join(map(str, c[4]))}-{str(c[5])[6:]}")
-def test_block_linear_node_matches_the_python_node(case, one_launch, monkeypatch):
+def test_block_linear_node_matches_the_python_node(case):
     """Four fwd+bwd steps in the C++ node (from the first: a block plan needs no preparation)
-    and in the Python node on a twin: outputs and every gradient bit for bit (one launch: the
-    node re-casts the weight from the second step on)."""
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
+    and in the Python node on a twin: outputs and every gradient bit for bit (the node re-casts
+    the weight from the second step on)."""
     k, n, bias, pdtype, shape, xdtype = case
     torch.manual_seed(3)
     layer = fp8train.Linear(k, n, bias=bias, params_dtype=pdtype, device=CUDA)
@@ -177,12 +172,11 @@ def test_block_linear_node_matches_the_python_node(case, one_launch, monkeypatch
 
 
 @pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_block_linear_node_recasts_an_updated_weight_in_place(params_dtype, monkeypatch):
-    """With ONE_LAUNCH_TILES the node re-casts the weight into the kept cast's buffers every
-    step (the same addresses), after SGD moved it: bit for bit the Python node's fresh casts;
-    an eval call without grad (no transposed copy written) drops the kept transposed copy, and
-    the next training step casts it anew."""
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", True)
+def test_block_linear_node_recasts_an_updated_weight_in_place(params_dtype):
+    """The node re-casts the weight into the kept cast's buffers every step (the same
+    addresses), after SGD moved it: bit for bit the Python node's fresh casts; an eval call
+    without grad (no transposed copy written) drops the kept transposed copy, and the next
+    training step casts it anew."""
     torch.manual_seed(5)
     layer = fp8train.Linear(640, 384, params_dtype=params_dtype, device=CUDA)
     twin = copy.deepcopy(layer)

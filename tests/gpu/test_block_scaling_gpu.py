@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train import BlockScaling, Format, TensorRole, block_quantizer, gemm
+from fp8train import BlockScaling, Format, TensorRole, gemm
 from fp8train.kernels import native
 from fp8train.quantizer_factory import make_quantizer
 from fp8train.recipe import GemmConfig
@@ -59,10 +59,8 @@ def assert_same_cast(got, want, what):
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
 @pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID], ids=["e4m3", "hybrid"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("one_launch", [False, True], ids=["apart", "one-launch"])  # block_quantizer.ONE_LAUNCH_TILES
 @pytest.mark.parametrize("role", [TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT], ids=lambda r: r.value)
-def test_quantizer_cast_on_cuda_is_the_twin(role, dtype, fmt, power_of_two, one_launch, monkeypatch):
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
+def test_quantizer_cast_on_cuda_is_the_twin(role, dtype, fmt, power_of_two):
     # (3, 97, 304): 291 rows, 304 columns, tails both ways; magnitudes over 12 decades so
     # that blocks get very different scales; a zero block and an inf (NaN encodings are
     # test_block_cast_gpu.py's, against the twin run on CUDA).
@@ -144,19 +142,17 @@ def test_blockwise_gemms_with_tail_blocks(m, k, n):
 # Thresholds as the CPU test's (tests/test_block_scaling.py: 28.7-29.0 dB measured there for
 # output and e4m3 gradients): the GPU's in-slice MMA precision costs far less than FP8's.
 @needs_blockwise
-@pytest.mark.parametrize("one_launch", [False, True], ids=["apart", "one-launch"])  # block_quantizer.ONE_LAUNCH_TILES
 @pytest.mark.parametrize("node", ["cpp", "python"])
 @pytest.mark.parametrize("shape, n", [((300, 512), 384), ((4, 77, 1024), 256)], ids=["2d-m300", "3d-m308"])
-def test_linear_on_cuda_against_float64(shape, n, node, one_launch, monkeypatch):
-    monkeypatch.setattr(native, "BLOCK_NODE", node == "cpp")
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
+def test_linear_on_cuda_against_float64(shape, n, node, monkeypatch):
+    monkeypatch.setattr(native, "ENABLED", node == "cpp")
     layer = fp8train.Linear(shape[-1], n, device=CUDA)  # FP32 master weights
     x = torch.randn(shape, dtype=torch.bfloat16, device=CUDA, requires_grad=True)
     dy = torch.randn(*shape[:-1], n, dtype=torch.bfloat16, device=CUDA)
     with fp8train.autocast(recipe=BlockScaling()):
         y = layer(x)
     y.backward(dy)
-    want_path = "C++ node" if node == "cpp" else "Python node: BlockScaling's C++ node is switched off"
+    want_path = "C++ node" if node == "cpp" else "Python node: the C++ node is switched off"
     assert fp8train.inspect.execution_paths(torch.nn.Sequential(layer))["0"].startswith(want_path)  # 300 / 308 rows
     ref = torch.nn.Linear(shape[-1], n, dtype=torch.float64, device=CUDA)
     ref.load_state_dict(layer.state_dict(), strict=False)
@@ -204,10 +200,8 @@ def test_hybrid_format_is_refused_on_cuda():
 # float32 column sum: Inductor's order, not torch's). M = 512: every cast over whole blocks;
 # 300 and 308: the wgrad's 128 x 1 casts have a tail.
 @needs_blockwise
-@pytest.mark.parametrize("one_launch", [False, True], ids=["apart", "one-launch"])  # block_quantizer.ONE_LAUNCH_TILES
 @pytest.mark.parametrize("shape", [(300, 512), (4, 77, 1024), (2, 256, 1024)], ids=["2d-m300", "3d-m308", "3d-m512"])
-def test_compiled_linear_on_cuda_is_eager(shape, one_launch, monkeypatch):
-    monkeypatch.setattr(block_quantizer, "ONE_LAUNCH_TILES", one_launch)
+def test_compiled_linear_on_cuda_is_eager(shape):
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = fp8train.Linear(shape[-1], 384, device=CUDA)  # FP32 master weights
