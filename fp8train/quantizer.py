@@ -58,6 +58,9 @@ class Quantizer(nn.Module):
             # inf/NaN amaxes seen (and kept away from the scale): readable by users and tests.
             self.register_buffer("nonfinite_count", torch.zeros((), dtype=torch.int32, device=device))
         self._prepared: dict = {}  # prepared launches per input shape/dtype/mode (host time, see _launch)
+        # An instance attribute from the start: Dynamo guards on where it is found, and the
+        # first compiled step's write would move it from the class, a recompile.
+        self._traced_memo = None
 
     def quantize(self, x: torch.Tensor, *, transpose: bool = False,
                  out: Optional[Float8Tensor] = None) -> Float8Tensor:
@@ -118,6 +121,7 @@ class Quantizer(nn.Module):
     # (modules/base.py ties their input quantizers), whose calls then go through cast_shared.
     sharing = 1
     _memo = None  # cast_shared's last cast: (weakref to x, x._version, x.shape, scale epoch, hits left, Cast)
+    _traced_memo = None  # the same in the trace being made: (x, hits left, Cast); None between traces (__init__)
 
     def cast_shared(self, x: torch.Tensor, *, transpose: bool = False) -> "Cast":
         """cast(x as (rows, x.shape[-1]), transpose=transpose) for an input that `sharing`
@@ -126,11 +130,10 @@ class Quantizer(nn.Module):
         scaling's would record the same amax), and it is dropped after the last of them.
         Kept only while it holds what a cast now would write: x unchanged (its version), the
         same scales (delayed scaling: no update since; current scaling's follows from x), and
-        the transposed copy if the call needs one. Traced code casts every time: the
-        siblings' traced casts are the same ops on the same tensors, the compiler's to merge."""
+        the transposed copy if the call needs one. Traced code: `_traced_cast_shared`."""
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
         if torch.compiler.is_compiling():
-            return self.cast(rows, transpose=transpose)
+            return self._traced_cast_shared(x, rows, transpose)
         epoch = self._scale_epoch()
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             epoch = (epoch, "captured")  # a memo serves within a CUDA graph capture, or outside, not across
@@ -143,6 +146,23 @@ class Quantizer(nn.Module):
                 return cast
         cast = self.cast(rows, transpose=transpose)
         self._memo = (weakref.ref(x), x._version, x.shape, epoch, self.sharing - 1, cast)
+        return cast
+
+    def _traced_cast_shared(self, x: torch.Tensor, rows: torch.Tensor, transpose: bool) -> "Cast":
+        """cast_shared in a torch.compile trace: one cast op in the graph for all the siblings.
+        Inductor merges none of them (each mutates the quantizer's state), and each made it
+        write a copy of x of its own (HF Llama h1024 on the H200: three float32 copies of the
+        q/k/v input from one RMSNorm kernel, three casts). Dynamo records the memo's writes and
+        replays the last one, None once every sibling has cast, so the Cast is no graph output.
+        The memo is keyed on x's identity alone (in a trace x._version is a constant, and the
+        scale cannot change between siblings: delayed updates run on entering fp8train.autocast); the
+        caller casts outside its autograd.Function, whose trace may not write module state."""
+        memo = self._traced_memo
+        if memo is not None and memo[0] is x and (memo[2].data_t is not None or not transpose):
+            self._traced_memo = (x, memo[1] - 1, memo[2]) if memo[1] > 1 else None
+            return memo[2]
+        cast = self.cast(rows, transpose=transpose)
+        self._traced_memo = (x, self.sharing - 1, cast) if self.sharing > 1 else None
         return cast
 
     def _scale_epoch(self) -> int:

@@ -143,8 +143,9 @@ class Linear(FP8Module, TPCheckpoints):
             self.check_fp8_input(x, q_input)
         w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad,
                                     skip=self.weight_cast_skip)
-        y = _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype,
-                            grad and weight.requires_grad)
+        need_wgrad = grad and weight.requires_grad
+        y = _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, recipe.gemm, act_dtype, need_wgrad,
+                            *_shared_cast(x, q_input, need_wgrad))
         mark_calibrated(q_input, q_weight, q_grad)
         return y
 
@@ -241,7 +242,22 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
     elif path is not None:
         path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
     w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad)
-    return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, grad and weight.requires_grad)
+    need_wgrad = grad and weight.requires_grad
+    return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad,
+                           *_shared_cast(x, q_input, need_wgrad))
+
+
+def _shared_cast(x, q_input: Quantizer, need_wgrad: bool) -> Tuple[Optional[torch.Tensor], ...]:
+    """The cast of an x that sibling layers read (Quantizer.cast_shared) as _LinearFn's last
+    four arguments (data (M, K), data_t (K, Mp), scale_inv, and data_t's own scale_inv where it
+    has one (block scaling), else None), or four Nones where the layer casts x itself. Made
+    outside _LinearFn: in a torch.compile trace the memo that serves the siblings is module
+    state, which an autograd.Function's trace may not write (nor take one tensor twice)."""
+    if q_input.sharing == 1 or isinstance(x, Float8Tensor):
+        return None, None, None, None
+    xq = q_input.cast_shared(x, transpose=need_wgrad)
+    t_scale_inv = xq.transposed_scale_inv
+    return xq.data, xq.data_t, xq.scale_inv, None if t_scale_inv is xq.scale_inv else t_scale_inv
 
 
 def node_refusal(x: torch.Tensor, act_dtype: torch.dtype) -> Optional[str]:
@@ -377,15 +393,15 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w_fp8: Float8Tensor,
                 q_input: Quantizer, q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype,
-                need_wgrad: bool):
+                need_wgrad: bool, x_data: Optional[torch.Tensor] = None, x_t: Optional[torch.Tensor] = None,
+                x_scale_inv: Optional[torch.Tensor] = None, x_t_scale_inv: Optional[torch.Tensor] = None):
         in_shape = x.shape
         if isinstance(x, Float8Tensor):
             x_data, x_scale_inv = _rows(x.fp8_data), x.scale_inv
             x_t = x.transpose_data(padded=True) if need_wgrad else None
             x_t_scale_inv = x_scale_inv
-        elif q_input.sharing > 1:  # sibling layers read x: one cast for them all
-            xq = q_input.cast_shared(x, transpose=need_wgrad)  # (M, K), (K, Mp)
-            x_data, x_t, x_scale_inv, x_t_scale_inv = xq.data, xq.data_t, xq.scale_inv, xq.transposed_scale_inv
+        elif x_data is not None:  # sibling layers read x: its one cast, made for them all (_shared_cast)
+            x_t_scale_inv = x_scale_inv if x_t_scale_inv is None else x_t_scale_inv
         else:
             xq = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
             x_data, x_t, x_scale_inv, x_t_scale_inv = xq.data, xq.data_t, xq.scale_inv, xq.transposed_scale_inv
@@ -413,4 +429,4 @@ class _LinearFn(torch.autograd.Function):
         if need_wgrad:
             x_t, x_t_scale_inv = ctx.saved_tensors
             dw = gemm.wgrad(dyq.data_t, dyq.transposed_scale_inv, x_t, x_t_scale_inv, ctx.config, ctx.weight_dtype)
-        return dx, dw, dyq.dbias, None, None, None, None, None, None
+        return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None
