@@ -32,6 +32,7 @@ from . import block_reference
 from .cast import _INF_BITS, _abs_bits, _saturate
 from .launcher import DirectKernel, LaunchOverride, device_guard
 from .scale_update import compute_scale
+from .transpose import store_transposed_tile
 from ..tensor import padded_rows
 
 _ROWS, _COLS, _TILE = 0, 1, 2
@@ -212,15 +213,13 @@ def _weight_tiles_kernel(
     tl.store(sinv_ptr + rb * kb4 + tiles_k + pad, tl.full([4], 1.0, tl.float32),
              mask=(tiles_k + pad < kb4) & (pad * 0 + cb == tiles_k - 1))
     if TRANSPOSE:
-        # The bytes just stored, read back transposed (bar.sync orders the CTA's stores before
-        # its loads; .cg reads L2, where they went), not tl.trans(y): with float32 x, Triton
+        # The bytes just stored, read back transposed, not tl.trans(y): with float32 x, Triton
         # 3.6's code for the transposed FP8 values was wrong in whole rows on the H200
         # (2026-12-02; bf16 x was right). Rows M..Mp load 0: out_t's zero padding.
-        tl.debug_barrier()
-        t_mask = (c < K)[:, None] & (r < out_t_cols)[None, :]
-        y_t = tl.load(out_ptr + tl.cast(r, tl.int64)[None, :] * K + c[:, None], mask=t_mask & (r < M)[None, :],
-                      other=0.0, cache_modifier=".cg")
-        tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=t_mask)
+        i = tl.arange(0, 128)
+        store_transposed_tile(out_ptr + tl.cast(rb * 128, tl.int64) * K + cb * 128,
+                              out_t_ptr + tl.cast(cb * 128, tl.int64) * out_t_cols + rb * 128, K, out_t_cols, i, i,
+                              r < M, c < K, r < out_t_cols)
         tiles_m = tl.cdiv(M, 128)
         mb4 = tl.cdiv(tiles_m, 4) * 4
         tl.store(sinv_t_ptr + cb * mb4 + rb, sinv)
