@@ -141,7 +141,8 @@ def test_compiled_llama_casts_its_weights_in_one_op(monkeypatch):
     layers = [m for m in model.modules() if isinstance(m, fp8train.Linear)]
     assert len(layers) == 14 and all(m._workspace.pending == [None] for m in layers)
     group = weight_group.WeightCastGroup.of(model)
-    assert group.layers == layers and group.armed == [False] and all(m._workspace.group is group for m in layers)
+    assert group.layers == layers and group.armed == group.filled == [False]
+    assert all(m._workspace.group is group for m in layers)
 
 
 @pytest.mark.slow

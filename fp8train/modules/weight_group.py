@@ -44,6 +44,7 @@ class WeightCastGroup:
         # [0]: True from the model's pre-hook until the first traced weight cast of the
         # forward casts the group (or the post-hook ends the forward).
         self.armed: list = [False]
+        self.filled: list = [False]  # [0]: casts left in the slots since the last post-hook
 
     @classmethod
     def of(cls, model: nn.Module) -> "WeightCastGroup":
@@ -68,10 +69,12 @@ class WeightCastGroup:
     def after_forward(self, module, args, output) -> None:
         if self.armed[0]:
             self.armed[0] = False
-        for layer in self.layers:
-            slot = layer._workspace.pending
-            if slot[0] is not None:
-                slot[0] = None
+        if self.filled[0]:  # (every forward of a converted model runs this: two reads when idle)
+            self.filled[0] = False
+            for layer in self.layers:
+                slot = layer._workspace.pending
+                if slot[0] is not None:
+                    slot[0] = None
 
     def cast_all(self) -> None:
         """In a trace, the forward's first traced weight cast while armed: cast every
@@ -95,6 +98,7 @@ class WeightCastGroup:
                                      fp8_dtype, transpose)
             for (layer, _, _), cast in zip(members, casts):
                 layer._workspace.pending[0] = Cast(*cast)
+            self.filled[0] = True
 
 
 def _quantizer_if_eligible(layer, recipe):
