@@ -190,9 +190,9 @@ def cast_weights(weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor]
     first element max-accumulates the weight's amax (a delayed quantizer's amax_history);
     data, data_t, scale_inv: the flat outputs of flat_outputs(shapes, ...) (data_t (0,)
     without transpose; scale_inv (G * SCALE_STRIDE,) float32, read through scale_inv_of)."""
-    shapes = tuple((w.shape[0], w.shape[1]) for w in weights)
-    _check(weights, scales, amaxes, data, data_t, scale_inv, shapes, transpose)
-    lay = layout(shapes, transpose)
+    _check(weights, scales, amaxes)
+    lay = layout(tuple((w.shape[0], w.shape[1]) for w in weights), transpose)
+    _check_outputs(lay, len(weights), data, data_t, scale_inv, weights[0].device)
     if not weights[0].is_cuda:
         outs = [views(lay, data, data_t, i) for i in range(len(weights))]
         reference.grouped_cast(weights, scales, [a.view(-1)[0] for a in amaxes], [o for o, _ in outs],
@@ -207,7 +207,7 @@ def cast_weights(weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor]
             grid, table, weights[0], data, data_t if transpose else data, scale_inv, g, tiles)
 
 
-def _check(weights, scales, amaxes, data, data_t, scale_inv, shapes, transpose: bool) -> None:
+def _check(weights, scales, amaxes) -> None:
     if not weights or not (len(weights) == len(scales) == len(amaxes)):
         raise ValueError(f"cast_weights: need as many weights, scales and amaxes (at least one); got "
                          f"{len(weights)}, {len(scales)}, {len(amaxes)}")
@@ -223,14 +223,15 @@ def _check(weights, scales, amaxes, data, data_t, scale_inv, shapes, transpose: 
                 or s.numel() != 1 or a.numel() == 0:
             raise ValueError(f"cast_weights: scales (one element) and amaxes (at least one) must be contiguous "
                              f"float32 tensors on {device}")
-    lay = layout(shapes, transpose)
+
+
+def _check_outputs(lay: GroupLayout, g: int, data, data_t, scale_inv, device) -> None:
     if data.dtype not in _FP8_MAX or data.shape != (lay.size,) or data_t.dtype != data.dtype \
-            or data_t.shape != (lay.size_t,) or scale_inv.shape != (len(weights) * SCALE_STRIDE,) \
+            or data_t.shape != (lay.size_t,) or scale_inv.shape != (g * SCALE_STRIDE,) \
             or scale_inv.dtype != torch.float32:
-        raise ValueError("cast_weights: data, data_t and scale_inv must be the flat fp8 outputs of "
-                         f"layout(shapes, transpose={transpose}) ({lay.size}, {lay.size_t}) and ({len(weights) * SCALE_STRIDE},) "
-                         f"float32; got {tuple(data.shape)} {data.dtype}, {tuple(data_t.shape)} {data_t.dtype}, "
-                         f"{tuple(scale_inv.shape)} {scale_inv.dtype}")
+        raise ValueError(f"cast_weights: data, data_t and scale_inv must be flat_outputs' fp8 ({lay.size},), "
+                         f"({lay.size_t},) and float32 ({g * SCALE_STRIDE},); got {tuple(data.shape)} {data.dtype}, "
+                         f"{tuple(data_t.shape)} {data_t.dtype}, {tuple(scale_inv.shape)} {scale_inv.dtype}")
     for t in (data, data_t, scale_inv):
         if t.device != device:
             raise ValueError(f"cast_weights: outputs must be on {device}; got {t.device}")

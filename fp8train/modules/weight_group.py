@@ -7,9 +7,10 @@ weight cast finds it armed and casts every eligible weight at once (ops.cast_wei
 launch on CUDA, where one cast per Linear cost ~30 us of host each from Inductor's code),
 leaving each cast in its layer's weight workspace (`WeightWorkspace.pending`), which the
 layer's forward takes instead of casting; the post-hook disarms and drops what was not
-taken. The cast happens inside the forward's trace because torch 2.11 runs a compiled
-module's hooks eagerly (2.13 compiles each as a frame of its own): either way the hooks
-only flip flags. Eager forwards never read the slots (their casts run in the C++ node).
+taken. The cast happens inside the forward's trace: torch.compile(model) compiles each
+hook as a frame of its own (torch 2.13 on the CPU), so a cast made in the pre-hook would
+enter the forward's graph as three inputs per layer; the hooks only flip flags. Eager
+forwards never read the slots (their casts run in the C++ node).
 
 Eligible: a plain 2-D weight (not FSDP2's DTensor nor an FP8-gathered one) of a Linear
 without tensor parallelism, cast by its calibrated DelayedScalingQuantizer for the active
