@@ -128,6 +128,7 @@ def _train(grouped: bool, recipe, monkeypatch):
     return torch.stack(losses[0]), torch.stack(losses[1]), graphs, model
 
 
+@pytest.mark.slow
 def test_compiled_llama_casts_its_weights_in_one_op(monkeypatch):
     """14 Linears: one cast_weights call and no per-layer weight cast in the compiled graph
     (what is left: 8 tied input casts, 14 gradient casts), the eager twin's losses bit for
