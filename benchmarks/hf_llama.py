@@ -28,9 +28,6 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                these ties q/k/v's and gate/up's input quantizers:
                                                modules.base.SHARE_INPUT_CASTS, off while these
                                                are built; an A/B of it)
-  fp8 compile delayed grouped                  the weights cast in one launch per compiled
-                                               forward (modules.weight_group.GROUP_WEIGHT_CASTS,
-                                               off by default, on around its steps; an A/B of it)
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -68,7 +65,6 @@ import fp8train
 from fp8train.data import ByteCorpus
 from fp8train.kernels import native
 from fp8train.modules import base as module_base
-from fp8train.modules import weight_group
 
 
 @dataclass(frozen=True)
@@ -90,13 +86,11 @@ SHAPES = {
 }
 # the library's defaults, restored after each step
 _BLOCK_GEMM = native.BLOCK_GEMM
-_GROUPED = weight_group.GROUP_WEIGHT_CASTS
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
-            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "fp8 compile delayed grouped",
-            "torchao compile", "torchao compile-ro"]
+            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro"]
 
 
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
@@ -168,7 +162,6 @@ class Runner:
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
-        self.grouped = "grouped" in variant.split()
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -193,12 +186,10 @@ class Runner:
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
         native.GEMM_OP, native.BLOCK_GEMM = not self.aten_mm, self.block_gemm
-        weight_group.GROUP_WEIGHT_CASTS = self.grouped
         try:
             return self._step(m, recipe)
         finally:
             native.GEMM_OP, native.BLOCK_GEMM = True, _BLOCK_GEMM
-            weight_group.GROUP_WEIGHT_CASTS = _GROUPED
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]

@@ -7,7 +7,6 @@ from torch import nn
 
 from . import gemm
 from .modules.linear import Linear
-from .modules.weight_group import WeightCastGroup
 from .recipe import Recipe, check_recipe
 
 FilterFn = Callable[[str, nn.Module], bool]
@@ -38,9 +37,7 @@ def convert(model: nn.Module, recipe: Optional[Recipe] = None, filter_fn: Option
                 continue
             if filter_fn is not None and not filter_fn(qualified, child):
                 continue
-            layer = _from_linear(child, qualified, recipe)
-            setattr(parent, child_name, layer)
-            WeightCastGroup.of(model).add(layer)
+            setattr(parent, child_name, _from_linear(child, qualified, recipe))
     return model
 
 

@@ -34,14 +34,14 @@ gradient, RMSNorm's mean) is an empty (0,) tensor, mapped back to None by the wr
 """
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import kernels, scaling
-from .kernels import block_reference, grouped_cast, reference
+from .kernels import block_reference, reference
 from .kernels.activation_reference import out_features
 from .tensor import padded_rows
 
@@ -189,43 +189,6 @@ def bytes_transposed(data: Tensor, cols: int) -> Tensor:
     """(K, cols) fp8: data (M, K) transposed, zero bytes in columns M.. (kernels.byte_transpose)."""
     raw = F.pad(data.view(torch.uint8).t(), (0, cols - data.shape[0]))
     return raw.contiguous().view(data.dtype)
-
-
-# ------------------------------------------------------------------------- grouped weight casts
-
-def cast_weights(weights: Sequence[Tensor], states: Sequence[ScalingState], fp8_dtype: torch.dtype,
-                 transpose: bool) -> List[Tuple[Tensor, Optional[Tensor], Tensor]]:
-    """Quantizer.cast of each weight (2-D, contiguous, one dtype and device) by a calibrated
-    delayed-scaling quantizer's state (scale, amax_history; no first_amax), in one operator,
-    fp8train::cast_weights: one launch on CUDA (kernels/grouped_cast.py), the twin elsewhere.
-    Returns (data, data_t or None, scale_inv (1,)) per weight, views of three flat outputs."""
-    if any(s.first_amax is not None or s.amax_history is None for s in states):
-        raise ValueError("cast_weights: every state must be a calibrated delayed-scaling quantizer's")
-    weights = [w.detach() for w in weights]
-    data, data_t, scale_inv = torch.ops.fp8train.cast_weights(
-        weights, [s.scale for s in states], [s.amax_history for s in states], fp8_dtype, transpose)
-    lay = grouped_cast.layout(tuple((w.shape[0], w.shape[1]) for w in weights), transpose)
-    return grouped_cast.member_casts(lay, data, data_t, scale_inv)
-
-
-@torch.library.custom_op("fp8train::cast_weights", mutates_args=("amax_histories",))
-def _cast_weights(weights: List[Tensor], scales: List[Tensor], amax_histories: List[Tensor], fp8_dtype: torch.dtype,
-                  transpose: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """`cast_weights` as an operator Inductor calls as it is (its member table holds the
-    weights' addresses, which a traced body cannot read): (data, data_t, scale_inv) flat,
-    data_t (0,) without transpose. Each history's first element max-accumulates its weight's
-    amax (the whole history is passed: no view of a mutated input)."""
-    shapes = tuple((w.shape[0], w.shape[1]) for w in weights)
-    data, data_t, scale_inv, _ = grouped_cast.flat_outputs(shapes, fp8_dtype, transpose, weights[0].device)
-    grouped_cast.cast_weights(weights, scales, amax_histories, data, data_t, scale_inv, transpose)
-    return data, data_t, scale_inv
-
-
-@_cast_weights.register_fake
-def _cast_weights_fake(weights, scales, amax_histories, fp8_dtype, transpose):
-    shapes = tuple((w.shape[0], w.shape[1]) for w in weights)
-    data, data_t, scale_inv, _ = grouped_cast.flat_outputs(shapes, fp8_dtype, transpose, weights[0].device)
-    return data, data_t, scale_inv
 
 
 # ------------------------------------------------------------------------------- normalization

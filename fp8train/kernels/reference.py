@@ -101,19 +101,6 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
         dbias_out.copy_(x.detach().float().sum(0))
 
 
-def grouped_cast(weights: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], amaxes: Sequence[torch.Tensor],
-                 outs: Sequence[torch.Tensor], outs_t: Sequence[Optional[torch.Tensor]],
-                 scale_invs: Sequence[torch.Tensor]) -> None:
-    """Each member i: cast_transpose_amax(weights[i], outs[i], outs_t[i], scales[i],
-    scale_invs[i], amaxes[i]) (cast_amax where outs_t[i] is None). What one launch of
-    kernels.grouped_cast does for all of them."""
-    for w, s, a, out, out_t, s_inv in zip(weights, scales, amaxes, outs, outs_t, scale_invs):
-        if out_t is None:
-            cast_amax(w, out, s, s_inv, a)
-        else:
-            cast_transpose_amax(w, out, out_t, s, s_inv, a)
-
-
 def scale_update(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                  counts: Sequence[torch.Tensor], fp8_maxes: Sequence[float], algo: str, margin: int,
                  power_of_two: bool = False) -> None:

@@ -34,11 +34,6 @@ class WeightWorkspace:
         self.fp8: Optional[Float8Tensor] = None
         self.compiled: Optional[Cast] = None  # the kept cast of compiled calls (data, data_t, scale_inv)
         self.block: Optional[BlockCast] = None  # the kept block cast (BlockScaling)
-        # The WeightCastGroup of the converted model this layer belongs to, or None; [0]: this
-        # weight's cast made by the group in the trace being made, taken by the next traced
-        # cast-every-call; None otherwise (modules/weight_group.py).
-        self.group = None
-        self.pending: list = [None]
 
     def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
             need_transpose: bool, skip: Optional[torch.Tensor] = None) -> Union[Float8Tensor, Cast, BlockCast]:
@@ -98,15 +93,6 @@ class WeightWorkspace:
 
     def _get_traced(self, weight, quantizer, is_first_microbatch, need_transpose) -> Cast:
         if is_first_microbatch is None:  # cast on every call; `compiled` not read: no guard on it
-            group = self.group
-            if group is not None and group.armed[0]:
-                group.cast_all()
-            pending = self.pending[0]
-            if pending is not None:
-                self.pending[0] = None
-                if pending.data.shape == weight.shape and pending.data.dtype == quantizer.dtype \
-                        and (pending.data_t is not None or not need_transpose):
-                    return pending
             return quantizer.cast(weight, transpose=need_transpose)
         kept = self.compiled
         fits = (kept is not None and kept.data.shape == weight.shape and kept.data.dtype == quantizer.dtype
