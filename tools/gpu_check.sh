@@ -23,7 +23,8 @@
 #          DEVICE_TOP=N its device time by kernel kind and its N largest kernels
 #   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: seeds SEEDS (default
 #          "0"; several run side by side on the one GPU, losses are not timed), recipes RECIPES
-#          (default: the script's; torchao's need its wheel carried), JSON per seed into $OUT
+#          (default: the script's; torchao's need its wheel carried), SCHEDULE (const, the default, or
+#          cosine: warm-up then cosine), JSON per seed into $OUT
 #          (~1 minute per recipe at h1024); `python benchmarks/numerics.py --merge <the JSONs>`
 #          pairs gaps only within one run's JSON (each holds its own bf16)
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, the weight's one-launch
@@ -108,7 +109,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       shape=${step#numerics-}
       for seed in ${SEEDS:-0}; do
         timeout 570 python3 benchmarks/numerics.py --shapes "$shape" --seeds 1 --first-seed "$seed" \
-          ${RECIPES:+--recipes "$RECIPES"} --json "$OUT/numerics_${shape}_s$seed.json" \
+          ${RECIPES:+--recipes "$RECIPES"} ${SCHEDULE:+--schedule "$SCHEDULE"} --json "$OUT/numerics_${shape}_s$seed.json" \
           > "$OUT/numerics_${shape}_s$seed.log" 2>&1 &
       done
       wait
