@@ -113,7 +113,13 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
           > "$OUT/numerics_${shape}_s$seed.log" 2>&1 &
       done
       wait
-      for seed in ${SEEDS:-0}; do grep -v "Warn\|warn\|append" "$OUT/numerics_${shape}_s$seed.log" | tail -8; done ;;
+      for seed in ${SEEDS:-0}; do grep -v "Warn\|warn\|append" "$OUT/numerics_${shape}_s$seed.log" | tail -8; done
+      # the device returns only a few files: the seeds' JSON and logs travel as one archive, with
+      # their merge (pairs within each seed's file) beside it
+      python3 benchmarks/numerics.py --merge "$OUT"/numerics_${shape}_s*.json --json "$OUT/numerics_${shape}.json" \
+        > /dev/null 2>&1
+      tar -czf "$OUT/numerics_${shape}_seeds.tar.gz" -C "$OUT" $(cd "$OUT" && ls numerics_${shape}_s*.json \
+        numerics_${shape}_s*.log) && rm -f "$OUT"/numerics_${shape}_s*.json "$OUT"/numerics_${shape}_s*.log ;;
     block)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_scaling_gpu.py \
         tests/gpu/test_block_cast_gpu.py tests/gpu/test_block_native_gpu.py 2>&1 | tee "$OUT/block_tests.log" \
