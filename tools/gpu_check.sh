@@ -24,9 +24,9 @@
 #   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: seeds SEEDS (default
 #          "0"; several run side by side on the one GPU, losses are not timed), recipes RECIPES
 #          (default: the script's; torchao's need its wheel carried), SCHEDULE (const, the default, or
-#          cosine: warm-up then cosine), JSON per seed into $OUT
-#          (~1 minute per recipe at h1024); `python benchmarks/numerics.py --merge <the JSONs>`
-#          pairs gaps only within one run's JSON (each holds its own bf16)
+#          cosine: warm-up then cosine); into $OUT: the seeds' merge (numerics_<shape>.json: gaps
+#          paired only within a seed's own run, each holds its own bf16) and their JSON and logs
+#          in one archive (~1 minute per recipe at h1024)
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, the weight's one-launch
 #          cast, both GEMM paths, the compiled Linear, the C++ node's block path), then
 #          benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled
