@@ -29,9 +29,32 @@ def test_numerics_benchmark_runs_on_cpu(tmp_path):
     assert runs[0]["train_loss"][0][1] != runs[2]["train_loss"][0][1]  # another seed, another model
     assert [s for s, _ in runs[1]["val_loss"]] == [2, 4]
     assert set(runs[1]["inspect"]) == {"input", "weight", "grad_output"} and "inspect" not in runs[0]
+    peak = runs[1]["inspect_peak"]
+    assert set(peak) == {"input", "weight", "grad_output"} and {p["step"] for p in peak.values()} <= {0, 2}
+    assert all(0 < p["overshoot"] and 0 <= p["clamped_share"] <= 1 for p in peak.values())
     gap = shape["summary"]["fp8 delayed"]["val_gap_pct"]
     assert gap["min"] <= gap["mean"] <= gap["max"] and all(math.isfinite(v) for v in gap.values())
     assert shape["summary"]["bf16"]["final_val"]["min"] > 0
+
+
+def test_peak_overshoot_finds_the_clamped_cast():
+    # e4m3 (448) and e5m2 (57344): amax * scale / fp8_max per record; the peak per role with
+    # its step and layer, and the share of records whose cast clamped (above 1)
+    records = [
+        {"step": 0, "layer": "a", "role": "input", "dtype": "float8_e4m3fn", "amax": 2.0, "scale": 224.0},
+        {"step": 10, "layer": "b", "role": "input", "dtype": "float8_e4m3fn", "amax": 3.0, "scale": 224.0},
+        {"step": 10, "layer": "a", "role": "grad_output", "dtype": "float8_e5m2", "amax": 1.0, "scale": 28672.0},
+        {"step": 20, "layer": "a", "role": "grad_output", "dtype": "float8_e5m2", "amax": None, "scale": 1.0},
+    ]
+    peak = numerics.peak_overshoot(records)
+    assert peak["input"] == {"overshoot": 1.5, "step": 10, "layer": "b", "clamped_share": 0.5}
+    assert peak["grad_output"] == {"overshoot": 0.5, "step": 10, "layer": "a", "clamped_share": 0.0}
+
+
+def test_margin1_is_a_delayed_recipe_with_margin_one():
+    model = numerics.hf_llama.build_llama(numerics.hf_llama.SHAPES["tiny"], "cpu")
+    recipe = numerics.convert("fp8 delayed margin1", model)
+    assert recipe.margin == 1 and "fp8 delayed margin1" in numerics.EXTRA_RECIPES
 
 
 def test_cosine_schedule_warms_up_then_decays_to_a_tenth():

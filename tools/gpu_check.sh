@@ -24,9 +24,10 @@
 #   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: seeds SEEDS (default
 #          "0"; several run side by side on the one GPU, losses are not timed), recipes RECIPES
 #          (default: the script's; torchao's need its wheel carried), SCHEDULE (const, the default, or
-#          cosine: warm-up then cosine); into $OUT: the seeds' merge (numerics_<shape>.json: gaps
-#          paired only within a seed's own run, each holds its own bf16) and their JSON and logs
-#          in one archive (~1 minute per recipe at h1024)
+#          cosine: warm-up then cosine), INSPECT_EVERY (fp8train.inspect's period in steps, default
+#          250); into $OUT: the seeds' merge (numerics_<shape>.json: gaps paired only within a
+#          seed's own run, each holds its own bf16) and their JSON and logs in one archive (~1 minute
+#          per recipe at h1024; at h2048 three seeds of four recipes side by side ~6.5 minutes)
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, the weight's one-launch
 #          cast, both GEMM paths, the compiled Linear, the C++ node's block path), then
 #          benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled
@@ -109,7 +110,8 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       shape=${step#numerics-}
       for seed in ${SEEDS:-0}; do
         timeout 570 python3 benchmarks/numerics.py --shapes "$shape" --seeds 1 --first-seed "$seed" \
-          ${RECIPES:+--recipes "$RECIPES"} ${SCHEDULE:+--schedule "$SCHEDULE"} --json "$OUT/numerics_${shape}_s$seed.json" \
+          ${RECIPES:+--recipes "$RECIPES"} ${SCHEDULE:+--schedule "$SCHEDULE"} \
+          ${INSPECT_EVERY:+--inspect-every "$INSPECT_EVERY"} --json "$OUT/numerics_${shape}_s$seed.json" \
           > "$OUT/numerics_${shape}_s$seed.log" 2>&1 &
       done
       wait
