@@ -77,7 +77,9 @@ EXTRA_RECIPES = ["fp8 delayed e4m3", "fp8 current e4m3", "fp8 delayed pow2", "fp
 # the history's, which the cast would otherwise clamp)
 _OPTIONS = {"e4m3": {"fp8_format": fp8train.Format.E4M3}, "pow2": {"power_of_two_scales": True},
             "margin1": {"margin": 1}}
-_FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+# Per FP8 dtype: its largest finite value, and the magnitude above which the saturating cast
+# clamps (fp8_max plus half its top binade's step; below it rounding gives fp8_max anyway)
+_FP8_MAX = {"float8_e4m3fn": (448.0, 464.0), "float8_e5m2": (57344.0, 61440.0)}
 
 
 def lr_at(step: int, steps: int, schedule: str, warmup: int, lr: float) -> float:
@@ -180,18 +182,19 @@ def last_inspection(records: List[dict]) -> Dict[str, Dict]:
 
 
 def peak_overshoot(records: List[dict]) -> Dict[str, Dict]:
-    """Per tensor role, over every inspection: the largest amax * scale / fp8_max (above 1 the
-    cast clamped that tensor's largest values: a delayed scale that its tensor's amax
-    outgrew), its step and layer, and the share of records above 1."""
+    """Per tensor role, over every inspection: the largest amax * scale / fp8_max (a delayed
+    scale that its tensor's amax outgrew: above 1.036 for e4m3, 1.071 for e5m2, the cast
+    clamped that tensor's largest values), its step and layer, and the share of records
+    whose cast clamped."""
     out = {}
     for role in sorted({r["role"] for r in records}):
-        rows = [(r["amax"] * r["scale"] / _FP8_MAX[r["dtype"]], r) for r in records
+        rows = [(r["amax"] * r["scale"], _FP8_MAX[r["dtype"]], r) for r in records
                 if r["role"] == role and r["amax"] is not None and r["scale"] is not None]
         if not rows:
             continue
-        peak, rec = max(rows, key=lambda pair: pair[0])
-        out[role] = {"overshoot": peak, "step": rec["step"], "layer": rec["layer"],
-                     "clamped_share": sum(v > 1 for v, _ in rows) / len(rows)}
+        peak, (fp8_max, _), rec = max(rows, key=lambda row: row[0] / row[1][0])
+        out[role] = {"overshoot": peak / fp8_max, "step": rec["step"], "layer": rec["layer"],
+                     "clamped_share": sum(top > clamp for top, (_, clamp), _ in rows) / len(rows)}
     return out
 
 

@@ -38,17 +38,19 @@ def test_numerics_benchmark_runs_on_cpu(tmp_path):
 
 
 def test_peak_overshoot_finds_the_clamped_cast():
-    # e4m3 (448) and e5m2 (57344): amax * scale / fp8_max per record; the peak per role with
-    # its step and layer, and the share of records whose cast clamped (above 1)
+    # e4m3 (448; the cast clamps above 464) and e5m2 (57344; above 61440): amax * scale /
+    # fp8_max per record; the peak per role with its step and layer, and the share of records
+    # whose cast clamped (456 rounds to 448: no clamp; 672 and 65536 clamp)
     records = [
-        {"step": 0, "layer": "a", "role": "input", "dtype": "float8_e4m3fn", "amax": 2.0, "scale": 224.0},
+        {"step": 0, "layer": "a", "role": "input", "dtype": "float8_e4m3fn", "amax": 2.0, "scale": 228.0},
         {"step": 10, "layer": "b", "role": "input", "dtype": "float8_e4m3fn", "amax": 3.0, "scale": 224.0},
         {"step": 10, "layer": "a", "role": "grad_output", "dtype": "float8_e5m2", "amax": 1.0, "scale": 28672.0},
-        {"step": 20, "layer": "a", "role": "grad_output", "dtype": "float8_e5m2", "amax": None, "scale": 1.0},
+        {"step": 20, "layer": "b", "role": "grad_output", "dtype": "float8_e5m2", "amax": 2.0, "scale": 32768.0},
+        {"step": 30, "layer": "a", "role": "grad_output", "dtype": "float8_e5m2", "amax": None, "scale": 1.0},
     ]
     peak = numerics.peak_overshoot(records)
     assert peak["input"] == {"overshoot": 1.5, "step": 10, "layer": "b", "clamped_share": 0.5}
-    assert peak["grad_output"] == {"overshoot": 0.5, "step": 10, "layer": "a", "clamped_share": 0.0}
+    assert peak["grad_output"] == {"overshoot": 65536 / 57344, "step": 20, "layer": "b", "clamped_share": 0.5}
 
 
 def test_margin1_is_a_delayed_recipe_with_margin_one():
