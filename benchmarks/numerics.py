@@ -30,8 +30,9 @@ validation gap minus torchao tensorwise's in the same runs, paired per seed (the
 both gaps alike: N1's "never worse than torchao in the same runs"); BF16's own spread over
 the seeds (the noise a gap must beat); for fp8train runs, `fp8train.inspect` statistics per tensor role
 at the last inspection (mean over layers of saturation, flush to zero and SQNR, and the worst
-layer), and per role the peak over every inspection of amax * scale / fp8_max (above 1: the
-cast clamped; `--inspect-every` sets how often). Loss curves of the first seed: a PNG through
+layer), and per role the peak over every inspection of amax * scale / fp8_max (beyond
+fp8_max plus half a step, 1.036 for e4m3 and 1.071 for e5m2, the cast clamped) and the share
+of casts that clamped; `--inspect-every` sets how often. Loss curves of the first seed: a PNG through
 fp8train.plots (`--png`). JSON (`--json`). Never asserts on loss.
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402
+from fp8train import scaling  # noqa: E402
 from fp8train.data import ByteCorpus  # noqa: E402
 from fp8train.recipe import Recipe  # noqa: E402
 
@@ -70,16 +72,13 @@ RUNS = {
 }
 RECIPES = ["bf16", "fp8 delayed", "fp8 current", "torchao tensorwise", "torchao rowwise"]
 # Run on request (--recipes), to find what a gap comes from: every format in e4m3 (the
-# gradients too), and scales rounded down to powers of two
+# gradients too), scales rounded down to powers of two, and delayed scales one binade below
+# fp8_max / amax (margin1: headroom for an amax that outgrows the history's, which the cast
+# would otherwise clamp)
 EXTRA_RECIPES = ["fp8 delayed e4m3", "fp8 current e4m3", "fp8 delayed pow2", "fp8 current pow2", "fp8 delayed margin1",
                  "fp8 block"]
-# margin1: delayed scales one binade below fp8_max / amax (headroom for an amax that outgrows
-# the history's, which the cast would otherwise clamp)
 _OPTIONS = {"e4m3": {"fp8_format": fp8train.Format.E4M3}, "pow2": {"power_of_two_scales": True},
             "margin1": {"margin": 1}}
-# Per FP8 dtype: its largest finite value, and the magnitude above which the saturating cast
-# clamps (fp8_max plus half its top binade's step; below it rounding gives fp8_max anyway)
-_FP8_MAX = {"float8_e4m3fn": (448.0, 464.0), "float8_e5m2": (57344.0, 61440.0)}
 
 
 def lr_at(step: int, steps: int, schedule: str, warmup: int, lr: float) -> float:
@@ -188,13 +187,17 @@ def peak_overshoot(records: List[dict]) -> Dict[str, Dict]:
     whose cast clamped."""
     out = {}
     for role in sorted({r["role"] for r in records}):
-        rows = [(r["amax"] * r["scale"], _FP8_MAX[r["dtype"]], r) for r in records
-                if r["role"] == role and r["amax"] is not None and r["scale"] is not None]
+        rows = []
+        for r in records:
+            if r["role"] == role and r["amax"] is not None and r["scale"] is not None:
+                dtype = getattr(torch, r["dtype"])
+                top = r["amax"] * r["scale"]
+                rows.append((top / scaling.fp8_max(dtype), top > fp8train.inspect.CLAMP_FROM[dtype], r))
         if not rows:
             continue
-        peak, (fp8_max, _), rec = max(rows, key=lambda row: row[0] / row[1][0])
-        out[role] = {"overshoot": peak / fp8_max, "step": rec["step"], "layer": rec["layer"],
-                     "clamped_share": sum(top > clamp for top, (_, clamp), _ in rows) / len(rows)}
+        peak, _, rec = max(rows, key=lambda row: row[0])
+        out[role] = {"overshoot": peak, "step": rec["step"], "layer": rec["layer"],
+                     "clamped_share": sum(clamped for _, clamped, _ in rows) / len(rows)}
     return out
 
 

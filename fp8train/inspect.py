@@ -52,7 +52,7 @@ FIELDS = ("amax", "scale", "saturated", "underflow", "sqnr_db", "numel")
 # cast's clamp changes the result: fp8_max plus half the step of the top binade (e4m3: 448
 # + 16, e5m2: 57344 + 4096). Between fp8_max and these the cast rounds to fp8_max anyway,
 # which is what a scale of exactly fp8_max / amax produces up to float32 rounding.
-_CLAMP_FROM = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
+CLAMP_FROM = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
 
 
 def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -65,7 +65,7 @@ def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                scaled cast's block scales, expanded), the smallest: that of the block
                holding the tensor's amax
     saturated  fraction of elements the cast clamps: |x * scale| beyond fp8_max by more than
-               half a rounding step (> 464 for e4m3, > 61440 for e5m2; see _CLAMP_FROM)
+               half a rounding step (> 464 for e4m3, > 61440 for e5m2; see CLAMP_FROM)
     underflow  fraction of the nonzero elements whose cast is zero (flushed); 0 if none
     sqnr_db    10 log10(sum x^2 / sum (x - dequant(q))^2); inf when the round trip is
                exact, NaN when x is all zero
@@ -74,7 +74,7 @@ def quantization_stats(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     sample: at most this many elements, evenly strided over the flattened tensor, enter
     saturated / underflow / sqnr_db (None: all of them); amax always sees every element.
     """
-    clamp_from = _CLAMP_FROM[dtype] if dtype in _CLAMP_FROM else scaling.fp8_max(dtype)  # the latter raises
+    clamp_from = CLAMP_FROM[dtype] if dtype in CLAMP_FROM else scaling.fp8_max(dtype)  # the latter raises
     amax = abs_max(x)
     flat = x.detach().reshape(-1)
     per_element = scale.numel() != 1
