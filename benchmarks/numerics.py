@@ -10,11 +10,12 @@ trains from the same initial weights on the same batches:
   torchao tensorwise, torchao rowwise
                              torchao.float8 convert_to_float8_training (not lm_head), when
                              torchao imports (TARGETS.md: carry its wheel)
-  fp8 <delayed|current> e4m3 / pow2, fp8 delayed margin1, fp8 block
+  fp8 <delayed|current> e4m3 / pow2 / pynode, fp8 delayed margin1 / hist16 / recent, fp8 block
                              on request (--recipes): e4m3 for every role (gradients too),
                              scales rounded down to powers of two (power_of_two_scales),
-                             delayed scales a binade lower (margin=1), or
-                             fp8train.BlockScaling (1x128 / 128x128 block scales)
+                             every layer through the Python node (the C++ node switched off),
+                             delayed scales a binade lower (margin=1), from a 16-step history
+                             or from the newest amax, or fp8train.BlockScaling (1x128 / 128x128)
 
 Runs (`--shapes`, as the issue's first measurements):
   h1024  hidden 1024, 4 layers, 1000 steps of 8 x 1024 tokens
@@ -56,6 +57,7 @@ import hf_llama  # noqa: E402
 import fp8train  # noqa: E402
 from fp8train import scaling  # noqa: E402
 from fp8train.data import ByteCorpus  # noqa: E402
+from fp8train.kernels import native  # noqa: E402
 from fp8train.recipe import Recipe  # noqa: E402
 
 
@@ -72,13 +74,18 @@ RUNS = {
 }
 RECIPES = ["bf16", "fp8 delayed", "fp8 current", "torchao tensorwise", "torchao rowwise"]
 # Run on request (--recipes), to find what a gap comes from: every format in e4m3 (the
-# gradients too), scales rounded down to powers of two, and delayed scales one binade below
-# fp8_max / amax (margin1: headroom for an amax that outgrows the history's, which the cast
-# would otherwise clamp)
+# gradients too), scales rounded down to powers of two, the Python node instead of the C++
+# one (pynode: not a recipe field; main() switches kernels.native for that run), delayed
+# scales one binade below fp8_max / amax (margin1: headroom for an amax that outgrows the
+# history's, which the cast would otherwise clamp), and delayed scales from a 16-step history
+# or the newest amax alone (hist16, recent: a scale that follows the amaxes down instead of
+# holding the run's largest)
 EXTRA_RECIPES = ["fp8 delayed e4m3", "fp8 current e4m3", "fp8 delayed pow2", "fp8 current pow2", "fp8 delayed margin1",
+                 "fp8 delayed hist16", "fp8 delayed recent", "fp8 delayed pynode", "fp8 current pynode",
                  "fp8 block"]
 _OPTIONS = {"e4m3": {"fp8_format": fp8train.Format.E4M3}, "pow2": {"power_of_two_scales": True},
-            "margin1": {"margin": 1}}
+            "margin1": {"margin": 1}, "hist16": {"amax_history_len": 16},
+            "recent": {"amax_compute_algo": "most_recent"}, "pynode": {}}
 
 
 def lr_at(step: int, steps: int, schedule: str, warmup: int, lr: float) -> float:
@@ -314,7 +321,11 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         rows = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             for recipe in recipes:
-                rows.append(train(recipe, run, seed, corpus, device, args))
+                native.ENABLED = "pynode" not in recipe.split()  # module state, this run only
+                try:
+                    rows.append(train(recipe, run, seed, corpus, device, args))
+                finally:
+                    native.ENABLED = True
                 peak = "".join(f", {role} amax*scale/fp8_max peak {v['overshoot']:.2f} (step {v['step']})"
                                for role, v in rows[-1].get("inspect_peak", {}).items())
                 print(f"  {name} seed {seed} {recipe}: final train {rows[-1]['final_train']:.4f}, "

@@ -53,10 +53,36 @@ def test_peak_overshoot_finds_the_clamped_cast():
     assert peak["grad_output"] == {"overshoot": 65536 / 57344, "step": 20, "layer": "b", "clamped_share": 0.5}
 
 
-def test_margin1_is_a_delayed_recipe_with_margin_one():
+@pytest.mark.parametrize("name, field, value", [
+    ("fp8 delayed margin1", "margin", 1),
+    ("fp8 delayed hist16", "amax_history_len", 16),
+    ("fp8 delayed recent", "amax_compute_algo", "most_recent"),
+])
+def test_request_only_delayed_recipes_set_their_field(name, field, value):
     model = numerics.hf_llama.build_llama(numerics.hf_llama.SHAPES["tiny"], "cpu")
-    recipe = numerics.convert("fp8 delayed margin1", model)
-    assert recipe.margin == 1 and "fp8 delayed margin1" in numerics.EXTRA_RECIPES
+    recipe = numerics.convert(name, model)
+    assert getattr(recipe, field) == value and name in numerics.EXTRA_RECIPES
+    default = numerics.fp8train.DelayedScaling()
+    assert all(getattr(recipe, f) == getattr(default, f)
+               for f in ("margin", "amax_history_len", "amax_compute_algo") if f != field)
+
+
+def test_pynode_runs_switch_the_cpp_node_off_for_that_run_only(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_train(recipe, run, seed, corpus, device, args):
+        seen.append((recipe, numerics.native.ENABLED))
+        if recipe == "fp8 current pynode":
+            raise RuntimeError("stop")
+        return {"recipe": recipe, "seed": seed, "final_train": 1.0, "final_val": 1.0, "train_loss": [], "val_loss": []}
+
+    monkeypatch.setattr(numerics, "train", fake_train)
+    with pytest.raises(RuntimeError, match="stop"):
+        numerics.main(["--device", "cpu", "--shapes", "tiny", "--seeds", "1", "--steps", "1", "--recipes",
+                       "bf16,fp8 delayed pynode,fp8 delayed,fp8 current pynode", "--json", str(tmp_path / "n.json")])
+    assert seen == [("bf16", True), ("fp8 delayed pynode", False), ("fp8 delayed", True),
+                    ("fp8 current pynode", False)]
+    assert numerics.native.ENABLED  # restored after the run that raised
 
 
 def test_cosine_schedule_warms_up_then_decays_to_a_tenth():
