@@ -125,3 +125,46 @@ def test_summary_pairs_each_recipe_with_torchao_in_the_same_runs():
     assert paired["se"] == pytest.approx(1.0)  # std sqrt(2), over sqrt(2 runs)
     assert "val_gap_vs_reference_pct" not in summary["torchao tensorwise"]
     assert summary["fp8 delayed"]["val_gap_pct"]["mean"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("word, role", [("curgrad", "GRAD_OUTPUT"), ("curinput", "INPUT"), ("curweight", "WEIGHT")])
+def test_mixed_recipe_casts_its_role_with_current_scaling_the_others_delayed(word, role):
+    import warnings
+
+    import torch
+
+    from fp8train.modules import base
+    from fp8train.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
+
+    shape = numerics.hf_llama.SHAPES["tiny"]
+    model = numerics.hf_llama.build_llama(shape, "cpu")
+    name = f"fp8 delayed {word}"
+    assert name in numerics.EXTRA_RECIPES
+    with pytest.raises(RuntimeError, match="inside run_context"):
+        numerics.convert(name, model)  # its quantizers would be delayed for every role
+    x = torch.randint(0, 256, (2, 16))
+    original = base.make_quantizer
+
+    def kinds():
+        return {(q.role.name, type(q)) for q in model.modules() if isinstance(q, Quantizer)}
+
+    seen = []
+    with numerics.run_context(name), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a quantizer that did not match its recipe would be remade, with a warning
+        recipe = numerics.convert(name, model)
+        assert isinstance(recipe, numerics.fp8train.DelayedScaling)
+        assert recipe.current_roles == (getattr(numerics.fp8train.TensorRole, role),)
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16), numerics.fp8train.autocast(recipe=recipe):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            seen.append({id(q) for q in model.modules() if isinstance(q, Quantizer)})
+    assert base.make_quantizer is original  # restored on leaving
+    assert torch.isfinite(loss)
+    assert seen[0] == seen[1]  # the second step kept every quantizer of the first
+    for r, kind in kinds():
+        if r == role:
+            assert issubclass(kind, CurrentScalingQuantizer)
+        else:
+            assert kind is DelayedScalingQuantizer
+    assert {r for r, _ in kinds()} == {"INPUT", "WEIGHT", "GRAD_OUTPUT"}
