@@ -31,7 +31,8 @@ Reported per recipe: the final train loss (mean of the last 5% of steps) and val
 (`--val-batches` fixed batches), each as its gap to the same seed's BF16 run in percent, with
 the mean, its standard error, standard deviation, min and max over the seeds; each recipe's
 validation gap minus torchao tensorwise's in the same runs, paired per seed (the seed moves
-both gaps alike: N1's "never worse than torchao in the same runs"); BF16's own spread over
+both gaps alike: N1's "never worse than torchao in the same runs") and its train loss against
+torchao's by quarter of the steps (where along the run a gap opens); BF16's own spread over
 the seeds (the noise a gap must beat); for fp8train runs, `fp8train.inspect` statistics per tensor role
 at the last inspection (mean over layers of saturation, flush to zero and SQNR, and the worst
 layer), and per role the peak over every inspection of amax * scale / fp8_max (beyond
@@ -272,7 +273,25 @@ def summarise(results: List[Dict]) -> Dict[str, Dict]:
         paired = [g - ref[k] for k, g in by_run.items() if k in ref]
         if recipe != REFERENCE and paired:
             out[recipe]["val_gap_vs_reference_pct"] = spread(paired)
+    ref_runs = {key(r): r for r in results if r["recipe"] == REFERENCE}
+    for recipe in out:
+        pairs = [(r, ref_runs[key(r)]) for r in results
+                 if r["recipe"] == recipe != REFERENCE and key(r) in ref_runs and r.get("train_loss")
+                 and ref_runs[key(r)].get("train_loss")]
+        if pairs:
+            by_quarter = zip(*(quarter_gaps(r["train_loss"], q["train_loss"]) for r, q in pairs))
+            out[recipe]["train_gap_vs_reference_by_quarter_pct"] = [statistics.fmean(g) for g in by_quarter]
     return out
+
+
+def quarter_gaps(train_loss: List[list], reference: List[list]) -> List[float]:
+    """The mean train loss over each quarter of the steps, against the reference run's over
+    the same steps (percent): where along the run a gap opens."""
+    ours, theirs = dict(train_loss), dict(reference)
+    steps = sorted(set(ours) & set(theirs))
+    quarters = [steps[len(steps) * i // 4:len(steps) * (i + 1) // 4] for i in range(4)]
+    return [100 * (statistics.fmean(ours[s] for s in q) / statistics.fmean(theirs[s] for s in q) - 1)
+            if q else float("nan") for q in quarters]
 
 
 def print_summary(name: str, run: Run, summary: Dict, schedule: str) -> None:
@@ -291,6 +310,12 @@ def print_summary(name: str, run: Run, summary: Dict, schedule: str) -> None:
         paired = f"  {vs['mean']:>+6.2f}% (s.e. {vs['se']:.2f}%, {vs['n']} runs)" if vs else ""
         print(f"  {recipe:<20}{v['mean']:>+12.2f}%{v['se']:>6.2f}%{v['std']:>6.2f}%{v['min']:>+7.2f}%{v['max']:>+7.2f}%"
               f"{t['mean']:>+15.2f}%{paired}")
+    quarters = {r: s["train_gap_vs_reference_by_quarter_pct"] for r, s in summary.items()
+                if "train_gap_vs_reference_by_quarter_pct" in s}
+    if quarters:
+        print(f"  train loss against {REFERENCE} in the same runs, by quarter of the steps:")
+        for recipe, q in quarters.items():
+            print(f"  {recipe:<20}" + " / ".join(f"{g:+.2f}%" for g in q))
 
 
 def merge(paths: List[str], out: Optional[str]) -> Dict:

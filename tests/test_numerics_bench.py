@@ -127,6 +127,23 @@ def test_summary_pairs_each_recipe_with_torchao_in_the_same_runs():
     assert summary["fp8 delayed"]["val_gap_pct"]["mean"] == pytest.approx(2.0)
 
 
+def test_train_loss_against_torchao_by_quarter_shows_where_a_gap_opens():
+    # 8 steps: equal losses over the first half, then fp8 1% and 3% above torchao in seed 0
+    # and 3% / 5% in seed 1 (seed 1's torchao run is twice seed 0's: a ratio, not a difference).
+    runs = []
+    for seed, scale, late in ((0, 1.0, (1.01, 1.03)), (1, 2.0, (1.03, 1.05))):
+        ao = [[s, scale * (4.0 - 0.25 * s)] for s in range(8)]
+        fp8 = [[s, v * (1.0 if s < 4 else late[0] if s < 6 else late[1])] for s, v in ao]
+        runs += [{"recipe": "bf16", "seed": seed, "final_val": 2.0, "final_train": 2.0, "train_loss": ao},
+                 {"recipe": "torchao tensorwise", "seed": seed, "final_val": 2.0, "final_train": 2.0, "train_loss": ao},
+                 {"recipe": "fp8 delayed", "seed": seed, "final_val": 2.0, "final_train": 2.0, "train_loss": fp8}]
+    summary = numerics.summarise(runs)
+    assert summary["fp8 delayed"]["train_gap_vs_reference_by_quarter_pct"] == pytest.approx([0.0, 0.0, 2.0, 4.0])
+    assert "train_gap_vs_reference_by_quarter_pct" not in summary["torchao tensorwise"]
+    assert numerics.quarter_gaps([[0, 1.0], [1, 2.0]], [[1, 1.0], [2, 5.0]]) == pytest.approx(
+        [float("nan")] * 3 + [100.0], nan_ok=True)  # only the steps both runs have: one step, the last quarter
+
+
 @pytest.mark.parametrize("word, role", [("curgrad", "GRAD_OUTPUT"), ("curinput", "INPUT"), ("curweight", "WEIGHT")])
 def test_mixed_recipe_casts_its_role_with_current_scaling_the_others_delayed(word, role):
     import warnings
