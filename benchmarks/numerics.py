@@ -79,13 +79,13 @@ RUNS = {
 }
 RECIPES = ["bf16", "fp8 delayed", "fp8 current", "torchao tensorwise", "torchao rowwise"]
 # Run on request (--recipes), to find what a gap comes from: every format in e4m3 (the
-# gradients too), scales rounded down to powers of two, the Python node instead of the C++
-# one (pynode: not a recipe field; main() switches kernels.native for that run), delayed
+# gradients too); scales rounded down to powers of two; the Python node instead of the C++
+# one (pynode: not a recipe field, run_context switches kernels.native for that run); delayed
 # scales one binade below fp8_max / amax (margin1: headroom for an amax that outgrows the
-# history's, which the cast would otherwise clamp), and delayed scales from a 16-step history
-# or the newest amax alone (hist16, recent: a scale that follows the amaxes down instead of
-# holding the run's largest), and delayed scaling with current scaling for one role (which
-# role's delayed scale costs loss)
+# history's, which the cast would otherwise clamp); delayed scales from a 16-step history or
+# the newest amax alone (hist16, recent: a scale that follows the amaxes down instead of
+# holding the run's largest); delayed scaling with current scaling for one role (curinput,
+# curweight, curgrad: which role's delayed scale costs loss; run_context again)
 EXTRA_RECIPES = ["fp8 delayed e4m3", "fp8 current e4m3", "fp8 delayed pow2", "fp8 current pow2", "fp8 delayed margin1",
                  "fp8 delayed hist16", "fp8 delayed recent", "fp8 delayed pynode", "fp8 current pynode",
                  "fp8 delayed curinput", "fp8 delayed curweight", "fp8 delayed curgrad", "fp8 block"]
