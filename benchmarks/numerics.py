@@ -91,7 +91,7 @@ EXTRA_RECIPES = ["fp8 delayed e4m3", "fp8 current e4m3", "fp8 delayed pow2", "fp
                  "fp8 delayed curinput", "fp8 delayed curweight", "fp8 delayed curgrad", "fp8 block"]
 _OPTIONS = {"e4m3": {"fp8_format": fp8train.Format.E4M3}, "pow2": {"power_of_two_scales": True},
             "margin1": {"margin": 1}, "hist16": {"amax_history_len": 16},
-            "recent": {"amax_compute_algo": "most_recent"}, "pynode": {}}
+            "recent": {"amax_compute_algo": "most_recent"}}
 _CURRENT_ROLE = {"curinput": fp8train.TensorRole.INPUT, "curweight": fp8train.TensorRole.WEIGHT,
                  "curgrad": fp8train.TensorRole.GRAD_OUTPUT}
 
@@ -109,6 +109,9 @@ def convert(recipe: str, model: torch.nn.Module) -> Optional[Recipe]:
     """Convert `model` in place for `recipe`; the fp8train recipe, or None."""
     kind, *rest = recipe.split()
     if kind == "fp8":
+        unknown = [w for w in rest[1:] if w not in _OPTIONS and w not in _CURRENT_ROLE and w != "pynode"]
+        if unknown:
+            raise ValueError(f"{recipe!r}: unknown option(s) {unknown}")
         options = {k: v for word in rest[1:] if word in _OPTIONS for k, v in _OPTIONS[word].items()}
         roles = tuple(_CURRENT_ROLE[word] for word in rest[1:] if word in _CURRENT_ROLE)
         if roles:  # a delayed recipe (EXTRA_RECIPES names them)

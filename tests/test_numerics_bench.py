@@ -67,6 +67,13 @@ def test_request_only_delayed_recipes_set_their_field(name, field, value):
                for f in ("margin", "amax_history_len", "amax_compute_algo") if f != field)
 
 
+def test_convert_refuses_an_unknown_option():
+    model = numerics.hf_llama.build_llama(numerics.hf_llama.SHAPES["tiny"], "cpu")
+    with pytest.raises(ValueError, match="margin2"):
+        numerics.convert("fp8 delayed margin2", model)
+    assert numerics.convert("fp8 delayed pynode", model).margin == 0  # pynode acts in run_context, not here
+
+
 def test_pynode_runs_switch_the_cpp_node_off_for_that_run_only(tmp_path, monkeypatch):
     seen = []
 
