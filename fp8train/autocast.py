@@ -13,7 +13,7 @@ import threading
 from typing import Iterator, Optional
 
 from .quantizer import _REGISTRY, update_delayed_scales
-from .recipe import DelayedScaling, Recipe, check_recipe
+from .recipe import Recipe, check_recipe, default_recipe
 
 _local = threading.local()
 
@@ -32,6 +32,7 @@ class autocast:
             loss = loss_fn(model(x), y)
         loss.backward()
 
+    recipe: default `recipe.default_recipe()`, CurrentScaling.
     enabled=False turns FP8 off inside (nested regions restore the outer state on exit).
 
     amax_reduction: with tensor (or data) parallelism, a process group or a
@@ -46,7 +47,7 @@ class autocast:
         if not isinstance(enabled, bool):
             raise ValueError(f"autocast(enabled=...) must be a bool, got {enabled!r}")
         self.enabled = enabled
-        self.recipe = check_recipe(recipe) if recipe is not None else DelayedScaling()
+        self.recipe = check_recipe(recipe) if recipe is not None else default_recipe()
         self.amax_reduction = amax_reduction
 
     def __enter__(self):

@@ -31,7 +31,7 @@ from torch import nn
 from .autocast import autocast, recipe_without_step
 from .modules.base import FP8Module
 from .quantizer import _REGISTRY, DelayedScalingQuantizer, Quantizer
-from .recipe import BlockScaling, DelayedScaling, Recipe, check_recipe
+from .recipe import BlockScaling, Recipe, check_recipe, default_recipe
 
 
 class _FP8Region(nn.Module):
@@ -63,7 +63,7 @@ def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
 
     sample_args  like torch.cuda.make_graphed_callables: a tuple of tensors per module, in
                  the shapes, dtypes and requires_grad of every later call
-    recipe       the FP8 recipe of the graphed steps (default DelayedScaling(), as autocast)
+    recipe       the FP8 recipe of the graphed steps (default: recipe.default_recipe(), as autocast)
     fp8_weight_caching  the graphed forwards take `is_first_microbatch` (see the module doc)
     amax_reduction  as fp8train.autocast's (tensor / data parallelism): the first graph also
                  captures the all-reduce of the pending delayed-scaling amaxes before the
@@ -75,7 +75,7 @@ def make_graphed_callables(modules: Union[nn.Module, Tuple[nn.Module, ...]],
     """
     if not torch.cuda.is_available():
         raise RuntimeError("fp8train.make_graphed_callables needs a CUDA device (CUDA graphs)")
-    recipe = check_recipe(recipe) if recipe is not None else DelayedScaling()
+    recipe = check_recipe(recipe) if recipe is not None else default_recipe()
     if isinstance(recipe, BlockScaling):
         raise NotImplementedError("fp8train.make_graphed_callables does not take BlockScaling yet (its casts "
                                   "allocate per call); use DelayedScaling or CurrentScaling, or run eagerly")

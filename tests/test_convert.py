@@ -63,15 +63,16 @@ def test_converted_model_trains_in_fp8_with_a_prebuilt_optimizer():
     opt = torch.optim.SGD(m.parameters(), lr=0.05)  # built before conversion
     fp8train.convert(m)
     x, target = torch.randn(32, 64), torch.randn(32, 16)
+    recipe = fp8train.DelayedScaling()
     for _ in range(3):
-        with fp8train.autocast(recipe=fp8train.DelayedScaling()):
+        with fp8train.autocast(recipe=recipe):
             loss = torch.nn.functional.mse_loss(m(x), target)
         opt.zero_grad()
         loss.backward()
         opt.step()
     assert all(p.grad is not None for p in m.parameters())
     assert not torch.equal(m[0].up.weight, ref[0].up.weight)  # the optimizer updated the shared parameter
-    with fp8train.autocast():
+    with fp8train.autocast(recipe=recipe):
         y = m(x)
     assert sqnr_db(y, m(x)) > 20  # FP8 forward close to the same model in high precision
 

@@ -97,13 +97,22 @@ def test_torch_autocast_sets_the_activation_dtype():
 
 
 # ---------------------------------------------------------------- weight workspace
+CACHING_RECIPES = [fp8train.DelayedScaling(), fp8train.CurrentScaling()]
+
+
+@pytest.fixture(params=CACHING_RECIPES, ids=lambda r: type(r).__name__)
+def caching_recipe(request):
+    return request.param
+
+
 @pytest.fixture
-def weight_casts(monkeypatch):
-    """Count casts made by weight quantizers: False for a new Float8Tensor, True for an
-    in-place re-cast of the existing workspace."""
+def weight_casts(monkeypatch, caching_recipe):
+    """Count casts made by the recipe's weight quantizers: False for a new Float8Tensor, True
+    for an in-place re-cast of the existing workspace."""
     calls = []
-    real_quantize = fp8train.DelayedScalingQuantizer.quantize
-    real_requantize = fp8train.DelayedScalingQuantizer.requantize
+    cls = (fp8train.DelayedScalingQuantizer if isinstance(caching_recipe, fp8train.DelayedScaling)
+           else fp8train.CurrentScalingQuantizer)
+    real_quantize, real_requantize = cls.quantize, cls.requantize
 
     def spy_quantize(self, x, **kw):
         if self.role is TensorRole.WEIGHT and kw.get("out") is None:
@@ -115,29 +124,29 @@ def weight_casts(monkeypatch):
             calls.append(True)
         return real_requantize(self, x, out, **kw)
 
-    monkeypatch.setattr(fp8train.DelayedScalingQuantizer, "quantize", spy_quantize)
-    monkeypatch.setattr(fp8train.DelayedScalingQuantizer, "requantize", spy_requantize)
+    monkeypatch.setattr(cls, "quantize", spy_quantize)
+    monkeypatch.setattr(cls, "requantize", spy_requantize)
     return calls
 
 
-def test_is_first_microbatch_caches_the_weight_cast(weight_casts, device):
+def test_is_first_microbatch_caches_the_weight_cast(weight_casts, caching_recipe, device):
     layer = fp8train.Linear(32, 16, device=device)
     x = torch.randn(8, 32, device=device)
-    with fp8train.autocast():
+    with fp8train.autocast(recipe=caching_recipe):
         y1 = layer(x, is_first_microbatch=True)
     ws = layer.weight_fp8
     assert weight_casts == [False] and ws.transpose_is_cached() is False  # x needs no grad: no transpose
     with torch.no_grad():
         layer.weight.add_(1.0)  # the cache must now be stale on purpose
     fp8train.update_delayed_scales()  # a scale update must not desynchronise the cached payload
-    with fp8train.autocast():
+    with fp8train.autocast(recipe=caching_recipe):
         y2 = layer(x, is_first_microbatch=False)
     assert weight_casts == [False] and layer.weight_fp8 is ws and torch.equal(y1, y2)
-    with fp8train.autocast():
+    with fp8train.autocast(recipe=caching_recipe):
         y3 = layer(x, is_first_microbatch=None)
     assert weight_casts == [False, True] and layer.weight_fp8 is ws  # re-cast in place
     assert not torch.equal(y3, y1)
-    with fp8train.autocast():
+    with fp8train.autocast(recipe=caching_recipe):
         layer(x, is_first_microbatch=True)
     assert weight_casts == [False, True, True]
 

@@ -13,7 +13,8 @@ def test_defaults():
     assert r.gemm == GemmConfig(fprop_fast_accum=True, dgrad_fast_accum=False, wgrad_fast_accum=False)
     assert CurrentScaling().fp8_format is Format.HYBRID
     assert not DelayedScaling().power_of_two_scales and not CurrentScaling().power_of_two_scales
-    assert fp8train.autocast().recipe == DelayedScaling()
+    assert fp8train.autocast().recipe == CurrentScaling()  # N1: level with torchao's loss
+    assert fp8train.autocast(recipe=DelayedScaling()).recipe == DelayedScaling()
 
 
 def test_formats_per_role():
