@@ -132,18 +132,20 @@ def test_graphed_training_matches_eager(recipe, pdtype, caching):
             torch.testing.assert_close(state_g[k], state_e[k], rtol=2e-2, atol=0, msg=lambda m: f"{k}: {m}")
 
 
-def test_weight_caching_flag_skips_the_cast_kernels():
+@pytest.mark.parametrize("recipe", [fp8train.DelayedScaling(), fp8train.CurrentScaling()], ids=["delayed", "current"])
+def test_weight_caching_flag_skips_the_cast_kernels(recipe):
     """With the flag set, a replayed forward leaves the FP8 weight bytes alone even when the
-    weight changed; with it clear, the cast rewrites them."""
+    weight changed; with it clear, the cast rewrites them. The change is not a rescaling: a
+    current scale would follow one and leave the bytes as they were."""
     layer = fp8train.Linear(256, 256, params_dtype=torch.float32, device=DEV)
     x = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
-    with fp8train.autocast():
+    with fp8train.autocast(recipe=recipe):
         layer(x).sum().backward()
-    fp8train.make_graphed_callables(layer, (x,), fp8_weight_caching=True)
+    fp8train.make_graphed_callables(layer, (x,), fp8_weight_caching=True, recipe=recipe)
     layer(x, is_first_microbatch=True)
     cached = layer.weight_fp8.fp8_data.clone()
     with torch.no_grad():
-        layer.weight.mul_(2.0)
+        layer.weight.add_(torch.randn_like(layer.weight))
     layer(x, is_first_microbatch=False)
     torch.cuda.synchronize()
     assert torch.equal(layer.weight_fp8.fp8_data.view(torch.uint8), cached.view(torch.uint8))
@@ -152,7 +154,10 @@ def test_weight_caching_flag_skips_the_cast_kernels():
     assert not torch.equal(layer.weight_fp8.fp8_data.view(torch.uint8), cached.view(torch.uint8))
 
 
-def test_refuses_modules_that_never_ran_a_step():
+@pytest.mark.parametrize("recipe", [None, fp8train.DelayedScaling(), fp8train.CurrentScaling()],
+                         ids=["default", "delayed", "current"])
+def test_refuses_modules_that_never_ran_a_step(recipe):
     layer = fp8train.Linear(64, 64, device=DEV)
-    with pytest.raises(ValueError, match="has not run a training step with DelayedScaling"):
-        fp8train.make_graphed_callables(layer, (torch.randn(16, 64, device=DEV),))
+    name = type(recipe or fp8train.recipe.default_recipe()).__name__
+    with pytest.raises(ValueError, match=f"has not run a training step with {name}"):
+        fp8train.make_graphed_callables(layer, (torch.randn(16, 64, device=DEV),), recipe=recipe)
