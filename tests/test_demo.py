@@ -4,7 +4,7 @@ report.json schema, its settings, the CLI entry points, and the graphed-step log
 import copy
 import dataclasses
 import json
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -87,8 +87,13 @@ def test_cli_usage():
     assert cli.main(["nonsense"]) == 2
 
 
-def test_module_entry_point():
-    assert subprocess.run([sys.executable, "-m", "fp8train", "--help"], capture_output=True, text=True).returncode == 0
+def test_module_entry_point(monkeypatch, capsys):
+    # `python -m fp8train --help`, run in this process (a subprocess cost ~10 s of importing
+    # fp8train again, mostly torch._inductor, under make test's load)
+    monkeypatch.setattr(sys, "argv", ["fp8train", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("fp8train", run_name="__main__", alter_sys=True)
+    assert exit_.value.code == 0 and "demo" in capsys.readouterr().out
 
 
 def test_replot_draws_the_figures_from_report_json(demo_out):
