@@ -10,15 +10,14 @@ trains from the same initial weights on the same batches:
   torchao tensorwise, torchao rowwise
                              torchao.float8 convert_to_float8_training (not lm_head), when
                              torchao imports (TARGETS.md: carry its wheel)
-  fp8 <delayed|current> e4m3 / pow2 / pynode, fp8 delayed margin1 / hist16 / recent /
-  curinput / curweight / curgrad, fp8 block
+  fp8 <delayed|current> e4m3 / pow2 / pynode, fp8 delayed margin1 / hist16 / recent,
+  fp8 block
                              on request (--recipes): e4m3 for every role (gradients too),
                              scales rounded down to powers of two (power_of_two_scales),
                              every layer through the Python node (the C++ node switched off),
                              delayed scales a binade lower (margin=1), from a 16-step history
-                             or from the newest amax, current scaling for one role of a
-                             delayed recipe (benchmarks/mixed_scaling.py), or
-                             fp8train.BlockScaling (1x128 / 128x128)
+                             or from the newest amax, or fp8train.BlockScaling
+                             (1x128 / 128x128)
 
 Runs (`--shapes`, as the issue's first measurements):
   h1024  hidden 1024, 4 layers, 1000 steps of 8 x 1024 tokens
@@ -57,7 +56,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_llama  # noqa: E402
-import mixed_scaling  # noqa: E402
 
 import fp8train  # noqa: E402
 from fp8train import scaling  # noqa: E402
@@ -84,16 +82,13 @@ RECIPES = ["bf16", "fp8 delayed", "fp8 current", "torchao tensorwise", "torchao 
 # scales one binade below fp8_max / amax (margin1: headroom for an amax that outgrows the
 # history's, which the cast would otherwise clamp); delayed scales from a 16-step history or
 # the newest amax alone (hist16, recent: a scale that follows the amaxes down instead of
-# holding the run's largest); delayed scaling with current scaling for one role (curinput,
-# curweight, curgrad: which role's delayed scale costs loss; run_context again)
+# holding the run's largest)
 EXTRA_RECIPES = ["fp8 delayed e4m3", "fp8 current e4m3", "fp8 delayed pow2", "fp8 current pow2", "fp8 delayed margin1",
                  "fp8 delayed hist16", "fp8 delayed recent", "fp8 delayed pynode", "fp8 current pynode",
-                 "fp8 delayed curinput", "fp8 delayed curweight", "fp8 delayed curgrad", "fp8 block"]
+                 "fp8 block"]
 _OPTIONS = {"e4m3": {"fp8_format": fp8train.Format.E4M3}, "pow2": {"power_of_two_scales": True},
             "margin1": {"margin": 1}, "hist16": {"amax_history_len": 16},
             "recent": {"amax_compute_algo": "most_recent"}}
-_CURRENT_ROLE = {"curinput": fp8train.TensorRole.INPUT, "curweight": fp8train.TensorRole.WEIGHT,
-                 "curgrad": fp8train.TensorRole.GRAD_OUTPUT}
 
 
 def lr_at(step: int, steps: int, schedule: str, warmup: int, lr: float) -> float:
@@ -109,17 +104,11 @@ def convert(recipe: str, model: torch.nn.Module) -> Optional[Recipe]:
     """Convert `model` in place for `recipe`; the fp8train recipe, or None."""
     kind, *rest = recipe.split()
     if kind == "fp8":
-        unknown = [w for w in rest[1:] if w not in _OPTIONS and w not in _CURRENT_ROLE and w != "pynode"]
+        unknown = [w for w in rest[1:] if w not in _OPTIONS and w != "pynode"]
         if unknown:
             raise ValueError(f"{recipe!r}: unknown option(s) {unknown}")
         options = {k: v for word in rest[1:] if word in _OPTIONS for k, v in _OPTIONS[word].items()}
-        roles = tuple(_CURRENT_ROLE[word] for word in rest[1:] if word in _CURRENT_ROLE)
-        if roles:  # a delayed recipe (EXTRA_RECIPES names them)
-            if not mixed_scaling.is_installed():
-                raise RuntimeError(f"{recipe!r}: convert inside run_context({recipe!r})")
-            r = mixed_scaling.MixedScaling(current_roles=roles, **options)
-        else:
-            r = hf_llama.RECIPES[rest[0]](**options)
+        r = hf_llama.RECIPES[rest[0]](**options)
         fp8train.convert(model, r, filter_fn=hf_llama.not_lm_head)
         return r
     if kind == "torchao":
@@ -132,12 +121,10 @@ def convert(recipe: str, model: torch.nn.Module) -> Optional[Recipe]:
 @contextlib.contextmanager
 def run_context(recipe: str):
     """What a request-only recipe changes outside its recipe object, for its run only: the
-    C++ node off (pynode), the quantizers of a mixed recipe (curinput, curweight, curgrad)."""
-    words = recipe.split()
-    native.ENABLED = "pynode" not in words
+    C++ node off (pynode)."""
+    native.ENABLED = "pynode" not in recipe.split()
     try:
-        with mixed_scaling.installed() if set(words) & set(_CURRENT_ROLE) else contextlib.nullcontext():
-            yield
+        yield
     finally:
         native.ENABLED = True
 
