@@ -75,3 +75,41 @@ def test_inductor_compiled_matches_eager(make, k, recipe):
     assert any("_tile_kernel" in c or "_flat_kernel" in c for c in code), "no cast kernel in Inductor's code"
     fused = not isinstance(module, fp8train.Linear)
     assert any("torch.ops.fp8train." in c for c in code) == fused
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_graph_amax_compiled_linear_is_eager_bit_for_bit(dtype, monkeypatch):
+    """ops.AMAX_IN_GRAPH (current scaling's amax by torch ops in the graph, handed to the cast
+    operator): a compiled Linear's output and scaling state are eager's bit for bit (a max is
+    exact in any order), its gradients within the module tests' 40 dB, and the operator takes
+    no amax of its own."""
+    monkeypatch.setattr(fp8train.ops, "AMAX_IN_GRAPH", True)
+    from fp8train.kernels import cast as cast_kernels
+    amax_calls = []
+    real_amax = cast_kernels.amax
+    monkeypatch.setattr(cast_kernels, "amax", lambda *a, **k: amax_calls.append(1) or real_amax(*a, **k))
+    torch.manual_seed(0)
+    module = fp8train.Linear(256, 512, params_dtype=torch.float32, device=DEVICE)
+    eager = copy.deepcopy(module)
+    compiled = torch.compile(module, fullgraph=True)
+    recipe = CurrentScaling()
+    for step in range(STEPS):
+        x = torch.randn(4, 48, 256, device=DEVICE, dtype=dtype)
+        x.view(-1)[:2] = torch.tensor([1e4, -3e-6], dtype=dtype)  # an amax far from the rest
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
+            traced = len(amax_calls)
+            yc = compiled(xc)
+            traced = len(amax_calls) - traced  # the operator's body runs when traced: the compile
+            ye = eager(xe)
+        dy = torch.randn_like(ye)
+        yc.backward(dy)
+        ye.backward(dy)
+        if step == 0:
+            assert traced == 0, "the cast operator took the amax itself (its zeroing and amax kernel)"
+        assert torch.equal(yc, ye), f"step {step}: output"
+        assert sqnr_db(xc.grad, xe.grad) >= 40, f"step {step}: input gradient"
+        for (name, p), q in zip(module.named_parameters(), eager.parameters()):
+            assert sqnr_db(p.grad, q.grad) >= 40, f"step {step}: {name}.grad"
+        for (name, b), c in zip(module.named_buffers(), eager.buffers()):  # the amaxes and scales: exact
+            assert torch.equal(b, c), f"step {step}: {name}"
