@@ -222,26 +222,22 @@ def _quantizer(kind: str, role=fp8train.TensorRole.INPUT):
 # Inductor's C++ compiles cost ~5 s each on a 2-core machine (~13 s cold): make test runs the
 # one compile that takes the most branches (current scaling's first pass, scale and count; odd
 # rows; the transposed copy and dbias), the rest is slow.
-# amax_in_graph: ops.AMAX_IN_GRAPH (where current scaling's amax is taken; delayed scaling's
-# calibration too), both ways while both exist.
-CAST_CASES = [pytest.param(kind, shape, transpose, dbias, in_graph,
-                           id=f"{kind}-{name}-{'t' if transpose else 'n'}{'-dbias' if dbias else ''}"
-                              f"{'-graph-amax' if in_graph else ''}",
+CAST_CASES = [pytest.param(kind, shape, transpose, dbias,
+                           id=f"{kind}-{name}-{'t' if transpose else 'n'}{'-dbias' if dbias else ''}",
                            marks=() if (kind, name, transpose, dbias) == ("current", "3d-odd-rows", True, True)
                            else pytest.mark.slow)
               for kind in STATES for shape, name in (((20, 48), "2d"), ((3, 7, 32), "3d-odd-rows"))
-              for transpose, dbias in ((True, True), (False, False), (True, False))
-              for in_graph in ((False, True) if kind != "delayed" else (False,))]
+              for transpose, dbias in ((True, True), (False, False), (True, False))]
 
 
-@pytest.mark.parametrize("kind, shape, transpose, dbias, amax_in_graph", CAST_CASES)
-def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, dbias, amax_in_graph, monkeypatch):
+@pytest.mark.parametrize("kind, shape, transpose, dbias", CAST_CASES)
+def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, dbias):
     # ops.cast (what Quantizer.cast traces to) compiled by Inductor (C++ code on CPU) against
     # the eager cast, bit for bit: payload, transposed copy with its zero padding, scale_inv
     # and the scaling state; dbias (a float32 sum in another order) within float32 rounding.
     # Inputs span the e4m3 range edges, NaN and inf (inf saturates, both count in the amax).
-    # On the CPU the operator fp8train::cast_kernels is its body, the twin's torch ops.
-    monkeypatch.setattr(fp8train.ops, "AMAX_IN_GRAPH", amax_in_graph)
+    # On the CPU the operator fp8train::cast_kernels is its body, the twin's torch ops; the
+    # amax of current scaling is the graph's (ops.graph_abs_max) either way.
     torch.manual_seed(0)
     x = (torch.randn(shape) * torch.logspace(-6, 3, shape[-1])).to(torch.bfloat16)
     x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0], dtype=torch.bfloat16)
@@ -264,13 +260,11 @@ def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, db
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("amax_in_graph", [True, False], ids=["in-graph", "in-op"])
-def test_current_scaling_amax_is_a_graph_reduction_per_row_first(amax_in_graph, monkeypatch):
-    # With AMAX_IN_GRAPH the traced cast of a current-scaling quantizer takes x's amax with
-    # torch ops, a reduction over each row and then over the rows (the per-row step is what
-    # Inductor can fuse into x's producer), and hands it to the operator; without, the
-    # operator takes no amax. Delayed scaling's calibrated casts take none either way.
-    monkeypatch.setattr(fp8train.ops, "AMAX_IN_GRAPH", amax_in_graph)
+def test_current_scaling_amax_is_a_graph_reduction_per_row_first():
+    # The traced cast of a current-scaling quantizer takes x's amax with torch ops, a
+    # reduction over each row and then over the rows (the per-row step is what Inductor can
+    # fuse into x's producer), and hands it to the operator. Delayed scaling's calibrated
+    # casts take none.
     graphs = []
 
     def capture(gm, example_inputs):
@@ -284,14 +278,24 @@ def test_current_scaling_amax_is_a_graph_reduction_per_row_first(amax_in_graph, 
                       fullgraph=True, backend=capture)(x)
     current, delayed = ([n for n in g.graph.nodes if n.op in ("call_function", "call_method")] for g in graphs)
     given = [n.args[-1] for n in current if "cast_kernels" in str(n.target)]
-    if not amax_in_graph:
-        assert given == [None]
-        assert not any("amax" in str(n.target) for n in current)
-    else:
-        reductions = [n for n in current if "amax" in str(n.target)]
-        assert given == [reductions[-1]] and len(reductions) == 2
-        assert reductions[0].kwargs == {"dim": 1} and reductions[1].kwargs == {}  # per row, then over rows
+    reductions = [n for n in current if "amax" in str(n.target)]
+    assert given == [reductions[-1]] and len(reductions) == 2
+    assert reductions[0].kwargs == {"dim": 1} and reductions[1].kwargs == {}  # per row, then over rows
     assert [n.args[-1] for n in delayed if "cast_kernels" in str(n.target)] == [None]
+    assert not any("amax" in str(n.target) for n in delayed)
+
+
+def test_graph_abs_max_is_reference_abs_max():
+    # NaN counts as +inf, -0.0 and denormals keep their magnitude, an empty x gives 0.
+    rows = torch.tensor([[1.0, -3.5, 0.0], [float("-inf"), 2.0, -0.0]])
+    assert fp8train.ops.graph_abs_max(rows).item() == float("inf")
+    rows[1, 0] = float("nan")
+    assert fp8train.ops.graph_abs_max(rows).item() == float("inf")
+    rows[1, 0] = 1e-40
+    assert fp8train.ops.graph_abs_max(rows).item() == 3.5
+    assert fp8train.ops.graph_abs_max(torch.tensor([[-1e-40]])).item() == torch.tensor(1e-40).item()
+    empty = fp8train.ops.graph_abs_max(torch.empty(0, 8, dtype=torch.bfloat16))
+    assert empty.dtype == torch.float32 and empty.item() == 0.0
 
 
 def assert_same_fp8(got, want):

@@ -282,15 +282,14 @@ def _tile_kernel(
 # --------------------------------------------------------------------------- host wrappers
 
 
-def amax(x: torch.Tensor, amax_out: torch.Tensor, traced: bool = False) -> None:
-    """reference.amax on the GPU: amax_out <- max(amax_out, abs_max(x)), no sync.
-    traced: launched from a torch.library.triton_op's body (DirectKernel.traced)."""
+def amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
+    """reference.amax on the GPU: amax_out <- max(amax_out, abs_max(x)), no sync."""
     _check_input(x, "amax")
     check_scalar("amax", "amax_out", amax_out, torch.float32, x.device)
     if x.numel() == 0:
         reference.amax(x, amax_out)
         return
-    _launch(x, None, None, None, None, amax_out, None, None, None, fp8_max=0.0, traced=traced)
+    _launch(x, None, None, None, None, amax_out, None, None, None, fp8_max=0.0)
 
 
 def cast_amax(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, scale_inv_out: torch.Tensor,
