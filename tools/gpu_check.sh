@@ -17,7 +17,7 @@
 #          there are two GPUs)
 #   hf     the HF Llama GPU tests (tests/gpu/test_hf_llama_gpu.py), then benchmarks/hf_llama.py
 #          at h1024 (one compile per compiled variant)
-#   hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape. hf steps: VARIANTS picks the
+#   hf-h1024, hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape (no tests). hf steps: VARIANTS picks the
 #          variants (default: the nine of $HF_CORE below; all of them took over 10 minutes at
 #          h1024 with the tests before them), HOST_TOP=N adds each variant's largest host self times,
 #          DEVICE_TOP=N its device time by kernel kind and its N largest kernels
@@ -40,7 +40,7 @@
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048] [block] [blockcast] [fsdp]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h1024] [hf-h2048] [hf-h4096] [numerics-h1024] [numerics-h2048] [block] [blockcast] [fsdp]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -101,7 +101,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_h1024.json" 2>&1 \
         | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path)|failed" ;;
-    hf-h2048|hf-h4096)
+    hf-h1024|hf-h2048|hf-h4096)
       shape=${step#hf-}
       timeout 560 python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
