@@ -28,6 +28,11 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                these ties q/k/v's and gate/up's input quantizers:
                                                modules.base.SHARE_INPUT_CASTS, off while these
                                                are built; an A/B of it)
+  bf16 compile combo, fp8 compile {delayed,current} combo, torchao compile combo
+                                               the same compiled with Inductor's combo kernels
+                                               (options={"combo_kernels": True}: independent
+                                               kernels, such as the weights' amaxes, launched as
+                                               one; a user's compile option, measured alike for all)
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -90,7 +95,8 @@ RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScalin
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
-            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro"]
+            "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
+            "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo"]
 
 
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
@@ -140,7 +146,10 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     if mode.startswith("compile"):
         if kind == "fp8":
             first_step(model, recipe)
-        model = torch.compile(model, mode="reduce-overhead" if mode == "compile-ro" else None)
+        if mode == "compile-ro":
+            model = torch.compile(model, mode="reduce-overhead")
+        else:
+            model = torch.compile(model, options={"combo_kernels": True} if "combo" in rest else None)
     return model, recipe
 
 
