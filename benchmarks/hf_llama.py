@@ -33,6 +33,11 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                (options={"combo_kernels": True}: independent
                                                kernels, such as the weights' amaxes, launched as
                                                one; a user's compile option, measured alike for all)
+  fp8 compile {delayed,current} static         the same with Inductor's static launcher for
+                                               user-defined Triton kernels (fp8train's casts:
+                                               options={"static_launch_user_defined_triton_kernels":
+                                               True}; off by default, so they launch through
+                                               Triton's own Python launcher)
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -96,7 +101,10 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
-            "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo"]
+            "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
+            "fp8 compile delayed static", "fp8 compile current static"]
+# variant words that are torch.compile options (a user's choice, not fp8train's)
+COMPILE_OPTIONS = {"combo": {"combo_kernels": True}, "static": {"static_launch_user_defined_triton_kernels": True}}
 
 
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
@@ -149,7 +157,8 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
         if mode == "compile-ro":
             model = torch.compile(model, mode="reduce-overhead")
         else:
-            model = torch.compile(model, options={"combo_kernels": True} if "combo" in rest else None)
+            options = {k: v for word in rest for k, v in COMPILE_OPTIONS.get(word, {}).items()}
+            model = torch.compile(model, options=options or None)
     return model, recipe
 
 

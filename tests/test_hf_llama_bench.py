@@ -59,3 +59,5 @@ def test_combo_variant_compiles_with_combo_kernels_on_cpu(tmp_path, monkeypatch)
     rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
     assert "error" not in rows[0] and abs(rows[0]["loss"] - 5.55) < 0.1, rows  # ~log(256)
     assert calls == [{"options": {"combo_kernels": True}}]
+    assert hf_llama.COMPILE_OPTIONS["static"] == {"static_launch_user_defined_triton_kernels": True}
+    assert hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels")  # a real option
