@@ -237,7 +237,7 @@ def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, db
     # and the scaling state; dbias (a float32 sum in another order) within float32 rounding.
     # Inputs span the e4m3 range edges, NaN and inf (inf saturates, both count in the amax).
     # On the CPU the operator fp8train::cast_kernels is its body, the twin's torch ops; the
-    # amax of current scaling is the graph's (ops.graph_abs_max) either way.
+    # amax of current scaling is taken in the graph (ops.graph_abs_max), as on the GPU.
     torch.manual_seed(0)
     x = (torch.randn(shape) * torch.logspace(-6, 3, shape[-1])).to(torch.bfloat16)
     x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0], dtype=torch.bfloat16)
