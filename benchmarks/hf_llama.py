@@ -19,6 +19,9 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                the same, torch.compile(model) after one eager step
   fp8 compile delayed aten-mm                  the same, compiled GEMMs through torch._scaled_mm
                                                instead of the extension's operator (an A/B of it)
+  fp8 compile current rows-amax                the same, the cast kernel reducing current
+                                               scaling's per-row amaxes instead of a graph
+                                               reduction over the rows (ops.ROWS_AMAX on; an A/B)
   fp8 eager block, fp8 compile block           BlockScaling (1x128 / 128x128 block scales)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
@@ -72,6 +75,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import fp8train
+from fp8train import ops
 from fp8train.data import ByteCorpus
 from fp8train.kernels import native
 from fp8train.modules import base as module_base
@@ -96,9 +100,11 @@ SHAPES = {
 }
 # the library's defaults, restored after each step
 _BLOCK_GEMM = native.BLOCK_GEMM
+_ROWS_AMAX = ops.ROWS_AMAX
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
-            "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
+            "fp8 compile delayed", "fp8 compile current", "fp8 compile current rows-amax", "fp8 compile-ro delayed",
+            "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
@@ -179,6 +185,7 @@ class Runner:
         self.count = 0
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
+        self.rows_amax = "rows-amax" in variant.split()
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
@@ -203,11 +210,11 @@ class Runner:
 
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
-        native.GEMM_OP, native.BLOCK_GEMM = not self.aten_mm, self.block_gemm
+        native.GEMM_OP, native.BLOCK_GEMM, ops.ROWS_AMAX = not self.aten_mm, self.block_gemm, self.rows_amax
         try:
             return self._step(m, recipe)
         finally:
-            native.GEMM_OP, native.BLOCK_GEMM = True, _BLOCK_GEMM
+            native.GEMM_OP, native.BLOCK_GEMM, ops.ROWS_AMAX = True, _BLOCK_GEMM, _ROWS_AMAX
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]

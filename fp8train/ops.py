@@ -81,6 +81,22 @@ def _none_if_empty(t: Tensor) -> Optional[Tensor]:
 
 # ------------------------------------------------------------------------------------ cast
 
+# A/B switch (branch rows-amax, until the H200 says): True hands fp8train::cast_kernels the
+# per-row amaxes (graph_row_abs_max) and its kernel reduces them (kernels/cast.py,
+# _resolve_scale_from_rows), which saves the graph the reduction over the rows, a kernel
+# launch per cast; False hands it graph_abs_max.
+ROWS_AMAX = False
+
+
+def graph_row_abs_max(rows: Tensor) -> Tensor:
+    """(M,) float32: reference.abs_max of each row of rows (M, N), NaN as +inf; zeros where
+    N == 0."""
+    if rows.numel() == 0:
+        return rows.new_zeros(rows.shape[0], dtype=torch.float32)
+    a = rows.float().abs()
+    return torch.where(torch.isnan(a), torch.inf, a).amax(dim=1)
+
+
 def graph_abs_max(rows: Tensor) -> Tensor:
     """reference.abs_max of rows (M, N) by torch ops in the graph, per row first: the per-row
     step has the iteration space of the producer's own kernel (an RMSNorm, a pointwise op),
@@ -90,8 +106,7 @@ def graph_abs_max(rows: Tensor) -> Tensor:
     thirty-second session)."""
     if rows.numel() == 0:
         return reference.abs_max(rows)
-    a = rows.float().abs()
-    return torch.where(torch.isnan(a), torch.inf, a).amax(dim=1).amax()
+    return graph_row_abs_max(rows).amax()
 
 
 def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool, dbias: bool):
@@ -102,7 +117,9 @@ def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool
     x = x.detach()
     cols = x.shape[-1] if x.dim() else 1
     rows = x.reshape(-1, cols)  # (M, N)
-    amax = graph_abs_max(rows) if state.first_amax is not None else None
+    amax = None
+    if state.first_amax is not None:
+        amax = graph_row_abs_max(rows) if ROWS_AMAX else graph_abs_max(rows)
     data, data_t, scale_inv = torch.ops.fp8train.cast_kernels(rows, fp8_dtype, *state, transpose, amax)
     return data.view(x.shape), (data_t if transpose else None), scale_inv, (rows.float().sum(0) if dbias else None)
 
@@ -116,7 +133,7 @@ def _traced_cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpo
     IEEE float32 exactly). The padding columns of data_t are +0.0 (byte 0), cast like the rest."""
     scale, amax_history, first_amax, nonfinite_count, power_of_two = state
     if first_amax is not None:  # current scaling, or a delayed quantizer's calibration
-        first_amax.copy_(amax)  # x's amax, taken by `cast`
+        first_amax.copy_(reference.abs_max(amax))  # x's amax, or its rows' (ROWS_AMAX), taken by `cast`
         reference.resolve_scale(scale, first_amax, nonfinite_count, scaling.fp8_max(fp8_dtype), power_of_two)
     if amax_history is not None:
         reference.amax(x, amax_history[0])
@@ -140,7 +157,8 @@ def _cast_kernels(rows: Tensor, fp8_dtype: torch.dtype, scale: Tensor, amax_hist
     scale_inv), data_t (0,) without transpose. On CUDA its body allocates as the eager cast
     does and launches the eager kernels through wrap_triton (kernels/cast.py, traced=True):
     one launch (amax, cast, transposed copy and scale_inv). Where the scale comes from x
-    (first_amax), amax is rows' amax taken in the graph (`cast`), copied to first_amax; the
+    (first_amax), amax is rows' amax taken in the graph (`cast`), copied to first_amax, or
+    their (M,) per-row amaxes (ROWS_AMAX), which the kernel reduces into first_amax; the
     kernel resolves the scale from it. The entry 0 of amax_history is its first element, so
     the kernel takes the whole history as its amax pointer (no view of a mutated input). Off
     CUDA: the twin's torch ops (`_traced_cast`), traced into the graph."""
@@ -153,10 +171,13 @@ def _cast_kernels(rows: Tensor, fp8_dtype: torch.dtype, scale: Tensor, amax_hist
     data = torch.empty((m, n), dtype=fp8_dtype, device=rows.device)
     data_t = _transposed_empty(m, n, fp8_dtype, rows.device, transpose)
     scale_inv = torch.empty(1, dtype=torch.float32, device=rows.device)
-    if first_amax is not None:
+    rows_amax = None
+    if first_amax is not None and amax.dim() == 0:
         first_amax.copy_(amax)
+    elif first_amax is not None:  # per-row amaxes: the kernel reduces them (ROWS_AMAX)
+        rows_amax = amax
     cast_kernels.launch_cast(rows, data, data_t if transpose else None, scale, scale_inv, amax_history, first_amax,
-                             nonfinite_count, power_of_two=power_of_two, traced=True)
+                             nonfinite_count, power_of_two=power_of_two, traced=True, rows_amax=rows_amax)
     return data, data_t, scale_inv
 
 

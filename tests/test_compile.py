@@ -222,22 +222,28 @@ def _quantizer(kind: str, role=fp8train.TensorRole.INPUT):
 # Inductor's C++ compiles cost ~5 s each on a 2-core machine (~13 s cold): make test runs the
 # one compile that takes the most branches (current scaling's first pass, scale and count; odd
 # rows; the transposed copy and dbias), the rest is slow.
-CAST_CASES = [pytest.param(kind, shape, transpose, dbias,
-                           id=f"{kind}-{name}-{'t' if transpose else 'n'}{'-dbias' if dbias else ''}",
-                           marks=() if (kind, name, transpose, dbias) == ("current", "3d-odd-rows", True, True)
-                           else pytest.mark.slow)
+# rows_amax: ops.ROWS_AMAX (the A/B of who reduces current scaling's per-row amaxes), both
+# ways while both exist.
+CAST_CASES = [pytest.param(kind, shape, transpose, dbias, rows_amax,
+                           id=f"{kind}-{name}-{'t' if transpose else 'n'}{'-dbias' if dbias else ''}"
+                              f"{'-rows-amax' if rows_amax else ''}",
+                           marks=() if (kind, name, transpose, dbias, rows_amax)
+                           == ("current", "3d-odd-rows", True, True, False) else pytest.mark.slow)
               for kind in STATES for shape, name in (((20, 48), "2d"), ((3, 7, 32), "3d-odd-rows"))
-              for transpose, dbias in ((True, True), (False, False), (True, False))]
+              for transpose, dbias in ((True, True), (False, False), (True, False))
+              for rows_amax in ((False, True) if kind != "delayed" else (False,))]
 
 
-@pytest.mark.parametrize("kind, shape, transpose, dbias", CAST_CASES)
-def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, dbias):
+@pytest.mark.parametrize("kind, shape, transpose, dbias, rows_amax", CAST_CASES)
+def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, dbias, rows_amax, monkeypatch):
     # ops.cast (what Quantizer.cast traces to) compiled by Inductor (C++ code on CPU) against
     # the eager cast, bit for bit: payload, transposed copy with its zero padding, scale_inv
     # and the scaling state; dbias (a float32 sum in another order) within float32 rounding.
     # Inputs span the e4m3 range edges, NaN and inf (inf saturates, both count in the amax).
     # On the CPU the operator fp8train::cast_kernels is its body, the twin's torch ops; the
-    # amax of current scaling is taken in the graph (ops.graph_abs_max), as on the GPU.
+    # amax of current scaling is taken in the graph (ops.graph_abs_max; per row only with
+    # ROWS_AMAX, the kernel reducing the rows), as on the GPU.
+    monkeypatch.setattr(fp8train.ops, "ROWS_AMAX", rows_amax)
     torch.manual_seed(0)
     x = (torch.randn(shape) * torch.logspace(-6, 3, shape[-1])).to(torch.bfloat16)
     x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0], dtype=torch.bfloat16)
@@ -260,11 +266,14 @@ def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, db
         assert torch.equal(a, b), name
 
 
-def test_current_scaling_amax_is_a_graph_reduction_per_row_first():
+@pytest.mark.parametrize("rows_amax", [False, True], ids=["graph-reduces-rows", "kernel-reduces-rows"])
+def test_current_scaling_amax_is_a_graph_reduction_per_row_first(rows_amax, monkeypatch):
     # The traced cast of a current-scaling quantizer takes x's amax with torch ops, a
     # reduction over each row and then over the rows (the per-row step is what Inductor can
-    # fuse into x's producer), and hands it to the operator. Delayed scaling's calibrated
-    # casts take none.
+    # fuse into x's producer), and hands it to the operator; with ROWS_AMAX the per-row step
+    # only (the operator's kernel reduces the rows). Delayed scaling's calibrated casts take
+    # none.
+    monkeypatch.setattr(fp8train.ops, "ROWS_AMAX", rows_amax)
     graphs = []
 
     def capture(gm, example_inputs):
@@ -279,8 +288,10 @@ def test_current_scaling_amax_is_a_graph_reduction_per_row_first():
     current, delayed = ([n for n in g.graph.nodes if n.op in ("call_function", "call_method")] for g in graphs)
     given = [n.args[-1] for n in current if "cast_kernels" in str(n.target)]
     reductions = [n for n in current if "amax" in str(n.target)]
-    assert given == [reductions[-1]] and len(reductions) == 2
-    assert reductions[0].kwargs == {"dim": 1} and reductions[1].kwargs == {}  # per row, then over rows
+    assert given == [reductions[-1]] and len(reductions) == 1 + (not rows_amax)
+    assert reductions[0].kwargs == {"dim": 1}  # per row first
+    if not rows_amax:
+        assert reductions[1].kwargs == {}  # then over the rows
     assert [n.args[-1] for n in delayed if "cast_kernels" in str(n.target)] == [None]
     assert not any("amax" in str(n.target) for n in delayed)
 

@@ -39,6 +39,7 @@ from .scale_update import _FLT_MAX, compute_scale
 from .transpose import store_transposed_tile
 
 _INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # float32 +inf as int32
+_ROWS_BLOCK: tl.constexpr = tl.constexpr(1024)  # rows_amax entries one program loads per step
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_MAX = {dtype: scaling.fp8_max(dtype) for dtype in FP8_DTYPES}
 
@@ -147,13 +148,39 @@ def _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr,
                    FP8_MAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr):
     """The scale this cast uses; program 0 writes scale_inv (and scale, count when FROM_AMAX).
     POW2 (with FROM_AMAX): the computed scale rounded down to a power of two."""
+    amax = 0.0
+    if FROM_AMAX:
+        amax = tl.load(from_amax_ptr)
+    return _scale_for(amax, scale_ptr, scale_inv_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT, POW2)
+
+
+@triton.jit
+def _resolve_scale_from_rows(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr, n_rows_amax,
+                             FP8_MAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr):
+    """_resolve_scale with FROM_AMAX, the amax being the max of rows_amax (n_rows_amax >= 1
+    non-negative float32, NaN counted as +inf): every program reduces the vector itself (from
+    L2, the same value in every program), program 0 also stores it into from_amax."""
+    offs = tl.arange(0, _ROWS_BLOCK)
+    acc = tl.zeros([_ROWS_BLOCK], dtype=tl.int32)
+    for start in range(0, n_rows_amax, _ROWS_BLOCK):
+        v = tl.load(rows_amax_ptr + start + offs, mask=start + offs < n_rows_amax, other=0.0)
+        acc = tl.maximum(acc, _abs_bits(v))
+    amax = _amax_of_bits(acc)
+    if tl.program_id(0) == 0:
+        tl.store(from_amax_ptr, amax)
+    return _scale_for(amax, scale_ptr, scale_inv_ptr, count_ptr, FP8_MAX, True, COUNT, POW2)
+
+
+@triton.jit
+def _scale_for(amax, scale_ptr, scale_inv_ptr, count_ptr,
+               FP8_MAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr):
+    """_resolve_scale's body, given the amax (used with FROM_AMAX only)."""
     scale = tl.load(scale_ptr)
     if FROM_AMAX:
         # Current scaling: every program computes the new scale itself, program 0 stores it.
         # Another program may load `scale` before or after that store; both give the same
         # result because compute_scale(a, compute_scale(a, s)) == compute_scale(a, s)
         # (a usable amax ignores the old scale, an unusable one returns it unchanged).
-        amax = tl.load(from_amax_ptr)
         scale = compute_scale(amax, scale, FP8_MAX, 1.0, POW2)
     if tl.program_id(0) == 0:
         if FROM_AMAX:
@@ -176,8 +203,10 @@ def _flat_kernel(
     count_ptr,      # () int32 nonfinite count, +1 when from_amax is inf/NaN (COUNT)
     skip_ptr,       # () int32: nonzero makes the launch a no-op (SKIP; a graphed cached weight)
     n,              # number of elements
-    FP8_MAX: tl.constexpr, CAST: tl.constexpr, AMAX: tl.constexpr,
-    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
+    rows_amax_ptr,  # (n_rows_amax,) float32: from_amax <- their max first (FROM_ROWS)
+    n_rows_amax,
+    FP8_MAX: tl.constexpr, CAST: tl.constexpr, AMAX: tl.constexpr, FROM_AMAX: tl.constexpr,
+    FROM_ROWS: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     if SKIP:
         if tl.load(skip_ptr) != 0:
@@ -185,7 +214,12 @@ def _flat_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
-        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT, POW2)
+        if FROM_ROWS:
+            scale = _resolve_scale_from_rows(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr,
+                                             n_rows_amax, FP8_MAX, COUNT, POW2)
+        else:
+            scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT,
+                                   POW2)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)  # running max of _abs_bits
     n_full = n // BLOCK
@@ -224,8 +258,11 @@ def _tile_kernel(
     partial_ptr,    # (row tiles, N) float32: row i = column sums of x's rows [i*BLOCK_M, (i+1)*BLOCK_M) (DBIAS)
     skip_ptr,       # () int32: nonzero makes the launch a no-op (SKIP; a graphed cached weight)
     M, N, Mp, stride_xm,
+    rows_amax_ptr,  # (n_rows_amax,) float32: from_amax <- their max first (FROM_ROWS)
+    n_rows_amax,
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
-    FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, DBIAS: tl.constexpr, SKIP: tl.constexpr,
+    FROM_AMAX: tl.constexpr, FROM_ROWS: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, DBIAS: tl.constexpr,
+    SKIP: tl.constexpr,
     FROM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     if SKIP:
@@ -234,7 +271,12 @@ def _tile_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
-        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT, POW2)
+        if FROM_ROWS:
+            scale = _resolve_scale_from_rows(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr,
+                                             n_rows_amax, FP8_MAX, COUNT, POW2)
+        else:
+            scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT,
+                                   POW2)
     if TRANSPOSE:
         rows_covered = Mp  # tiles past row M write out_t's zero padding
     else:
@@ -332,12 +374,15 @@ def cast_transpose_amax(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor,
 
 
 def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out=None,
-                skip=None, power_of_two: bool = False, traced: bool = False) -> None:
+                skip=None, power_of_two: bool = False, traced: bool = False, rows_amax=None) -> None:
     """cast_amax (out_t None) or cast_transpose_amax with arguments already checked; with
     `skip` (a () int32 device flag) every launch of the cast reads the flag first and does
     nothing when it is nonzero (the cached-weight case of a CUDA graph); power_of_two as for
     the twins (used with from_amax only); traced: launched from a torch.library.triton_op's
-    body (DirectKernel.traced; no dbias_out there).
+    body (DirectKernel.traced; no dbias_out there). rows_amax (with from_amax): a float32
+    vector of x's per-row amaxes (NaN as +inf), x's amax taken by traced code; the launch
+    first sets from_amax to its max (twin: `from_amax.copy_(reference.abs_max(rows_amax))`,
+    then the cast), which saves traced code a reduction kernel over the rows.
 
     For callers that own every buffer and have checked x (quantizers): the public wrappers
     above check, then call this. With out_t, x's rows are (M, N) = (numel / N, x.shape[-1])
@@ -346,6 +391,8 @@ def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfin
     if x.numel() == 0:
         if skip is not None and reference.skipped(skip):
             return
+        if rows_amax is not None and from_amax is not None:
+            from_amax.copy_(reference.abs_max(rows_amax))
         if out_t is None:
             reference.cast_amax(x, out, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
                                 power_of_two)
@@ -354,14 +401,14 @@ def launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfin
                                           dbias_out, power_of_two)
         return
     _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
-            _FP8_MAX[out.dtype], skip, power_of_two, traced)
+            _FP8_MAX[out.dtype], skip, power_of_two, traced, rows_amax)
 
 
 def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_count, dbias_out,
-            fp8_max: float, skip=None, power_of_two: bool = False, traced: bool = False) -> None:
+            fp8_max: float, skip=None, power_of_two: bool = False, traced: bool = False, rows_amax=None) -> None:
     """Pick the kernel and launch it (arguments already checked)."""
     kernel, grid, make_args, partial_rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
-                                                  dbias_out is not None, fp8_max, skip, power_of_two)
+                                                  dbias_out is not None, fp8_max, skip, power_of_two, rows_amax)
     if traced:
         if dbias_out is not None:
             raise ValueError("fp8 cast: a traced launch takes no dbias_out (traced code sums the columns itself)")
@@ -377,13 +424,14 @@ def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_
 
 
 def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: bool, fp8_max: float, skip=None,
-          power_of_two: bool = False):
+          power_of_two: bool = False, rows_amax=None):
     """(kernel, grid, make_args, partial rows) for one cast; absent optional tensors are
     flagged off (and never touched). make_args(x, out, out_t, scale_inv_out, partial) gives
     the runtime arguments, so a PreparedCast can rebuild them for fresh buffers without
     planning again; `partial` is the (partial rows, N) float32 buffer of a cast with dbias.
     `skip` (fixed for the plan) is the () int32 flag of a skippable cast, or None.
-    power_of_two only specialises casts that compute their scale (from_amax given)."""
+    power_of_two only specialises casts that compute their scale (from_amax given); so does
+    rows_amax (launch_cast)."""
     cast = out is not None
     dummy = amax_out if amax_out is not None else scale  # stands in for unused pointer args
     amax_p = dummy if amax_out is None else amax_out
@@ -391,7 +439,9 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
     count_p = dummy if nonfinite_count is None else nonfinite_count
     scale_p = scale if cast else dummy
     skip_p = dummy if skip is None else skip
-    flags = (fp8_max, cast, amax_out is not None, from_amax is not None,
+    from_rows = rows_amax is not None and from_amax is not None and cast
+    rows_p, n_rows = (rows_amax, rows_amax.numel()) if from_rows else (dummy, 0)
+    flags = (fp8_max, cast, amax_out is not None, from_amax is not None, from_rows,
              from_amax is not None and nonfinite_count is not None, bool(power_of_two) and from_amax is not None)
     device = x.device
     flat_cfg, tile_cfg = launch_configs(device)
@@ -401,7 +451,7 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
 
         def flat_args(x, out, out_t, scale_inv_out, partial):
             return (x, out if cast else x, scale_p, scale_inv_out if cast else dummy, amax_p, from_p, count_p, skip_p,
-                    n)
+                    n, rows_p, n_rows)
         return _flat(flat_cfg, *flags, skip is not None), grid, flat_args, 0
     m, n, row_stride = _row_layout(x)
     mp = m if out_t is None else out_t.shape[1]
@@ -412,7 +462,8 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
     def tile_args(x, out, out_t, scale_inv_out, partial):
         out_p = out if cast else x
         return (x, out_p, out_t if out_t is not None else out_p, scale_p, scale_inv_out if cast else dummy,
-                amax_p, from_p, count_p, partial if partial is not None else dummy, skip_p, m, n, mp, row_stride)
+                amax_p, from_p, count_p, partial if partial is not None else dummy, skip_p, m, n, mp, row_stride,
+                rows_p, n_rows)
     # A float32 tile's transposed copy is reloaded from out's bytes (store_transposed_tile):
     # tl.trans of the register tile wrote wrong bytes into out_t for tiles loaded as float32
     # on sm_90 with triton 3.6 (GPU tests, 2026-11-29; bf16/fp16 are exact and keep it).
@@ -520,17 +571,18 @@ _HOLES = (_Hole("x"), _Hole("data"), _Hole("data_t"), _Hole("scale_inv"))
 
 
 @functools.lru_cache(maxsize=None)
-def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bool, count: bool, pow2: bool,
-          skip: bool) -> DirectKernel:
+def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bool, from_rows: bool, count: bool,
+          pow2: bool, skip: bool) -> DirectKernel:
     return DirectKernel(_flat_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, AMAX=amax,
-                        FROM_AMAX=from_amax, COUNT=count, POW2=pow2, SKIP=skip, BLOCK=cfg.block)
+                        FROM_AMAX=from_amax, FROM_ROWS=from_rows, COUNT=count, POW2=pow2, SKIP=skip, BLOCK=cfg.block)
 
 
 @functools.lru_cache(maxsize=None)
 def _tile(cfg: TileConfig, transpose: bool, fp8_max: float, cast: bool, amax: bool, from_amax: bool,
-          count: bool, pow2: bool, dbias: bool, skip: bool, from_out: bool) -> DirectKernel:
+          from_rows: bool, count: bool, pow2: bool, dbias: bool, skip: bool, from_out: bool) -> DirectKernel:
     return DirectKernel(_tile_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, TRANSPOSE=transpose,
-                        AMAX=amax, FROM_AMAX=from_amax, COUNT=count, POW2=pow2, DBIAS=dbias, SKIP=skip,
+                        AMAX=amax, FROM_AMAX=from_amax, FROM_ROWS=from_rows, COUNT=count, POW2=pow2, DBIAS=dbias,
+                        SKIP=skip,
                         FROM_OUT=from_out, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
 
 

@@ -215,6 +215,38 @@ def test_current_scaling_edge_amaxes(from_amax, fp8):
     check_cast_transpose_amax(x, fp8, ("current", from_amax), mp=96)
 
 
+@pytest.mark.parametrize("rows_case", ["x", "inf", "nan", "long"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["flat", "tile"])
+@pytest.mark.parametrize("x_dtype", INPUTS)
+def test_cast_from_rows_amax(rows_case, transpose, x_dtype):
+    """launch_cast with rows_amax (the per-row amaxes traced code hands the cast operator): the
+    kernel's max of them into from_amax, then the cast, bit for bit against the twin
+    (from_amax <- reference.abs_max(rows_amax), then the reference cast); "long": a vector
+    of several of the reduction's load steps."""
+    m, n = (8192, 64) if rows_case == "long" else (300, 160)
+    x = make_input((m, n), x_dtype).nan_to_num(0.0, 1.0, -1.0)  # finite: the specials come from rows_case
+    a = x.float().abs()
+    rows = torch.where(a.isnan(), math.inf, a).amax(dim=1)
+    if rows_case in ("inf", "nan"):
+        rows[m // 3] = math.inf if rows_case == "inf" else math.nan
+    start = Scalars.make(x, ("current", 0.0))
+    want_s, got_s = start.clone(), start.clone()
+    want_s.from_amax.copy_(reference.abs_max(rows))
+    mp = m + 16 if transpose else None
+    want, got = poisoned((m, n), E4M3, 0), poisoned((m, n), E4M3, 0x5A)
+    want_t, got_t = (poisoned((n, mp), E4M3, 0), poisoned((n, mp), E4M3, 0x5A)) if transpose else (None, None)
+    if transpose:
+        reference.cast_transpose_amax(x, want, want_t, *want_s.args())
+    else:
+        reference.cast_amax(x, want, *want_s.args())
+    cast.launch_cast(x, got, got_t, got_s.scale, got_s.scale_inv, got_s.amax, got_s.from_amax, got_s.count,
+                     rows_amax=rows)
+    assert_bitwise(got, want, "out")
+    if transpose:
+        assert_bitwise(got_t, want_t, "out_t")
+    got_s.assert_equal(want_s)
+
+
 def test_empty_inputs():
     x = torch.empty((0, 48), dtype=torch.bfloat16, device=DEV)
     check_cast_amax(x, E4M3, CURRENT[0].values[0])

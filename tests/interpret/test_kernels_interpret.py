@@ -312,6 +312,42 @@ def test_current_scaling_edge_amaxes(from_amax, fp8_dtype, pow2, config):
         assert math.frexp(s.scale.item())[0] == 0.5 and s.scale_inv.item() == 1 / s.scale.item()
 
 
+@pytest.mark.parametrize("rows_case", ["x", "x-pow2", "inf", "nan", "zero", "subnormal", "long"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["flat", "tile"])
+def test_cast_from_rows_amax(rows_case, transpose, config):
+    """launch_cast with rows_amax (traced code's per-row amaxes): every program reduces the
+    vector, program 0 stores its max into from_amax, then current scaling's cast; against the
+    twin, from_amax <- reference.abs_max(rows_amax) and the reference cast. NaN in the vector
+    counts as +inf (keeps the old scale, counted once); "long": more entries than one load
+    step of the reduction (_ROWS_BLOCK) with a tail."""
+    m, n = (1100, 8) if rows_case == "long" else (37, 24)
+    pow2 = rows_case == "x-pow2"
+    x = make_input((m, n), torch.bfloat16, specials=False)  # finite: the special amaxes come from rows_case
+    a = x.float().abs()
+    rows = torch.where(a.isnan(), math.inf, a).amax(dim=1)
+    special = {"inf": math.inf, "nan": math.nan, "subnormal": 1e-40}.get(rows_case)
+    if rows_case == "zero":
+        rows.zero_()
+    elif special is not None:
+        rows.zero_()[m // 2] = special
+    s_kernel = Scalars.make(x, ("current", 7.0), amax_start=None)
+    s_ref = s_kernel.clone()
+    mp = m + 5 if transpose else None
+    out, want = poisoned((m, n), E4M3), torch.empty((m, n), dtype=E4M3)
+    out_t, want_t = (poisoned((n, mp), E4M3), poisoned((n, mp), E4M3)) if transpose else (None, None)
+    cast.launch_cast(x, out, out_t, *s_kernel.args(), power_of_two=pow2, rows_amax=rows)
+    s_ref.from_amax.copy_(reference.abs_max(rows))
+    if transpose:
+        reference.cast_transpose_amax(x, want, want_t, *s_ref.args(), power_of_two=pow2)
+        assert_fp8_equal(out_t, want_t, "transposed copy")
+    else:
+        reference.cast_amax(x, want, *s_ref.args(), power_of_two=pow2)
+    assert_fp8_equal(out, want)
+    s_kernel.assert_equal(s_ref)
+    assert s_kernel.from_amax.item() == (math.inf if rows_case == "nan" else rows.max().item())
+    assert s_kernel.count.item() == 5 + (rows_case in ("inf", "nan"))
+
+
 def test_special_values_only(config):
     x = torch.tensor([[math.nan, -math.nan, math.inf, -math.inf], [-0.0, 0.0, 1e-45, -449.0]], dtype=torch.float32)
     for fp8_dtype in (E4M3, E5M2):
