@@ -19,9 +19,6 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                the same, torch.compile(model) after one eager step
   fp8 compile delayed aten-mm                  the same, compiled GEMMs through torch._scaled_mm
                                                instead of the extension's operator (an A/B of it)
-  fp8 compile current rows-amax                the same, the cast kernel reducing current
-                                               scaling's per-row amaxes instead of a graph
-                                               reduction over the rows (ops.ROWS_AMAX on; an A/B)
   fp8 eager block, fp8 compile block           BlockScaling (1x128 / 128x128 block scales)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
@@ -36,11 +33,6 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                (options={"combo_kernels": True}: independent
                                                kernels, such as the weights' amaxes, launched as
                                                one; a user's compile option, measured alike for all)
-  fp8 compile {delayed,current} static         the same with Inductor's static launcher for
-                                               user-defined Triton kernels (fp8train's casts:
-                                               options={"static_launch_user_defined_triton_kernels":
-                                               True}; off by default, so they launch through
-                                               Triton's own Python launcher)
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -75,7 +67,6 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import fp8train
-from fp8train import ops
 from fp8train.data import ByteCorpus
 from fp8train.kernels import native
 from fp8train.modules import base as module_base
@@ -100,17 +91,14 @@ SHAPES = {
 }
 # the library's defaults, restored after each step
 _BLOCK_GEMM = native.BLOCK_GEMM
-_ROWS_AMAX = ops.ROWS_AMAX
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
-            "fp8 compile delayed", "fp8 compile current", "fp8 compile current rows-amax", "fp8 compile-ro delayed",
-            "fp8 compile delayed aten-mm",
+            "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
-            "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
-            "fp8 compile delayed static", "fp8 compile current static"]
+            "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo"]
 # variant words that are torch.compile options (a user's choice, not fp8train's)
-COMPILE_OPTIONS = {"combo": {"combo_kernels": True}, "static": {"static_launch_user_defined_triton_kernels": True}}
+COMPILE_OPTIONS = {"combo": {"combo_kernels": True}}
 
 
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
@@ -185,7 +173,6 @@ class Runner:
         self.count = 0
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
-        self.rows_amax = "rows-amax" in variant.split()
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
@@ -210,11 +197,11 @@ class Runner:
 
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
-        native.GEMM_OP, native.BLOCK_GEMM, ops.ROWS_AMAX = not self.aten_mm, self.block_gemm, self.rows_amax
+        native.GEMM_OP, native.BLOCK_GEMM = not self.aten_mm, self.block_gemm
         try:
             return self._step(m, recipe)
         finally:
-            native.GEMM_OP, native.BLOCK_GEMM, ops.ROWS_AMAX = True, _BLOCK_GEMM, _ROWS_AMAX
+            native.GEMM_OP, native.BLOCK_GEMM = True, _BLOCK_GEMM
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]

@@ -22,7 +22,8 @@ Quantizer.scaling_state):
   scale            () float32; read, or rewritten from first_amax (current scaling)
   amax_history     (H,) float32 or None; the cast max-accumulates its amax into entry 0
   first_amax       () float32 or None; when given, set to x's amax (the fused producers: zeroed
-                   and filled by their first pass; `cast`: taken in the graph, graph_abs_max),
+                   and filled by their first pass; `cast`: the max of x's per-row amaxes taken
+                   in the graph, graph_row_abs_max, reduced by the cast kernel),
                    and the cast's scale comes from it
   nonfinite_count  () int32 or None; counts a non-finite first_amax
   power_of_two     bool: the scale computed from first_amax is rounded down to a power of two
@@ -81,51 +82,37 @@ def _none_if_empty(t: Tensor) -> Optional[Tensor]:
 
 # ------------------------------------------------------------------------------------ cast
 
-# A/B switch (branch rows-amax, until the H200 says): True hands fp8train::cast_kernels the
-# per-row amaxes (graph_row_abs_max) and its kernel reduces them (kernels/cast.py,
-# _resolve_scale_from_rows), which saves the graph the reduction over the rows, a kernel
-# launch per cast; False hands it graph_abs_max.
-ROWS_AMAX = False
-
-
 def graph_row_abs_max(rows: Tensor) -> Tensor:
-    """(M,) float32: reference.abs_max of each row of rows (M, N), NaN as +inf; zeros where
-    N == 0."""
+    """(M,) float32: reference.abs_max of each row of rows (M, N) by torch ops in the graph,
+    NaN as +inf; zeros where N == 0. Current scaling's amax in traced code: the per-row step
+    has the iteration space of the producer's own kernel (an RMSNorm, a pointwise op), so
+    Inductor fuses it there instead of reading x once more, and the cast kernel reduces the
+    (M,) vector itself (kernels/cast.py, FROM_ROWS; a max is exact in any order). On the H200
+    (docs/benchmarks.md, thirty-second and thirty-third sessions), against the operator's own
+    zeroing and amax kernels, the graph's amax took a compiled HF Llama h2048 step with
+    current scaling from 38.43 to 36.23 ms; at h1024 the kernel's reduction of the rows
+    instead of the graph's took it from 20.37 to 19.21 ms (431 to 359 kernels)."""
     if rows.numel() == 0:
         return rows.new_zeros(rows.shape[0], dtype=torch.float32)
     a = rows.float().abs()
     return torch.where(torch.isnan(a), torch.inf, a).amax(dim=1)
 
 
-def graph_abs_max(rows: Tensor) -> Tensor:
-    """reference.abs_max of rows (M, N) by torch ops in the graph, per row first: the per-row
-    step has the iteration space of the producer's own kernel (an RMSNorm, a pointwise op),
-    so Inductor fuses it there instead of reading x once more (a max is exact in any order).
-    On the H200 this took a compiled HF Llama h2048 step with current scaling from 38.43 to
-    36.23 ms against the operator's own zeroing and amax kernels (docs/benchmarks.md,
-    thirty-second session)."""
-    if rows.numel() == 0:
-        return reference.abs_max(rows)
-    return graph_row_abs_max(rows).amax()
-
-
 def cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool, dbias: bool):
     """Quantizer.cast in traced code: (data, data_t or None, scale_inv (1,), dbias or None),
     the operator fp8train::cast_kernels (one launch of the eager kernel per cast); where the
-    scale comes from x, x's amax first, in the graph (graph_abs_max). dbias: x's column sums
-    in torch ops."""
+    scale comes from x, x's per-row amaxes first, in the graph (graph_row_abs_max). dbias:
+    x's column sums in torch ops."""
     x = x.detach()
     cols = x.shape[-1] if x.dim() else 1
     rows = x.reshape(-1, cols)  # (M, N)
-    amax = None
-    if state.first_amax is not None:
-        amax = graph_row_abs_max(rows) if ROWS_AMAX else graph_abs_max(rows)
-    data, data_t, scale_inv = torch.ops.fp8train.cast_kernels(rows, fp8_dtype, *state, transpose, amax)
+    rows_amax = graph_row_abs_max(rows) if state.first_amax is not None else None
+    data, data_t, scale_inv = torch.ops.fp8train.cast_kernels(rows, fp8_dtype, *state, transpose, rows_amax)
     return data.view(x.shape), (data_t if transpose else None), scale_inv, (rows.float().sum(0) if dbias else None)
 
 
 def _traced_cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpose: bool, dbias: bool,
-                 amax: Optional[Tensor]):
+                 rows_amax: Optional[Tensor]):
     """`cast` as the cast kernels' twin (kernels/reference.py, cast_transpose_amax) in plain
     torch ops: fp8train::cast_kernels' body off CUDA, traced into the graph (Inductor
     generates its code). The values are the twin's, which the eager Triton kernels match bit
@@ -133,7 +120,7 @@ def _traced_cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpo
     IEEE float32 exactly). The padding columns of data_t are +0.0 (byte 0), cast like the rest."""
     scale, amax_history, first_amax, nonfinite_count, power_of_two = state
     if first_amax is not None:  # current scaling, or a delayed quantizer's calibration
-        first_amax.copy_(reference.abs_max(amax))  # x's amax, or its rows' (ROWS_AMAX), taken by `cast`
+        first_amax.copy_(reference.abs_max(rows_amax))  # the max of x's per-row amaxes, taken by `cast`
         reference.resolve_scale(scale, first_amax, nonfinite_count, scaling.fp8_max(fp8_dtype), power_of_two)
     if amax_history is not None:
         reference.amax(x, amax_history[0])
@@ -152,30 +139,24 @@ def _traced_cast(x: Tensor, fp8_dtype: torch.dtype, state: ScalingState, transpo
 @torch.library.triton_op("fp8train::cast_kernels", mutates_args=_STATE)
 def _cast_kernels(rows: Tensor, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Optional[Tensor],
                   first_amax: Optional[Tensor], nonfinite_count: Optional[Tensor], power_of_two: bool,
-                  transpose: bool, amax: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                  transpose: bool, rows_amax: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """`cast` of rows (M, N) as an operator for traced code: (data, data_t,
     scale_inv), data_t (0,) without transpose. On CUDA its body allocates as the eager cast
     does and launches the eager kernels through wrap_triton (kernels/cast.py, traced=True):
     one launch (amax, cast, transposed copy and scale_inv). Where the scale comes from x
-    (first_amax), amax is rows' amax taken in the graph (`cast`), copied to first_amax, or
-    their (M,) per-row amaxes (ROWS_AMAX), which the kernel reduces into first_amax; the
-    kernel resolves the scale from it. The entry 0 of amax_history is its first element, so
-    the kernel takes the whole history as its amax pointer (no view of a mutated input). Off
-    CUDA: the twin's torch ops (`_traced_cast`), traced into the graph."""
+    (first_amax), rows_amax are the rows' (M,) amaxes taken in the graph (`cast`), which the
+    kernel reduces into first_amax before it resolves the scale. The entry 0 of amax_history
+    is its first element, so the kernel takes the whole history as its amax pointer (no view
+    of a mutated input). Off CUDA: the twin's torch ops (`_traced_cast`), traced into the graph."""
     state = ScalingState(scale, amax_history, first_amax, nonfinite_count, power_of_two)
     if not rows.is_cuda:
-        data, data_t, scale_inv, _ = _traced_cast(rows, fp8_dtype, state, transpose, False, amax)
+        data, data_t, scale_inv, _ = _traced_cast(rows, fp8_dtype, state, transpose, False, rows_amax)
         return data, (data_t if transpose else rows.new_empty(0, dtype=fp8_dtype)), scale_inv
     from .kernels import cast as cast_kernels
     m, n = rows.shape
     data = torch.empty((m, n), dtype=fp8_dtype, device=rows.device)
     data_t = _transposed_empty(m, n, fp8_dtype, rows.device, transpose)
     scale_inv = torch.empty(1, dtype=torch.float32, device=rows.device)
-    rows_amax = None
-    if first_amax is not None and amax.dim() == 0:
-        first_amax.copy_(amax)
-    elif first_amax is not None:  # per-row amaxes: the kernel reduces them (ROWS_AMAX)
-        rows_amax = amax
     cast_kernels.launch_cast(rows, data, data_t if transpose else None, scale, scale_inv, amax_history, first_amax,
                              nonfinite_count, power_of_two=power_of_two, traced=True, rows_amax=rows_amax)
     return data, data_t, scale_inv

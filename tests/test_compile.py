@@ -16,6 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import fp8train
 from fp8train import CurrentScaling, DelayedScaling
+from fp8train.kernels import reference
 from helpers import rel_err
 
 DELAYED, CURRENT = DelayedScaling(amax_history_len=8), CurrentScaling()
@@ -222,28 +223,23 @@ def _quantizer(kind: str, role=fp8train.TensorRole.INPUT):
 # Inductor's C++ compiles cost ~5 s each on a 2-core machine (~13 s cold): make test runs the
 # one compile that takes the most branches (current scaling's first pass, scale and count; odd
 # rows; the transposed copy and dbias), the rest is slow.
-# rows_amax: ops.ROWS_AMAX (the A/B of who reduces current scaling's per-row amaxes), both
-# ways while both exist.
-CAST_CASES = [pytest.param(kind, shape, transpose, dbias, rows_amax,
-                           id=f"{kind}-{name}-{'t' if transpose else 'n'}{'-dbias' if dbias else ''}"
-                              f"{'-rows-amax' if rows_amax else ''}",
-                           marks=() if (kind, name, transpose, dbias, rows_amax)
-                           == ("current", "3d-odd-rows", True, True, False) else pytest.mark.slow)
+CAST_CASES = [pytest.param(kind, shape, transpose, dbias,
+                           id=f"{kind}-{name}-{'t' if transpose else 'n'}{'-dbias' if dbias else ''}",
+                           marks=() if (kind, name, transpose, dbias) == ("current", "3d-odd-rows", True, True)
+                           else pytest.mark.slow)
               for kind in STATES for shape, name in (((20, 48), "2d"), ((3, 7, 32), "3d-odd-rows"))
-              for transpose, dbias in ((True, True), (False, False), (True, False))
-              for rows_amax in ((False, True) if kind != "delayed" else (False,))]
+              for transpose, dbias in ((True, True), (False, False), (True, False))]
 
 
-@pytest.mark.parametrize("kind, shape, transpose, dbias, rows_amax", CAST_CASES)
-def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, dbias, rows_amax, monkeypatch):
+@pytest.mark.parametrize("kind, shape, transpose, dbias", CAST_CASES)
+def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, dbias):
     # ops.cast (what Quantizer.cast traces to) compiled by Inductor (C++ code on CPU) against
     # the eager cast, bit for bit: payload, transposed copy with its zero padding, scale_inv
     # and the scaling state; dbias (a float32 sum in another order) within float32 rounding.
     # Inputs span the e4m3 range edges, NaN and inf (inf saturates, both count in the amax).
     # On the CPU the operator fp8train::cast_kernels is its body, the twin's torch ops; the
-    # amax of current scaling is taken in the graph (ops.graph_abs_max; per row only with
-    # ROWS_AMAX, the kernel reducing the rows), as on the GPU.
-    monkeypatch.setattr(fp8train.ops, "ROWS_AMAX", rows_amax)
+    # per-row amaxes of current scaling are taken in the graph (ops.graph_row_abs_max) and
+    # reduced by the operator, as on the GPU.
     torch.manual_seed(0)
     x = (torch.randn(shape) * torch.logspace(-6, 3, shape[-1])).to(torch.bfloat16)
     x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0], dtype=torch.bfloat16)
@@ -266,14 +262,10 @@ def test_traced_cast_under_inductor_is_the_eager_cast(kind, shape, transpose, db
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("rows_amax", [False, True], ids=["graph-reduces-rows", "kernel-reduces-rows"])
-def test_current_scaling_amax_is_a_graph_reduction_per_row_first(rows_amax, monkeypatch):
-    # The traced cast of a current-scaling quantizer takes x's amax with torch ops, a
-    # reduction over each row and then over the rows (the per-row step is what Inductor can
-    # fuse into x's producer), and hands it to the operator; with ROWS_AMAX the per-row step
-    # only (the operator's kernel reduces the rows). Delayed scaling's calibrated casts take
-    # none.
-    monkeypatch.setattr(fp8train.ops, "ROWS_AMAX", rows_amax)
+def test_current_scaling_hands_the_operator_per_row_amaxes():
+    # The traced cast of a current-scaling quantizer takes one reduction of x with torch ops,
+    # over each row (what Inductor can fuse into x's producer), and hands its (M,) result to
+    # the operator, whose kernel reduces the rows. Delayed scaling's calibrated casts take none.
     graphs = []
 
     def capture(gm, example_inputs):
@@ -288,25 +280,26 @@ def test_current_scaling_amax_is_a_graph_reduction_per_row_first(rows_amax, monk
     current, delayed = ([n for n in g.graph.nodes if n.op in ("call_function", "call_method")] for g in graphs)
     given = [n.args[-1] for n in current if "cast_kernels" in str(n.target)]
     reductions = [n for n in current if "amax" in str(n.target)]
-    assert given == [reductions[-1]] and len(reductions) == 1 + (not rows_amax)
-    assert reductions[0].kwargs == {"dim": 1}  # per row first
-    if not rows_amax:
-        assert reductions[1].kwargs == {}  # then over the rows
+    assert given == reductions and reductions[0].kwargs == {"dim": 1}
+    assert given[0].meta["example_value"].shape == (6,)
     assert [n.args[-1] for n in delayed if "cast_kernels" in str(n.target)] == [None]
     assert not any("amax" in str(n.target) for n in delayed)
 
 
-def test_graph_abs_max_is_reference_abs_max():
-    # NaN counts as +inf, -0.0 and denormals keep their magnitude, an empty x gives 0.
-    rows = torch.tensor([[1.0, -3.5, 0.0], [float("-inf"), 2.0, -0.0]])
-    assert fp8train.ops.graph_abs_max(rows).item() == float("inf")
-    rows[1, 0] = float("nan")
-    assert fp8train.ops.graph_abs_max(rows).item() == float("inf")
-    rows[1, 0] = 1e-40
-    assert fp8train.ops.graph_abs_max(rows).item() == 3.5
-    assert fp8train.ops.graph_abs_max(torch.tensor([[-1e-40]])).item() == torch.tensor(1e-40).item()
-    empty = fp8train.ops.graph_abs_max(torch.empty(0, 8, dtype=torch.bfloat16))
-    assert empty.dtype == torch.float32 and empty.item() == 0.0
+def test_graph_row_abs_max_is_reference_abs_max_per_row():
+    # Per row: NaN counts as +inf, -0.0 and denormals keep their magnitude; no columns give 0,
+    # no rows an empty vector.
+    rows = torch.tensor([[1.0, -3.5, 0.0], [float("-inf"), 2.0, -0.0], [float("nan"), 1.0, 2.0],
+                         [-1e-40, 0.0, -0.0], [-0.0, 0.0, -0.0]])
+    got = fp8train.ops.graph_row_abs_max(rows)
+    want = torch.stack([reference.abs_max(r) for r in rows])
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert got.tolist() == [3.5, float("inf"), float("inf"), torch.tensor(1e-40).item(), 0.0]
+    bf16 = torch.randn(7, 13).to(torch.bfloat16)
+    assert torch.equal(fp8train.ops.graph_row_abs_max(bf16), bf16.float().abs().amax(1))
+    no_cols = fp8train.ops.graph_row_abs_max(torch.empty(4, 0, dtype=torch.bfloat16))
+    assert no_cols.dtype == torch.float32 and torch.equal(no_cols, torch.zeros(4))
+    assert fp8train.ops.graph_row_abs_max(torch.empty(0, 8)).shape == (0,)
 
 
 def assert_same_fp8(got, want):

@@ -77,14 +77,12 @@ def test_inductor_compiled_matches_eager(make, k, recipe):
     assert any("torch.ops.fp8train." in c for c in code) == fused
 
 
-@pytest.mark.parametrize("rows_amax", [False, True], ids=["graph-reduces-rows", "kernel-reduces-rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_compiled_current_scaling_linear_is_eager_bit_for_bit(dtype, rows_amax, monkeypatch):
-    """Current scaling compiled (its amax by torch ops in the graph, ops.graph_abs_max, handed
-    to the cast operator): a Linear's output and scaling state are eager's bit for bit (a max
-    is exact in any order), with an amax far from the rest of x, its gradients within the
-    module tests' 40 dB. rows_amax: ops.ROWS_AMAX (the A/B of who reduces the rows)."""
-    monkeypatch.setattr(fp8train.ops, "ROWS_AMAX", rows_amax)
+def test_compiled_current_scaling_linear_is_eager_bit_for_bit(dtype):
+    """Current scaling compiled (its per-row amaxes by torch ops in the graph,
+    ops.graph_row_abs_max, reduced by the cast operator's kernel): a Linear's output and
+    scaling state are eager's bit for bit (a max is exact in any order), with an amax far
+    from the rest of x, its gradients within the module tests' 40 dB."""
     torch.manual_seed(0)
     module = fp8train.Linear(256, 512, params_dtype=torch.float32, device=DEVICE)
     eager = copy.deepcopy(module)
