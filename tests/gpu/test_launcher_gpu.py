@@ -39,13 +39,14 @@ def test_direct_launches_match_the_reference_at_every_alignment(n):
 def test_binaries_are_cached_per_specialization():
     """A fresh DirectKernel: one binary per alignment class, reused on repeated launches."""
     k = DirectKernel(cast._flat_kernel, num_warps=4, FP8_MAX=448.0, CAST=True, AMAX=False, FROM_AMAX=False,
-                     COUNT=False, POW2=False, SKIP=False, BLOCK=64)
+                     FROM_ROWS=False, COUNT=False, POW2=False, SKIP=False, BLOCK=64)
     base = torch.randn(4096 + 8, device=DEV).to(torch.bfloat16)
     scale, scale_inv = torch.tensor(2.0, device=DEV), torch.empty((), device=DEV)
     for offset in (0, 0, 8, 1, 1, 3):  # 0 and 8: 16-byte aligned; 1 and 3: not
         x = base[offset:offset + 4096]
         out = torch.empty(4096, dtype=E4M3, device=DEV)
-        k(4, x, out, scale, scale_inv, scale, scale, scale, scale, 4096)  # amax, from_amax, count, skip unused
+        # amax, from_amax, count, skip and rows_amax unused
+        k(4, x, out, scale, scale_inv, scale, scale, scale, scale, 4096, scale, 0)
         want = torch.empty_like(out)
         reference.cast_amax(x, want, scale.clone(), torch.empty((), device=DEV))
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), f"offset={offset}"
@@ -71,7 +72,7 @@ def test_constexprs_must_be_the_trailing_parameters():
     with pytest.raises(ValueError, match="trailing"):
         DirectKernel(cast._flat_kernel, num_warps=4, BLOCK=64)
     k = DirectKernel(cast._flat_kernel, num_warps=4, FP8_MAX=448.0, CAST=True, AMAX=False, FROM_AMAX=False,
-                     COUNT=False, POW2=False, SKIP=False, BLOCK=64)
+                     FROM_ROWS=False, COUNT=False, POW2=False, SKIP=False, BLOCK=64)
     with pytest.raises(TypeError, match="runtime arguments"):
         k(1, torch.empty(1, device=DEV))
 
