@@ -44,7 +44,8 @@ variant: wall ms per step (the median round), device ms per step (the kernels' t
 torch.profiler over `--profile-steps` more steps), their ratio (T7: wall <= 1.10x device),
 device events (kernels, copies) per step, with `--host-top N` the N largest host self times per
 step, with `--device-top N` the device time per step by kernel kind (GEMM, attention, ...)
-and the N largest kernels, peak memory above what the variants built before it hold, the
+and the N largest kernels, with `--python-top N` the N Python functions with the largest
+self time per step under cProfile (where a host-bound step's host time goes, by function), peak memory above what the variants built before it hold, the
 last round's mean loss, and the median over rounds of the within-round ratio to BF16 eager
 and to torchao compile (T7: fp8train <= 0.85x torchao). A variant that fails prints its
 error in the table instead of
@@ -255,6 +256,29 @@ class Runner:
                 "device_top": [(e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in largest]}
 
 
+    def python_profile(self, steps: int, top: int) -> List:
+        """The `top` Python functions by self time per step under cProfile over `steps` more
+        steps: (function, ms per step, calls per step). Where a host-bound compiled step spends
+        its host time by function (Inductor's launchers, the graphs' wrappers, AOTAutograd's
+        runtime wrappers, the optimizer); C++ work shows under the Python function that called
+        it (Dynamo's guards under the frame's caller). cProfile slows every Python call alike:
+        compare variants, not these times with the wall times."""
+        import cProfile
+        import pstats
+        if steps <= 0 or top <= 0:
+            return []
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            self.step(self.model, self.recipe)
+        self.sync()
+        prof.disable()
+        stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+        return [(f"{name} {'/'.join(file.rsplit('/', 2)[-2:])}:{line}", tottime * 1e3 / steps, calls / steps)
+                for (file, line, name), (_, calls, tottime, _, _) in rows]
+
+
 # Kernel names by kind, first match wins: cuBLAS(Lt)'s GEMMs (nvjet / sm90 xmma / cutlass),
 # SDPA's flash attention, the fused AdamW, Inductor's generated kernels (triton_{poi,red,per}_),
 # fp8train's own Triton kernels (named _<what>_kernel), ATen's, copies.
@@ -278,7 +302,7 @@ def kernel_kind(name: str) -> str:
 
 
 def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: int, host_top: int = 0,
-            device_top: int = 0) -> List[Dict]:
+            device_top: int = 0, python_top: int = 0) -> List[Dict]:
     """Rounds of `steps` timed steps per variant, the order reversed every other round (the
     host's speed drifts between rounds: every variant sees the same drift). Per variant: the
     median round, and the median over rounds of its ratio to BF16 eager's and to torchao
@@ -304,11 +328,12 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
             traceback.print_exc()
             print(f"  {v}: profile failed ({type(e).__name__}: {e}); wall times kept", flush=True)
             prof = {"device_ms": None, "kernels_per_step": None, "host_top": [], "device_kinds": {}, "device_top": []}
+        python = run.python_profile(profile_steps, python_top)
         device_ms = prof["device_ms"]
         rows.append({"variant": v, "wall_ms": wall, "rounds_ms": times[v], "device_ms": device_ms,
                      "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": run.peak_gib,
                      "kernels_per_step": prof["kernels_per_step"], "host_top": prof["host_top"],
-                     "device_kinds": prof["device_kinds"], "device_top": prof["device_top"],
+                     "device_kinds": prof["device_kinds"], "device_top": prof["device_top"], "python_top": python,
                      "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
                      "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
                      "shared_input_groups": run.shared_groups, "linear_paths": run.paths})
@@ -338,6 +363,9 @@ def print_table(name: str, rows: List[Dict]) -> None:
         for key, ms, count in r.get("host_top", []):
             print(f"  host {r['variant']:<34}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
     for r in rows:
+        for key, ms, count in r.get("python_top", []):
+            print(f"  py   {r['variant']:<34}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
+    for r in rows:
         if r.get("device_kinds"):
             kinds = "  ".join(f"{k} {ms:.2f}" for k, ms in sorted(r["device_kinds"].items(), key=lambda kv: -kv[1]))
             print(f"  dev  {r['variant']:<34}{kinds}")
@@ -355,6 +383,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--host-top", type=int, default=0, help="print each variant's N largest host self times per step")
     p.add_argument("--device-top", type=int, default=0,
                    help="print each variant's device time per step by kernel kind and its N largest kernels")
+    p.add_argument("--python-top", type=int, default=0,
+                   help="print each variant's N largest Python self times per step (cProfile, --profile-steps more steps)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -387,7 +417,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
             built = f"ready in {time.perf_counter() - t0:.0f} s" if v in runners else failed[-1]["error"]
             print(f"  {name} {v}: {built}", flush=True)
-        rows = measure(runners, args.rounds, args.steps, args.profile_steps, args.host_top, args.device_top) + failed
+        rows = measure(runners, args.rounds, args.steps, args.profile_steps, args.host_top, args.device_top,
+                       args.python_top) + failed
         results["shapes"][name] = {"shape": asdict(shape), "rounds": args.rounds, "steps_per_round": args.steps,
                                    "rows": rows}
         print_table(name, rows)

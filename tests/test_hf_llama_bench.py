@@ -20,7 +20,7 @@ def test_hf_llama_benchmark_runs_on_cpu(tmp_path, capsys):
     variants = ["bf16 eager", "fp8 eager delayed", "fp8 eager delayed unshared"]
     hf_llama.main(["--device", "cpu", "--shapes", "tiny", "--variants", ",".join(variants),
                    "--rounds", "2", "--steps", "1", "--profile-steps", "1", "--host-top", "2", "--device-top", "2",
-                   "--json", str(out)])
+                   "--python-top", "3", "--json", str(out)])
     rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
     assert [r["variant"] for r in rows] == variants
     # each round's times printed as it ends (a run stopped by a time limit keeps them in its log)
@@ -29,6 +29,11 @@ def test_hf_llama_benchmark_runs_on_cpu(tmp_path, capsys):
     assert all("error" not in r and r["wall_ms"] > 0 for r in rows), rows
     # the profiled steps ran (host columns on the CPU; device time is the GPU's)
     assert all(len(r["host_top"]) == 2 and r["device_ms"] is None for r in rows), rows
+    # the Python functions by self time (cProfile): the step's own, per step, largest first
+    for r in rows:
+        ms = [t for _, t, _ in r["python_top"]]
+        assert len(ms) == 3 and ms == sorted(ms, reverse=True) and ms[0] > 0, r["python_top"]
+    assert "  py   fp8 eager delayed" in printed
     # 2 layers x 7 projections (q, k, v, o, gate, up, down); lm_head stays high precision
     assert rows[0]["fp8train_layers"] == 0 and rows[1]["fp8train_layers"] == 14
     assert abs(rows[1]["loss"] - rows[0]["loss"]) < 0.05  # same weights and batches, ~log(256)
