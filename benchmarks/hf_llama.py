@@ -15,7 +15,7 @@ Variants (`--variants`, all by default; every one from the same initial weights 
   bf16 eager / bf16 compile / bf16 compile-ro  the model as it is; compile-ro: mode="reduce-overhead"
   fp8 eager {delayed,current}                  fp8train.convert(model, recipe, not lm_head), the
                                                step under fp8train.autocast inside torch.autocast
-  fp8 compile {delayed,current}, fp8 compile-ro delayed
+  fp8 compile {delayed,current}, fp8 compile-ro {delayed,current}
                                                the same, torch.compile(model) after one eager step
   fp8 compile delayed aten-mm                  the same, compiled GEMMs through torch._scaled_mm
                                                instead of the extension's operator (an A/B of it)
@@ -94,7 +94,8 @@ SHAPES = {
 _BLOCK_GEMM = native.BLOCK_GEMM
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
-            "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile delayed aten-mm",
+            "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile-ro current",
+            "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo"]

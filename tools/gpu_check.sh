@@ -18,7 +18,7 @@
 #   hf     the HF Llama GPU tests (tests/gpu/test_hf_llama_gpu.py), then benchmarks/hf_llama.py
 #          at h1024 (one compile per compiled variant)
 #   hf-h1024, hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape (no tests). hf steps: VARIANTS picks the
-#          variants (default: the nine of $HF_CORE below; all of them took over 10 minutes at
+#          variants (default: the ten of $HF_CORE below; all of them took over 10 minutes at
 #          h1024 with the tests before them), HOST_TOP=N adds each variant's largest host self times,
 #          DEVICE_TOP=N its device time by kernel kind and its N largest kernels, PYTHON_TOP=N its
 #          N Python functions with the largest self time (cProfile); compiles take 50-130 s a
@@ -55,7 +55,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 HF_CORE="bf16 eager,bf16 compile,fp8 eager current,fp8 eager delayed,fp8 compile current,fp8 compile delayed,\
-fp8 compile-ro delayed,torchao compile,torchao compile-ro"  # current: the default recipe
+fp8 compile-ro delayed,fp8 compile-ro current,torchao compile,torchao compile-ro"  # current: the default recipe
 if compgen -G ".whl/torchao-*.whl" > /dev/null && [[ ! -d /tmp/site/torchao ]]; then
   python3 -m pip install -q --no-deps --target /tmp/site .whl/torchao-*.whl 2>&1 | tail -2
 fi
