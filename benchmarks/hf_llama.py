@@ -216,7 +216,10 @@ class Runner:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        # a copy: under reduce-overhead the loss lives in the CUDA graph's memory, which the next
+        # replay overwrites (`timed` reads its steps' losses after the last one; held, every
+        # compile-ro step read as the last replay's value)
+        return loss.detach().clone()
 
     def timed(self, steps: int) -> float:
         """ms per step over `steps` steps back to back (one sync at each end)."""
