@@ -40,3 +40,13 @@ def device(request):
     """Run a test on CPU (reference kernels, emulated GEMMs) and, as a `gpu` test, on CUDA."""
     return torch.device(request.param)
 
+
+
+@pytest.fixture(scope="module")
+def native_extension():
+    """The C++ extension, built: a test of the C++ nodes fails (not skips) where it did not build."""
+    from fp8train.kernels import native
+    ext = native.extension()
+    if ext is None:
+        pytest.fail(f"the C++ extension did not build: {native.failure()}")
+    return ext

@@ -7,6 +7,12 @@ import pytest
 import torch
 
 
+# Parameter lists the kernel tests share: the FP8 formats, and the input dtypes a cast reads.
+FP8_FORMATS = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+INPUT_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
+                pytest.param(torch.float32, id="fp32")]
+
+
 def sqnr_db(actual: torch.Tensor, reference: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of `actual` against `reference`, in dB (float64)."""
     ref = reference.detach().double()

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from fp8train import scaling
 from fp8train.kernels import activation_reference as act_ref
 from fp8train.kernels import reference
+from helpers import FP8_FORMATS, INPUT_DTYPES
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8 = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
-INPUTS = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.float32, id="fp32")]
+FP8 = FP8_FORMATS
+INPUTS = INPUT_DTYPES
 ACTS = list(act_ref.ACTIVATIONS)
 # (M, F): F is the activation's width; swiglu's h is (M, 2F).
 SHAPES = [(1, 16), (15, 48), (37, 1000), (64, 70)]

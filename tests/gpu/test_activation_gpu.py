@@ -34,15 +34,14 @@ pytest.importorskip("triton")
 from fp8train import scaling  # noqa: E402
 from fp8train.kernels import activation, reference  # noqa: E402
 from fp8train.kernels import activation_reference as act_ref  # noqa: E402
-from helpers import assert_bitwise, fp8_order, poisoned  # noqa: E402
+from helpers import assert_bitwise, FP8_FORMATS, fp8_order, INPUT_DTYPES, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8 = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
-INPUTS = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.float32, id="fp32")]
+FP8 = FP8_FORMATS
+INPUTS = INPUT_DTYPES
 ACTS = list(act_ref.ACTIVATIONS)
 POISONS = (0x5A, 0xA5)
 # ("delayed", scale) reads `scale`; ("current", amax) computes the scale from the given amax.

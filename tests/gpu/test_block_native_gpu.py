@@ -20,15 +20,9 @@ from tests.test_shared_inputs import GROUPS, Block
 
 pytest.importorskip("triton")
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("native_extension")]
 CUDA = torch.device("cuda")
 NATIVE_NODE = "fp8train::LinearBackward"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    if native.extension() is None:
-        pytest.fail(f"the C++ extension did not build: {native.failure()}")
 
 
 @pytest.mark.parametrize("role", [TensorRole.INPUT, TensorRole.GRAD_OUTPUT], ids=lambda r: r.name)

@@ -19,15 +19,14 @@ pytest.importorskip("triton")
 from fp8train import kernels, scaling  # noqa: E402
 from fp8train.kernels import cast, reference  # noqa: E402
 from fp8train.kernels.scale_update import ScaleUpdateLaunch  # noqa: E402
-from helpers import all_bf16_values, assert_bitwise, make_input, poisoned  # noqa: E402
+from helpers import all_bf16_values, assert_bitwise, FP8_FORMATS, INPUT_DTYPES, make_input, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8 = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
-INPUTS = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.float32, id="fp32")]
+FP8 = FP8_FORMATS
+INPUTS = INPUT_DTYPES
 POISONS = (0x5A, 0xA5)
 # Scaling modes: ("delayed", scale) reads `scale`; ("current", amax) computes the scale from
 # `amax` ("x": the amax of the input's finite values) and counts a non-finite one.

@@ -18,15 +18,9 @@ from tests.helpers import assert_bitwise, assert_same_steps, autocast_steps
 
 pytest.importorskip("triton")
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("native_extension")]
 CUDA = torch.device("cuda")
 NODE = "fp8train::LayerNormMLPBackward"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    if native.extension() is None:
-        pytest.fail(f"the C++ extension did not build: {native.failure()}")
 
 
 def run_steps(module, xs, dys, recipe, enabled, grad_x=True):

@@ -20,15 +20,9 @@ from tests.helpers import assert_bitwise
 
 pytest.importorskip("triton")
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("native_extension")]
 CUDA = torch.device("cuda")
 NATIVE_NODE = "fp8train::LinearBackward"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    if native.extension() is None:
-        pytest.fail(f"the C++ extension did not build: {native.failure()}")
 
 
 @pytest.fixture

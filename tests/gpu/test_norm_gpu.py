@@ -30,15 +30,14 @@ pytest.importorskip("triton")
 from fp8train import scaling  # noqa: E402
 from fp8train.kernels import norm  # noqa: E402
 from fp8train.kernels import norm_reference as ref  # noqa: E402
-from helpers import assert_bitwise, fp8_order, poisoned  # noqa: E402
+from helpers import assert_bitwise, FP8_FORMATS, fp8_order, INPUT_DTYPES, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8 = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
-INPUTS = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.float32, id="fp32")]
+FP8 = FP8_FORMATS
+INPUTS = INPUT_DTYPES
 KINDS = [pytest.param(True, id="layernorm"), pytest.param(False, id="rmsnorm")]
 # Odd M, K not a power of two (no 16-divisible specialization), one-chunk and several-chunk
 # rows (K = 8192: two row steps forward, steps of 4 rows backward), the bandwidth-relevant size.

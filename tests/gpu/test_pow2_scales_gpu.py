@@ -24,13 +24,13 @@ from fp8train.kernels import activation, cast, norm, reference  # noqa: E402
 from fp8train.kernels import activation_reference as act_ref  # noqa: E402
 from fp8train.kernels import norm_reference as norm_ref  # noqa: E402
 from fp8train.kernels.scale_update import ScaleUpdateLaunch  # noqa: E402
-from helpers import assert_bitwise, fp8_order, make_input, poisoned  # noqa: E402
+from helpers import assert_bitwise, FP8_FORMATS, fp8_order, make_input, poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8 = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
+FP8 = FP8_FORMATS
 POISONS = (0x5A, 0xA5)
 # The amax the scale comes from ("x": the input's finite values'); 0, inf and NaN keep the
 # old scale (inf, NaN count), a subnormal one clamps to 2**126, a huge one gives a tiny scale.

@@ -20,14 +20,8 @@ from tests.helpers import assert_same_steps, autocast_steps
 
 pytest.importorskip("triton")
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("native_extension")]
 CUDA = torch.device("cuda")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    if native.extension() is None:
-        pytest.fail(f"the C++ extension did not build: {native.failure()}")
 
 
 @pytest.fixture

@@ -28,9 +28,10 @@ pytest.importorskip("triton")
 from fp8train import scaling  # noqa: E402
 from fp8train.kernels import norm  # noqa: E402
 from fp8train.kernels import norm_reference as ref  # noqa: E402
+from helpers import FP8_FORMATS  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8 = [pytest.param(E4M3, id="e4m3"), pytest.param(E5M2, id="e5m2")]
+FP8 = FP8_FORMATS
 X_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
             pytest.param(torch.float32, id="fp32")]
 KINDS = [pytest.param(True, id="layernorm"), pytest.param(False, id="rmsnorm")]
