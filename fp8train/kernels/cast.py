@@ -172,6 +172,20 @@ def _resolve_scale_from_rows(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr,
 
 
 @triton.jit
+def _resolve_cast_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr, n_rows_amax,
+                        FP8_MAX: tl.constexpr, FROM_AMAX: tl.constexpr, FROM_ROWS: tl.constexpr, COUNT: tl.constexpr,
+                        POW2: tl.constexpr):
+    """The cast kernels' _resolve_scale: FROM_ROWS (with FROM_AMAX) takes the amax as the max
+    of the rows' amaxes (_resolve_scale_from_rows), else from from_amax."""
+    if FROM_ROWS:
+        scale = _resolve_scale_from_rows(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr,
+                                         n_rows_amax, FP8_MAX, COUNT, POW2)
+    else:
+        scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT, POW2)
+    return scale
+
+
+@triton.jit
 def _scale_for(amax, scale_ptr, scale_inv_ptr, count_ptr,
                FP8_MAX: tl.constexpr, FROM_AMAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr):
     """_resolve_scale's body, given the amax (used with FROM_AMAX only)."""
@@ -214,12 +228,8 @@ def _flat_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
-        if FROM_ROWS:
-            scale = _resolve_scale_from_rows(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr,
-                                             n_rows_amax, FP8_MAX, COUNT, POW2)
-        else:
-            scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT,
-                                   POW2)
+        scale = _resolve_cast_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr, n_rows_amax,
+                                    FP8_MAX, FROM_AMAX, FROM_ROWS, COUNT, POW2)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)  # running max of _abs_bits
     n_full = n // BLOCK
@@ -271,12 +281,8 @@ def _tile_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
-        if FROM_ROWS:
-            scale = _resolve_scale_from_rows(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr,
-                                             n_rows_amax, FP8_MAX, COUNT, POW2)
-        else:
-            scale = _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, FP8_MAX, FROM_AMAX, COUNT,
-                                   POW2)
+        scale = _resolve_cast_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr, n_rows_amax,
+                                    FP8_MAX, FROM_AMAX, FROM_ROWS, COUNT, POW2)
     if TRANSPOSE:
         rows_covered = Mp  # tiles past row M write out_t's zero padding
     else:
