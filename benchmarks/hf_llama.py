@@ -45,7 +45,9 @@ torch.profiler over `--profile-steps` more steps), their ratio (T7: wall <= 1.10
 device events (kernels, copies) per step, with `--host-top N` the N largest host self times per
 step, with `--device-top N` the device time per step by kernel kind (GEMM, attention, ...)
 and the N largest kernels, with `--python-top N` the N Python functions with the largest
-self time per step under cProfile (where a host-bound step's host time goes, by function), peak memory above what the variants built before it hold, the
+self time per step under cProfile (where a host-bound step's host time goes, by function),
+peak memory above what the variants built before it hold (over one steady step; the
+warm-up's, which holds the compiles and fp8train's eager first step, in the JSON), the
 last round's mean loss, and the median over rounds of the within-round ratio to BF16 eager
 and to torchao compile (T7: fp8train <= 0.85x torchao). A variant that fails prints its
 error in the table instead of
@@ -185,8 +187,17 @@ class Runner:
         finally:
             module_base.SHARE_INPUT_CASTS = sharing
         self.sync()
-        # what this variant allocated at its peak, above what the variants built before it hold
-        self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
+        # What this variant allocated at its peak, above what the variants built before it
+        # hold: over the warm-up (compiles, and fp8train's eager first step, whose HF
+        # activations are larger than a compiled step's), then over one more step (a steady
+        # step's peak: parameters, optimizer state, caches and that step's activations).
+        self.warmup_peak_gib = self.peak_gib = None
+        if cuda:
+            self.warmup_peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+            torch.cuda.reset_peak_memory_stats()
+            self.step(self.model, self.recipe)
+            self.sync()
+            self.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
         self.fp8_layers = sum(isinstance(m, fp8train.Linear) for m in self.model.modules())
         self.shared_groups = len(fp8train.inspect.shared_input_casts(self.model))
         # which node the Linears' last eager call (warm-up) ran, before the profiler's hooks change it
@@ -336,6 +347,7 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
         device_ms = prof["device_ms"]
         rows.append({"variant": v, "wall_ms": wall, "rounds_ms": times[v], "device_ms": device_ms,
                      "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": run.peak_gib,
+                     "warmup_peak_gib": run.warmup_peak_gib,
                      "kernels_per_step": prof["kernels_per_step"], "host_top": prof["host_top"],
                      "device_kinds": prof["device_kinds"], "device_top": prof["device_top"], "python_top": python,
                      "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
