@@ -2,7 +2,8 @@
 # The whole GPU suite in concurrent pytest shards (the suite is mostly Triton compiles and
 # Python: CPU-bound), then one combined summary line. With several GPUs the single-GPU shards
 # are spread over them (CUDA_VISIBLE_DEVICES) and the multi-GPU files (NCCL, torchrun) run
-# last with every GPU visible; with one GPU those files skip themselves.
+# last with every GPU visible; with one GPU those files skip themselves. Into OUTDIR: the
+# combined summary (summary.txt) and the shards' logs in one archive (logs.tar.gz).
 # Usage on the GPU machine: bash tools/gpu_tests_parallel.sh OUTDIR [SHARD_LIMIT_S (default 540)]
 set -uo pipefail
 out=${1:-/tmp/fp8train-gpu-tests}
@@ -41,7 +42,7 @@ wait
 timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short -s "${multi[@]}" \
   tests/gpu/test_distributed_gpu.py::test_collective_matmuls_world2 > "$out/multigpu.log" 2>&1
 grep -hE "^(FAILED|ERROR)" "$out"/*.log | sed 's/ - .*//' | head -40
-python3 - "$out" <<'PY'
+python3 - "$out" <<'PY' | tee "$out/summary.txt"
 import pathlib, re, sys
 totals = {}
 for log in sorted(pathlib.Path(sys.argv[1]).glob("*.log")):
@@ -53,3 +54,6 @@ for log in sorted(pathlib.Path(sys.argv[1]).glob("*.log")):
 order = ["passed", "failed", "skipped", "errors", "warnings"]  # deselected: per shard, not additive
 print("combined: " + ", ".join(f"{totals[k]} {k}" for k in order if k in totals) + " (shards, then the multi-GPU run)")
 PY
+# The device returns a few files per call: the shards' logs travel as one archive beside the
+# summary (a run that wrote one log too many lost the largest shard's, 2026-12-03)
+cd "$out" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log
