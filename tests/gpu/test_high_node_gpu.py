@@ -21,14 +21,6 @@ CUDA = torch.device("cuda")
 NODE = "fp8train::HighBackward"
 
 
-@pytest.fixture(scope="module")
-def ext():
-    e = native.extension()
-    if e is None:
-        pytest.fail(f"the C++ extension did not build: {native.failure()}")
-    return e
-
-
 @pytest.fixture
 def high_table(tmp_path):
     """Auto precision pinned to high precision for every layer, on a table of this test's own."""
@@ -40,20 +32,20 @@ def high_table(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", [(509, 256), (3, 171, 256), (4096, 1024)], ids=["odd-2d", "odd-3d", "4096x1024"])
 @pytest.mark.parametrize("activation", [*high_node.ACTIVATION_CODES, None], ids=[*high_node.ACTIVATION_CODES, "ln-linear"])
-def test_node_gives_the_composition_bytes(ext, activation, shape, dtype):
+def test_node_gives_the_composition_bytes(native_extension, activation, shape, dtype):
     torch.manual_seed(11)
     case = high_node_case(shape, 4 * shape[-1] if shape[-1] < 1024 else 4096, activation, True, dtype, CUDA)
-    high_node_steps(ext, case, activation)
+    high_node_steps(native_extension, case, activation)
 
 
 @pytest.mark.parametrize("needs", [(False, True, True, True, True, True, True), (True, False, False, False, False,
                                                                                  False, False),
                                    (False, False, False, False, False, True, True)], ids=["params", "x", "fc2"])
 @pytest.mark.parametrize("activation", ["gelu_tanh", None], ids=["mlp", "ln-linear"])
-def test_node_gives_only_the_gradients_asked_for(ext, needs, activation):
+def test_node_gives_only_the_gradients_asked_for(native_extension, needs, activation):
     torch.manual_seed(12)
     case = high_node_case((300, 128), 512, activation, False, torch.bfloat16, CUDA, needs=needs)
-    high_node_steps(ext, case, activation)
+    high_node_steps(native_extension, case, activation)
 
 
 LAYERS = {"mlp-gelu_tanh": lambda: fp8train.LayerNormMLP(256, 512, activation="gelu_tanh",
