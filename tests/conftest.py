@@ -41,7 +41,6 @@ def device(request):
     return torch.device(request.param)
 
 
-
 @pytest.fixture(scope="module")
 def native_extension():
     """The C++ extension, built: a test of the C++ nodes fails (not skips) where it did not build."""
