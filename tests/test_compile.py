@@ -385,3 +385,27 @@ def test_layers_compiled_between_graph_breaking_hooks_match_eager(device):
                     assert rel_err(got, want) < 1e-6, f"step {step}: {name}"
                 else:
                     assert torch.equal(got, want), f"step {step}: {name}, max |diff| {(got - want).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("recipe", [CURRENT, fp8train.BlockScaling()], ids=["current", "block"])
+def test_compiled_call_drops_the_eager_weight_workspace(recipe):
+    # An eager step keeps the FP8 weight (and its transposed copy) for the next eager call; a
+    # compiled call never reads it, so it drops it rather than hold it for good. Eager again
+    # after that casts into a new workspace and computes what it did before.
+    block = isinstance(recipe, fp8train.BlockScaling)
+    module = make("linear")
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    with fp8train.autocast(recipe=recipe):
+        y0 = module(x)
+    ws = module._workspace
+    assert (ws.block if block else ws.fp8) is not None
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(module, fullgraph=True, backend=counter)
+    with fp8train.autocast(recipe=recipe):
+        yc = compiled(x)
+        compiled(x)
+    assert ws.fp8 is None and ws.block is None and counter.frame_count == 1
+    with fp8train.autocast(recipe=recipe):
+        y1 = module(x)
+    assert (ws.block if block else ws.fp8) is not None
+    assert torch.equal(yc, y0) and torch.equal(y1, y0)

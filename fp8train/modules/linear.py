@@ -110,7 +110,8 @@ class Linear(FP8Module, TPCheckpoints):
 
     @property
     def weight_fp8(self) -> Optional[Float8Tensor]:
-        """The FP8 weight workspace (None until the first FP8 forward)."""
+        """The FP8 weight workspace of eager calls (None until the first eager FP8 forward, and
+        after a compiled one: WeightWorkspace)."""
         return self._workspace.fp8
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:

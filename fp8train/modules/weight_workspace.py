@@ -22,7 +22,10 @@ class WeightWorkspace:
     Under torch.compile the same meaning holds, with plain tensors: the cast is a custom op
     whose result (a `Cast`) the workspace keeps in `compiled` (Dynamo replays that attribute
     store after the graph), and `is_first_microbatch` is a Python value the compiled graph
-    is specialised on (one graph per value used). `fp8` is not updated by compiled calls.
+    is specialised on (one graph per value used). A compiled call drops the eager forms
+    (`fp8`, `block`): it never reads them, and an eager step before compiling (as HF users
+    run one) would otherwise hold two bytes per parameter for good (0.67 GiB at the HF Llama
+    h2048 shape). A later eager call casts into a fresh workspace.
 
     Block scaling (a blockwise quantizer): the weight's block cast is kept as a `BlockCast` in
     `block` (a Float8Tensor holds one scale_inv), cast into fresh buffers when Python casts it
@@ -92,6 +95,7 @@ class WeightWorkspace:
                 and ws.dtype == weight.dtype and ws.fp8_dtype == quantizer.dtype)
 
     def _get_traced(self, weight, quantizer, is_first_microbatch, need_transpose) -> Cast:
+        self.fp8 = self.block = None  # stores only (no guard); Dynamo replays them after the graph
         if is_first_microbatch is None:  # cast on every call; `compiled` not read: no guard on it
             return quantizer.cast(weight, transpose=need_transpose)
         kept = self.compiled
