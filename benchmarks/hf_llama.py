@@ -8,6 +8,8 @@ step, HF's own loss. Shapes (`--shapes`, issue 24):
   h1024  hidden 1024, ffn 2816, 4 layers, 16 heads / 4 KV heads
   h2048  hidden 2048, ffn 5632, 8 layers, 16 / 4
   h4096  hidden 4096, ffn 14336, 2 layers, 32 / 8
+  block4096  one layer of h4096's width, 4 x 2048 tokens (TARGETS.md's T5: a GPT-style block,
+         attention + MLP, h 4096, sequence 2048)
   tiny   hidden 64, ffn 128, 2 layers, 4 / 2, 2 x 64 tokens (a smoke run, CPU included)
 
 Variants (`--variants`, all by default; every one from the same initial weights and batches):
@@ -19,7 +21,8 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                the same, torch.compile(model) after one eager step
   fp8 compile delayed aten-mm                  the same, compiled GEMMs through torch._scaled_mm
                                                instead of the extension's operator (an A/B of it)
-  fp8 eager block, fp8 compile block           BlockScaling (1x128 / 128x128 block scales)
+  fp8 eager block, fp8 compile block, fp8 compile-ro block
+                                               BlockScaling (1x128 / 128x128 block scales)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -90,6 +93,7 @@ SHAPES = {
     "h1024": Shape(1024, 2816, 4, 16, 4),
     "h2048": Shape(2048, 5632, 8, 16, 4),
     "h4096": Shape(4096, 14336, 2, 32, 8),
+    "block4096": Shape(4096, 14336, 1, 32, 8, batch=4, seq=2048),
     "tiny": Shape(64, 128, 2, 4, 2, batch=2, seq=64),
 }
 # the library's defaults, restored after each step
@@ -99,6 +103,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile-ro current",
             "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
+            "fp8 compile-ro block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo"]
 # variant words that are torch.compile options (a user's choice, not fp8train's)

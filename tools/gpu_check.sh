@@ -17,7 +17,8 @@
 #          there are two GPUs)
 #   hf     the HF Llama GPU tests (tests/gpu/test_hf_llama_gpu.py), then benchmarks/hf_llama.py
 #          at h1024 (one compile per compiled variant)
-#   hf-h1024, hf-h2048, hf-h4096  benchmarks/hf_llama.py at that shape (no tests). hf steps: VARIANTS picks the
+#   hf-h1024, hf-h2048, hf-h4096, hf-block4096  benchmarks/hf_llama.py at that shape (no tests; block4096:
+#          T5's one block, 4 x 2048 tokens; HF_TIMEOUT s, default 560). hf steps: VARIANTS picks the
 #          variants (default: the ten of $HF_CORE below; all of them took over 10 minutes at
 #          h1024 with the tests before them), HOST_TOP=N adds each variant's largest host self times,
 #          DEVICE_TOP=N its device time by kernel kind and its N largest kernels, PYTHON_TOP=N its
@@ -27,6 +28,8 @@
 #   hf-code  Inductor's generated code (TORCH_LOGS=output_code) of one h1024 step of each
 #          VARIANTS (default: fp8 compile current) into $OUT/hf_code.log: which kernels a
 #          compiled step launches and what its Python wrapper does between them
+#   gemm   benchmarks/gemm.py: a Llama layer's GEMMs per tensor and block-scaled (cuBLASLt) at
+#          GEMM_SHAPES (default h1024,h2048)
 #   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: seeds SEEDS (default
 #          "0"; several run side by side on the one GPU, losses are not timed), recipes RECIPES
 #          (default: the script's; torchao's need its wheel carried), SCHEDULE (const, the default, or
@@ -46,7 +49,7 @@
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h1024] [hf-h2048] [hf-h4096] [hf-code] [numerics-h1024] [numerics-h2048] [block] [blockcast] [fsdp]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h1024] [hf-h2048] [hf-h4096] [hf-block4096] [gemm] [hf-code] [numerics-h1024] [numerics-h2048] [block] [blockcast] [fsdp]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -107,11 +110,14 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_h1024.json" 2>&1 \
         | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path)|failed" ;;
-    hf-h1024|hf-h2048|hf-h4096)
+    hf-h1024|hf-h2048|hf-h4096|hf-block4096)
       shape=${step#hf-}
-      timeout 560 python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
+      timeout "${HF_TIMEOUT:-560}" python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --rounds "${ROUNDS:-5}" --python-top "${PYTHON_TOP:-0}" --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
         | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  py|  round|  path)|failed" ;;
+    gemm)
+      timeout 300 python3 benchmarks/gemm.py --shapes "${GEMM_SHAPES:-h1024,h2048}" --json "$OUT/gemm.json" 2>&1 \
+        | tee "$OUT/gemm.log" ;;
     hf-code)
       TORCH_LOGS=output_code timeout 300 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 1 --steps 2 \
         --profile-steps 0 --variants "${VARIANTS:-fp8 compile current}" --json "$OUT/hf_code.json" > "$OUT/hf_code.log" 2>&1
