@@ -36,6 +36,12 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                (options={"combo_kernels": True}: independent
                                                kernels, such as the weights' amaxes, launched as
                                                one; a user's compile option, measured alike for all)
+  bf16 eager ckpt, fp8 eager {current,delayed} ckpt, bf16 compile ckpt, fp8 compile current ckpt,
+  torchao compile ckpt                         the same with HF's activation checkpointing (every
+                                               decoder layer recomputed in the backward;
+                                               torch.utils.checkpoint, not reentrant), called with
+                                               use_cache=False (HF's warning about it otherwise
+                                               breaks the compiled graph): memory against speed
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -105,7 +111,9 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
-            "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo"]
+            "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
+            "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
+            "fp8 compile current ckpt", "torchao compile ckpt"]
 # variant words that are torch.compile options (a user's choice, not fp8train's)
 COMPILE_OPTIONS = {"combo": {"combo_kernels": True}}
 
@@ -138,6 +146,16 @@ def build_llama(shape: Shape, device: torch.device, seed: int = 0):
     return LlamaForCausalLM(config).to(device)
 
 
+def checkpointing(model: torch.nn.Module) -> None:
+    """HF's activation checkpointing of every decoder layer, not reentrant (torch's advice);
+    activation_checkpointing_enable from transformers 5.2x, gradient_checkpointing_enable before."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def not_lm_head(name: str, *_) -> bool:
     return not name.endswith("lm_head")
 
@@ -147,6 +165,8 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     first_step runs one eager step (fp8train compiles after one, as the issue's user did)."""
     kind, mode, *rest = variant.split()
     recipe = None
+    if "ckpt" in rest:
+        checkpointing(model)
     if kind == "fp8":
         recipe = RECIPES[rest[0]]()
         fp8train.convert(model, recipe, filter_fn=not_lm_head)
@@ -182,6 +202,7 @@ class Runner:
         self.count = 0
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
+        self.call_kwargs = {"use_cache": False} if "ckpt" in variant.split() else {}
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
@@ -228,7 +249,7 @@ class Runner:
             torch.compiler.cudagraph_mark_step_begin()
         fp8 = fp8train.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
         with torch.autocast(self.device.type, dtype=torch.bfloat16), fp8:
-            loss = m(input_ids=x, labels=y).loss
+            loss = m(input_ids=x, labels=y, **self.call_kwargs).loss
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

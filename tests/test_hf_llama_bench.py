@@ -64,3 +64,18 @@ def test_combo_variant_compiles_with_combo_kernels_on_cpu(tmp_path, monkeypatch)
     rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
     assert "error" not in rows[0] and abs(rows[0]["loss"] - 5.55) < 0.1, rows  # ~log(256)
     assert calls == [{"options": {"combo_kernels": True}}]
+
+
+def test_ckpt_variants_train_with_checkpointed_layers_on_cpu(tmp_path):
+    """`ckpt` turns on HF's activation checkpointing: every decoder layer is checkpointed, and
+    the FP8 variant trains as without it (the same batches and weights: the same loss)."""
+    out = tmp_path / "hf_llama.json"
+    variants = ["fp8 eager current", "fp8 eager current ckpt"]
+    hf_llama.main(["--device", "cpu", "--shapes", "tiny", "--variants", ",".join(variants),
+                   "--rounds", "1", "--steps", "1", "--profile-steps", "0", "--json", str(out)])
+    rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
+    assert all("error" not in r for r in rows), rows
+    assert rows[1]["loss"] == rows[0]["loss"]
+    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
+    hf_llama.checkpointing(model)
+    assert model.is_gradient_checkpointing

@@ -66,7 +66,9 @@ struct HighBackward : public Node {
   // The caller's x (as rows) and the parameters, saved as autograd saves them: an in-place
   // change before the backward is the usual version-counter error
   SavedVariable x2_saved, ln_w_saved, ln_b_saved, w1_saved, w2_saved;
-  at::Tensor mean, rstd, ln, h, s, a;  // the norm's statistics and output, fc1's output, silu(gate), fc2's input
+  // the norm's statistics and output, fc1's output, silu(gate), fc2's input: saved alike, so
+  // that saved-tensor hooks see them (activation checkpointing)
+  SavedVariable mean_saved, rstd_saved, ln_saved, h_saved, s_saved, a_saved;
   std::vector<int64_t> in_shape, b1_shape, b2_shape;
   int64_t activation = kGeluTanh;
   double eps = 1e-5;
@@ -75,7 +77,7 @@ struct HighBackward : public Node {
 
   void release_variables() override {
     for (SavedVariable* v : {&x2_saved, &ln_w_saved, &ln_b_saved, &w1_saved, &w2_saved}) v->reset_data();
-    for (at::Tensor* t : {&mean, &rstd, &ln, &h, &s, &a}) t->reset();
+    for (SavedVariable* v : {&mean_saved, &rstd_saved, &ln_saved, &h_saved, &s_saved, &a_saved}) v->reset_data();
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -85,10 +87,11 @@ struct HighBackward : public Node {
     TORCH_CHECK(!torch::autograd::GradMode::is_enabled(),
                 "fp8train: double backward (create_graph=True) through the high-precision node (LayerNormMLP, "
                 "LayerNormLinear) is not supported; run the layer outside fp8train.autocast for the torch composition");
-    TORCH_CHECK(h.defined(), "fp8train: backward through the high-precision node a second time; the saved tensors "
-                "were freed (use retain_graph=True)");
+    // unpack raises torch's "backward through the graph a second time" once they were freed
     const at::Tensor x2 = x2_saved.unpack(), ln_w = ln_w_saved.unpack(), ln_b = ln_b_saved.unpack();
     const at::Tensor w1 = w1_saved.unpack(), w2 = w2_saved.unpack();
+    const at::Tensor mean = mean_saved.unpack(), rstd = rstd_saved.unpack(), ln = ln_saved.unpack();
+    const at::Tensor h = h_saved.unpack(), s = s_saved.unpack(), a = a_saved.unpack();
     const int64_t hidden = x2.size(1);
     at::Tensor dy2 = dy.dim() == 2 ? dy : dy.reshape({-1, dy.size(-1)});  // ViewBackward's reshape
     if (activation != kNone) {  // fc2
@@ -172,12 +175,12 @@ at::Tensor high_forward(const at::Tensor& x, const at::Tensor& ln_w, const at::T
   if (lnb.defined()) node->ln_b_saved = SavedVariable(lnb, false);
   node->w1_saved = SavedVariable(w1, false);
   if (w2.defined()) node->w2_saved = SavedVariable(w2, false);
-  node->mean = mean;
-  node->rstd = rstd;
-  node->ln = ln;
-  node->h = h;
-  node->s = s;
-  node->a = a;
+  node->mean_saved = SavedVariable(mean, false);
+  node->rstd_saved = SavedVariable(rstd, false);
+  node->ln_saved = SavedVariable(ln, false);
+  node->h_saved = SavedVariable(h, false);
+  node->s_saved = SavedVariable(s, false);
+  node->a_saved = SavedVariable(a, false);
   node->in_shape.assign(x.sizes().begin(), x.sizes().end());
   if (bias1.defined()) node->b1_shape.assign(bias1.sizes().begin(), bias1.sizes().end());
   if (bias2.defined()) node->b2_shape.assign(bias2.sizes().begin(), bias2.sizes().end());

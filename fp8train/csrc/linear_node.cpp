@@ -43,6 +43,7 @@
 namespace fp8train_native {
 
 using torch::autograd::Node;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
 // ------------------------------------------------------------------------ CUDA driver
@@ -399,8 +400,10 @@ void recast(const CastPlan& p, const at::Tensor& w, const at::Tensor& data, cons
 // ------------------------------------------------------------------------ the Linear node
 struct LinearBackward : public Node {
   std::shared_ptr<CastPlan> grad_plan;  // dY (M, N): transposed copy when dW is needed, dbias when db is
-  at::Tensor x_t, x_scale_inv;          // X's transposed copy (K, Mp) and 1/scale, when dW is needed
-  at::Tensor w_t, w_scale_inv;          // W's transposed copy (K, N) and 1/scale, when dX is needed
+  // X's transposed copy (K, Mp) and 1/scale, when dW is needed: saved as autograd saves, so that
+  // saved-tensor hooks see them (activation checkpointing frees them until its recomputation)
+  SavedVariable x_t, x_scale_inv;
+  at::Tensor w_t, w_scale_inv;          // W's transposed copy (K, N) and 1/scale, when dX is needed (the workspace's)
   // block scaling: x_scale_inv is X^T's (K, Mb) 1 x 128 scales with strides (1, K), w_scale_inv
   // W^T's tiles laid out for block_scaled_mm ((round_up(Nb, 4), Kb), strides (1, rows))
   bool block = false;
@@ -412,8 +415,8 @@ struct LinearBackward : public Node {
   std::string name() const override { return "fp8train::LinearBackward"; }
 
   void release_variables() override {
-    x_t.reset();
-    x_scale_inv.reset();
+    x_t.reset_data();
+    x_scale_inv.reset_data();
     w_t.reset();
     w_scale_inv.reset();
   }
@@ -422,9 +425,12 @@ struct LinearBackward : public Node {
     variable_list out(3);
     at::Tensor dy = grads[0];
     if (!dy.defined()) return out;  // no gradient flowed into Y: all zero
-    TORCH_CHECK(grad_plan != nullptr && (!need_wgrad || x_t.defined()) && (!need_dgrad || w_t.defined()),
+    TORCH_CHECK(grad_plan != nullptr && (!need_dgrad || w_t.defined()),
                 "fp8train.Linear: backward through the graph a second time; the saved FP8 tensors were freed "
                 "(use retain_graph=True)");
+    // unpacked first: a checkpointed forward's recomputation runs here, before this backward's launches
+    const at::Tensor xt = need_wgrad ? x_t.unpack() : at::Tensor();
+    const at::Tensor x_si = need_wgrad ? x_scale_inv.unpack() : at::Tensor();
     FP8_STAGE_START(t_all);
     at::AutoDispatchBelowADInplaceOrView guard;
     FP8_STAGE_START(t_prep);
@@ -449,8 +455,8 @@ struct LinearBackward : public Node {
     if (need_wgrad) {
       FP8_STAGE_START(t_wgrad);
       // dW (N, K) = dY^T @ X from the padded transposed copies dY^T (N, Mp) and X^T (K, Mp)
-      out[1] = block ? block_scaled_mm(g.data_t, g.scale_inv_t.t(), x_t.t(), x_scale_inv, false, weight_dtype)
-                     : scaled_mm(g.data_t, g.scale_inv, x_t.t(), x_scale_inv, fast_wgrad, weight_dtype);
+      out[1] = block ? block_scaled_mm(g.data_t, g.scale_inv_t.t(), xt.t(), x_si, false, weight_dtype)
+                     : scaled_mm(g.data_t, g.scale_inv, xt.t(), x_si, fast_wgrad, weight_dtype);
       FP8_STAGE_STOP(kBwdWgrad, t_wgrad);
     }
     if (need_dbias) out[2] = g.dbias;  // in the plan's dbias dtype, the bias's: the engine casts nothing
@@ -552,8 +558,8 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const s
   node->set_next_edges(torch::autograd::collect_next_edges(x, weight, b));
   node->grad_plan = grad_plan;
   if (need_wgrad) {
-    node->x_t = x_t;
-    node->x_scale_inv = x_si;
+    node->x_t = SavedVariable(x_t, false);
+    node->x_scale_inv = SavedVariable(x_si, false);
   }
   if (need_dgrad) {
     TORCH_CHECK(!block || w_t_scale_inv.has_value(), "fp8train native: no scales for the transposed weight's tiles");
@@ -679,7 +685,9 @@ struct LayerNormMLPBackward : public Node {
   // x2 may be the caller's x and the norm parameters are the module's: saved as the Python
   // Function saves them, so that an in-place change before the backward is an error
   torch::autograd::SavedVariable x2_saved, ln_w_saved, ln_b_saved;
-  at::Tensor mean, rstd, x_t, x_si, h, a_t, a_si, w1_t, w1_si, w2_t, w2_si;
+  // the activations, saved alike so that saved-tensor hooks see them (activation checkpointing)
+  SavedVariable mean, rstd, x_t, x_si, h, a_t, a_si;
+  at::Tensor w1_t, w1_si, w2_t, w2_si;  // the weights' FP8 workspaces
   std::vector<int64_t> in_shape;
   c10::ScalarType w1_dtype = at::kFloat, w2_dtype = at::kFloat;
 
@@ -689,17 +697,22 @@ struct LayerNormMLPBackward : public Node {
     x2_saved.reset_data();
     ln_w_saved.reset_data();
     ln_b_saved.reset_data();
-    for (at::Tensor* t : {&mean, &rstd, &x_t, &x_si, &h, &a_t, &a_si, &w1_t, &w1_si, &w2_t, &w2_si}) t->reset();
+    for (SavedVariable* v : {&mean, &rstd, &x_t, &x_si, &h, &a_t, &a_si}) v->reset_data();
+    for (at::Tensor* t : {&w1_t, &w1_si, &w2_t, &w2_si}) t->reset();
   }
 
   variable_list apply(variable_list&& grads) override {
     variable_list out(7);
     at::Tensor dy = grads[0];
     if (!dy.defined()) return out;
-    TORCH_CHECK(h.defined() && a_t.defined() && x_t.defined(), "fp8train.LayerNormMLP: backward through the graph a "
-                "second time; the saved FP8 tensors were freed (use retain_graph=True)");
+    TORCH_CHECK(w2_t.defined(), "fp8train.LayerNormMLP: backward through the graph a second time; the saved FP8 "
+                "tensors were freed (use retain_graph=True)");
     const MlpPlan& p = *plan;
+    // unpacked first: a checkpointed forward's recomputation runs here, before this backward's launches
     const at::Tensor x2 = x2_saved.unpack(), ln_w = ln_w_saved.unpack(), ln_b = ln_b_saved.unpack();
+    const at::Tensor mean = this->mean.unpack(), rstd = this->rstd.unpack(), x_t = this->x_t.unpack();
+    const at::Tensor x_si = this->x_si.unpack(), h = this->h.unpack(), a_t = this->a_t.unpack();
+    const at::Tensor a_si = this->a_si.unpack();
     at::AutoDispatchBelowADInplaceOrView guard;
     if (dy.scalar_type() != p.act_dtype) dy = dy.to(p.act_dtype);
     dy = rows_of(dy, p.hidden);
@@ -781,13 +794,13 @@ at::Tensor mlp_forward(const std::shared_ptr<MlpPlan>& plan, const at::Tensor& x
   node->x2_saved = torch::autograd::SavedVariable(x2, false);
   node->ln_w_saved = torch::autograd::SavedVariable(ln_w, false);
   if (lnb.defined()) node->ln_b_saved = torch::autograd::SavedVariable(lnb, false);
-  node->mean = mean;
-  node->rstd = rstd;
-  node->x_t = x_t;
-  node->x_si = x_si;
-  node->h = h;
-  node->a_t = a_t;
-  node->a_si = a_si;
+  node->mean = SavedVariable(mean, false);
+  node->rstd = SavedVariable(rstd, false);
+  node->x_t = SavedVariable(x_t, false);
+  node->x_si = SavedVariable(x_si, false);
+  node->h = SavedVariable(h, false);
+  node->a_t = SavedVariable(a_t, false);
+  node->a_si = SavedVariable(a_si, false);
   if (w1_t.has_value()) node->w1_t = *w1_t;
   node->w1_si = w1_si;
   node->w2_t = *w2_t;

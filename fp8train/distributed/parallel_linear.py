@@ -23,7 +23,6 @@ from typing import Optional, Tuple
 import torch
 
 from .. import gemm
-from ..autocast import active_recipe
 from ..modules.base import activation_dtype, mark_calibrated
 from ..quantizer import Quantizer
 from ..recipe import GemmConfig, Recipe
@@ -118,7 +117,7 @@ def tp_plan(layer, x: torch.Tensor, in_features: int) -> Tuple[Optional[Recipe],
     Auto precision (recipe.auto_precision) and the dims fallback do not apply to TP layers:
     they run in FP8 inside fp8train.autocast (their shard dims are checked to be FP8-able at
     construction)."""
-    recipe = active_recipe()
+    recipe = layer.call_recipe()
     layer.check_input(x, in_features, fp8=recipe is not None)
     if isinstance(x, Float8Tensor):
         raise TypeError(f"{layer.describe()}: tensor-parallel layers take high-precision inputs, not Float8Tensor")

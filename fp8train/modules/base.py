@@ -79,6 +79,10 @@ class FP8Module(nn.Module):
     # never registered as a real hook: nothing else reads it.
     _initialize_hook = None
 
+    # The recipe (None: high precision) of this layer's last forward outside a backward pass:
+    # what activation checkpointing's recomputation runs by (call_recipe).
+    _forward_recipe: Optional[Recipe] = None
+
     def _infer_parameters(self, module, args, kwargs=None) -> None:
         """Create (or rebuild) the quantizers the active recipe needs; runs outside any trace."""
         recipe = active_recipe()
@@ -183,7 +187,7 @@ class FP8Module(nn.Module):
         (None, dtype) for the layer's high-precision path in `dtype` - outside autocast
         (dtype None: the torch composition as is), for dims FP8 cannot take (with a one-time
         warning), or where auto precision chose high precision."""
-        recipe = active_recipe()
+        recipe = self.call_recipe()
         self.check_input(x, in_features, fp8=recipe is not None)
         if recipe is None:
             return None, None
@@ -195,6 +199,26 @@ class FP8Module(nn.Module):
             return None, act_dtype
         gemm.check_tensor_device(x)
         return recipe, act_dtype
+
+    def call_recipe(self) -> Optional[Recipe]:
+        """The recipe this forward runs by (None: high precision): the active one, noted; in a
+        forward that runs inside a backward pass, the one noted by this layer's last forward
+        outside it. Such a forward is activation checkpointing's recomputation
+        (torch.utils.checkpoint, reentrant or not; HF's gradient_checkpointing_enable): it runs
+        after fp8train.autocast has exited, and on the GPU in the autograd engine's thread,
+        which sees no region, so the active recipe would be none and the recomputation would run
+        in high precision where the forward ran in FP8 (non-reentrant checkpointing then
+        refuses the saved tensors; reentrant would silently run the backward in high
+        precision). The recomputation casts what the forward cast with the same scales:
+        delayed scales update on the next autocast entry only, current ones follow from x."""
+        if torch.compiler.is_compiling():
+            return active_recipe()
+        if torch._C._current_graph_task_id() != -1:
+            return self._forward_recipe
+        recipe = active_recipe()
+        if recipe is not self._forward_recipe:  # nn.Module.__setattr__ costs host time: only on a change
+            self._forward_recipe = recipe
+        return recipe
 
     # ------------------------------------------------------------------ auto precision
     def runs_fp8(self, x: torch.Tensor, recipe: Recipe, act_dtype: torch.dtype) -> bool:

@@ -1,0 +1,155 @@
+"""Activation checkpointing on the GPU (the CPU side, the recipe a recomputation runs by, is
+tests/test_activation_checkpointing.py).
+
+* The C++ nodes (fp8train::LinearBackward, LayerNormMLPBackward, HighBackward) keep their
+  activations as autograd's SavedVariables: saved-tensor hooks see them, so checkpointing frees
+  them until its recomputation (before, the FP8 transposed copies stayed alive through a
+  checkpointed region).
+* A converted HF Llama with HF's gradient checkpointing trains bit for bit as without it, on
+  the C++ node (the recomputation runs in the autograd engine's device thread), and holds no
+  more memory between forward and backward than the BF16 model with checkpointing.
+"""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp8train
+from fp8train.kernels import native
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("native_extension")]
+CUDA = torch.device("cuda")
+RECIPES = [pytest.param(fp8train.CurrentScaling(), id="current"),
+           pytest.param(fp8train.DelayedScaling(), id="delayed"),
+           pytest.param(fp8train.BlockScaling(), id="block")]
+
+
+def _packed_by_node(layer, x, recipe, node: str, steps: int = 3):
+    """`steps` fwd+bwd of layer (the node takes over once the Python path prepared its
+    launches); the last under saved-tensor hooks that record what they pack. Returns the
+    packed tensors and the input's gradient of the last step."""
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    for step in range(steps):
+        xi = x.clone().requires_grad_()
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        if step == steps - 1:
+            hooks.__enter__()
+        try:
+            with fp8train.autocast(recipe=recipe):
+                y = layer(xi)
+        finally:
+            if step == steps - 1:
+                hooks.__exit__(None, None, None)
+        y.float().square().sum().backward()
+    assert y.grad_fn.name() == node, y.grad_fn.name()
+    return packed, xi.grad
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_linear_node_saves_its_fp8_input_through_saved_tensor_hooks(recipe):
+    torch.manual_seed(0)
+    layer = fp8train.Linear(256, 384, params_dtype=torch.bfloat16, device=CUDA)
+    x = torch.randn(3, 100, 256, device=CUDA, dtype=torch.bfloat16)
+    packed, _ = _packed_by_node(layer, x, recipe, "fp8train::LinearBackward")
+    fp8 = [t for t in packed if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8) == 1 and fp8[0].shape[0] == 256, [(t.dtype, tuple(t.shape)) for t in packed]  # X^T (K, Mp)
+    assert len(packed) == 2  # and its scales
+
+
+def test_layernorm_mlp_node_saves_its_activations_through_saved_tensor_hooks():
+    torch.manual_seed(0)
+    layer = fp8train.LayerNormMLP(256, 512, activation="gelu_tanh", params_dtype=torch.bfloat16, device=CUDA)
+    x = torch.randn(300, 256, device=CUDA, dtype=torch.bfloat16)
+    packed, _ = _packed_by_node(layer, x, fp8train.DelayedScaling(), "fp8train::LayerNormMLPBackward")
+    shapes = {(t.dtype, tuple(t.shape)) for t in packed}
+    assert (torch.bfloat16, (300, 512)) in shapes, shapes  # fc1's output
+    assert sum(t.dtype == torch.float8_e4m3fn for t in packed) == 2, shapes  # x^T and a^T
+    assert len(packed) >= 8, shapes  # with x, the norm's weight, bias, statistics and scales
+
+
+def test_high_node_saves_its_activations_through_saved_tensor_hooks():
+    torch.manual_seed(0)
+    layer = fp8train.LayerNormMLP(72, 200, activation="gelu_tanh", params_dtype=torch.bfloat16, device=CUDA)
+    x = torch.randn(300, 72, device=CUDA, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="multiples of 16"):  # dims FP8 cannot take: the high-precision node
+        packed, _ = _packed_by_node(layer, x, fp8train.CurrentScaling(), "fp8train::HighBackward", steps=1)
+    shapes = {(t.dtype, tuple(t.shape)) for t in packed}
+    assert (torch.bfloat16, (300, 200)) in shapes, shapes  # fc1's output
+    assert len(packed) >= 9, shapes
+
+
+# ---------------------------------------------------------------- a model users bring
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import hf_llama  # noqa: E402
+
+
+def _enable_checkpointing(model, reentrant: bool) -> None:
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _steps(models, recipe, steps, shape=(2, 64)):
+    """AdamW steps of each model side by side (one FP8 region a step: delayed updates roll
+    every live quantizer); the backwards after the region exits. Returns the losses and the
+    memory each forward left allocated for its backward (bytes, last step)."""
+    g = torch.Generator().manual_seed(0)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
+    losses, held = [[] for _ in models], [0] * len(models)
+    for _ in range(steps):
+        x = torch.randint(0, 256, shape, generator=g).to(CUDA)
+        for i, (m, opt) in enumerate(zip(models, opts)):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
+                loss = m(input_ids=x, labels=x, use_cache=False).loss
+            held[i] = torch.cuda.memory_allocated() - before
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[i].append(loss.detach())
+    return [torch.stack(r) for r in losses], held
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_hf_llama_with_gradient_checkpointing_trains_as_without(recipe, reentrant):
+    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], CUDA)
+    fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
+    twin = copy.deepcopy(model)
+    _enable_checkpointing(twin, reentrant)
+    (want, got), _ = _steps((model, twin), recipe, steps=4)
+    assert torch.equal(got, want), (got, want)
+    for (name, w), g in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(g, w), name
+    paths = fp8train.inspect.execution_paths(twin)
+    assert set(paths.values()) == {"C++ node"}, paths
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:1] + RECIPES[2:])
+def test_checkpointed_hf_llama_holds_no_fp8_copies_between_forward_and_backward(recipe):
+    """Between forward and backward a checkpointed model keeps its layers' inputs; the FP8
+    model's Linears add nothing to that: within a quarter of one byte per element of one
+    hidden-wide tensor per layer of what the checkpointed BF16 model holds (the C++ nodes'
+    transposed FP8 inputs, were they kept, are 5.75 such bytes per layer: q/k/v's, o's,
+    gate/up's and down's)."""
+    shape = hf_llama.Shape(hidden=512, ffn=1408, layers=4, heads=8, kv_heads=2, batch=4, seq=512)
+    bf16 = hf_llama.build_llama(shape, CUDA)
+    fp8 = copy.deepcopy(bf16)
+    fp8train.convert(fp8, recipe, filter_fn=hf_llama.not_lm_head)
+    for m in (bf16, fp8):
+        _enable_checkpointing(m, False)
+    _, held = _steps((bf16, fp8), recipe, steps=3, shape=(shape.batch, shape.seq))
+    tokens = shape.batch * shape.seq
+    assert held[1] <= held[0] + shape.layers * tokens * shape.hidden // 4, (held, tokens * shape.hidden)
+    assert set(fp8train.inspect.execution_paths(fp8).values()) == {"C++ node"}

@@ -1,0 +1,182 @@
+"""Activation checkpointing (torch.utils.checkpoint, reentrant or not; Hugging Face's
+gradient checkpointing) around fp8train layers. The recomputation runs inside the backward
+pass, after fp8train.autocast has exited (and on the GPU in the autograd engine's thread): it
+must run by the recipe the forward ran by and cast with the same scales, so that training
+with checkpointing is bit for bit training without it (the forward's FP8 values are the
+recomputation's). Before FP8Module.call_recipe it ran in high precision: non-reentrant
+checkpointing refused the saved tensors (their dtypes differ), reentrant checkpointing ran the
+backward in high precision without a word. The GPU side (the C++ nodes' saved tensors through
+saved-tensor hooks, the memory freed) is tests/gpu/test_activation_checkpointing_gpu.py."""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import fp8train
+from fp8train import LayerNormLinear, LayerNormMLP, Linear
+
+RECIPES = [pytest.param(fp8train.CurrentScaling(), id="current"),
+           pytest.param(fp8train.DelayedScaling(), id="delayed"),
+           pytest.param(fp8train.BlockScaling(), id="block")]
+REENTRANT = [pytest.param(False, id="non-reentrant"), pytest.param(True, id="reentrant")]
+
+
+def _layers(recipe):
+    torch.manual_seed(0)
+    layers = [Linear(128, 64, bias=True), LayerNormLinear(128, 64, normalization="RMSNorm"),
+              LayerNormMLP(128, 256, activation="swiglu", normalization="RMSNorm")]
+    for layer in layers:  # quantizers now, as fp8train.convert(model, recipe) makes them
+        for gemm in layer.GEMMS:
+            layer.quantizers(recipe, torch.device("cpu"), gemm)
+    return layers
+
+
+def _train_side_by_side(plain, checkpointed, recipe, xs, *, reentrant: bool = False, fp8: bool = True):
+    """Three SGD steps of both layers on xs, `checkpointed` under torch.utils.checkpoint; each
+    step's forwards in one fp8train.autocast region (or outside one when not fp8: a delayed
+    update rolls every live quantizer, so both see the same updates), the backwards after
+    the region exits, as models train. Returns each layer's outputs and input gradients."""
+    layers = (plain, checkpointed)
+    opts = [torch.optim.SGD(layer.parameters(), lr=0.1) for layer in layers]
+    out = ([], [])
+    for x in xs:
+        xs2 = [x.clone().requires_grad_() for _ in layers]
+        with fp8train.autocast(enabled=fp8, recipe=recipe):
+            ys = [plain(xs2[0]), checkpoint(checkpointed, xs2[1], use_reentrant=reentrant)]
+        for y, x2, opt, record in zip(ys, xs2, opts, out):
+            (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            record += [y.detach(), x2.grad]
+    return out
+
+
+def _xs():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 48, 128, generator=g).to(torch.bfloat16) for _ in range(3)]
+
+
+def _assert_same(plain, checkpointed, want, got):
+    name = type(plain).__name__
+    for w, g in zip(want, got):
+        assert torch.equal(g, w), name
+    for (key, w), g in zip(plain.state_dict().items(), checkpointed.state_dict().values()):
+        assert torch.equal(g, w), f"{name}.{key}"  # parameters and scaling state
+
+
+@pytest.mark.parametrize("reentrant", REENTRANT)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_checkpointed_layers_train_bit_for_bit_as_without(recipe, reentrant):
+    for plain, checkpointed in zip(_layers(recipe), _layers(recipe)):
+        want, got = _train_side_by_side(plain, checkpointed, recipe, _xs(), reentrant=reentrant)
+        _assert_same(plain, checkpointed, want, got)
+
+
+def test_a_forward_outside_autocast_recomputes_in_high_precision():
+    recipe = fp8train.CurrentScaling()
+    plain, checkpointed = _layers(recipe)[0], _layers(recipe)[0]
+    _train_side_by_side(plain, checkpointed, recipe, _xs()[:1])  # both ran FP8 once
+    xs = [x.float() for x in _xs()]  # the torch composition: x in the parameters' dtype
+    want, got = _train_side_by_side(plain, checkpointed, recipe, xs, fp8=False)
+    _assert_same(plain, checkpointed, want, got)
+
+
+def test_a_forward_inside_backward_runs_by_the_last_forwards_recipe():
+    """The rule itself: outside a backward pass the active recipe (noted), inside one the
+    noted recipe whatever is active there."""
+    recipe, other = fp8train.CurrentScaling(), fp8train.DelayedScaling()
+    layer = _layers(recipe)[0]
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            with fp8train.autocast(recipe=other):
+                seen.append(layer.call_recipe())
+            return g
+
+    with fp8train.autocast(recipe=recipe):
+        assert layer.call_recipe() is recipe
+    x = torch.ones(2, requires_grad=True)
+    Probe.apply(x).sum().backward()
+    assert seen == [recipe]
+    assert layer.call_recipe() is None  # outside autocast, outside backward: high precision, noted
+    Probe.apply(x).sum().backward()
+    assert seen == [recipe, None]
+
+
+# ---------------------------------------------------------------- a model users bring
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import hf_llama  # noqa: E402
+
+
+def _enable_checkpointing(model, reentrant: bool) -> None:
+    """HF's switch: activation_checkpointing_enable from transformers 5.2x, before that
+    gradient_checkpointing_enable (the GPU machine's 5.17)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    assert model.is_gradient_checkpointing
+
+
+def _llama_steps(models, recipe, steps=3):
+    """`steps` AdamW steps of each model, each step's forwards in one FP8 region (delayed
+    scaling's update rolls every live quantizer: both models see the same updates), the
+    backwards after it exits (the recomputation runs there). Returns each one's losses."""
+    g = torch.Generator().manual_seed(0)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    losses = [[] for _ in models]
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 64), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
+            out = [m(input_ids=x, labels=x, use_cache=False).loss for m in models]
+        for loss, opt, record in zip(out, opts, losses):
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            record.append(loss.detach())
+    return [torch.stack(record) for record in losses]
+
+
+def _assert_same_model(model, twin):
+    for (name, w), g in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("reentrant", REENTRANT)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_hf_llama_with_gradient_checkpointing_trains_as_without(recipe, reentrant):
+    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
+    fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
+    twin = copy.deepcopy(model)
+    _enable_checkpointing(twin, reentrant)
+    want, got = _llama_steps((model, twin), recipe)
+    assert torch.equal(got, want), (got, want)
+    _assert_same_model(model, twin)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES[:2])
+def test_compiled_hf_llama_with_gradient_checkpointing_trains_as_without(recipe):
+    """Compiled (aot_eager: the traced ops as they are), the checkpointed layers' recomputation
+    is the backward graph's; the losses are those of the same compiled model without
+    checkpointing. HF's own output capturing breaks the graph under checkpointing (BF16 alike),
+    so not fullgraph."""
+    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
+    fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
+    twin = copy.deepcopy(model)
+    _enable_checkpointing(twin, False)
+    _llama_steps((model, twin), recipe, steps=1)  # one eager step first (shared input casts tie there)
+    want, got = _llama_steps([torch.compile(m, backend="aot_eager") for m in (model, twin)], recipe)
+    assert torch.equal(got, want), (got, want)
+    _assert_same_model(model, twin)
