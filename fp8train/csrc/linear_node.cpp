@@ -430,7 +430,10 @@ struct LinearBackward : public Node {
                 "(use retain_graph=True)");
     // unpacked first: a checkpointed forward's recomputation runs here, before this backward's launches
     const at::Tensor xt = need_wgrad ? x_t.unpack() : at::Tensor();
-    const at::Tensor x_si = need_wgrad ? x_scale_inv.unpack() : at::Tensor();
+    at::Tensor x_si = need_wgrad ? x_scale_inv.unpack() : at::Tensor();
+    // a hook may hand back a copy with other strides (save_on_cpu(pin_memory=True) packs into a
+    // contiguous buffer): X^T's 1 x 128 scales go back to the (1, K) strides the GEMM takes
+    if (block && x_si.defined() && x_si.size(0) > 1 && x_si.stride(0) != 1) x_si = x_si.t().contiguous().t();
     FP8_STAGE_START(t_all);
     at::AutoDispatchBelowADInplaceOrView guard;
     FP8_STAGE_START(t_prep);
