@@ -146,10 +146,11 @@ def build_llama(shape: Shape, device: torch.device, seed: int = 0):
     return LlamaForCausalLM(config).to(device)
 
 
-def checkpointing(model: torch.nn.Module) -> None:
-    """HF's activation checkpointing of every decoder layer, not reentrant (torch's advice);
-    activation_checkpointing_enable from transformers 5.2x, gradient_checkpointing_enable before."""
-    kwargs = {"use_reentrant": False}
+def checkpointing(model: torch.nn.Module, reentrant: bool = False) -> None:
+    """HF's activation checkpointing of every decoder layer (torch.utils.checkpoint, not
+    reentrant by default: torch's advice); activation_checkpointing_enable from transformers
+    5.2x, gradient_checkpointing_enable before (the GPU machine's 5.17)."""
+    kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -118,17 +118,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 
-def _enable_checkpointing(model, reentrant: bool) -> None:
-    """HF's switch: activation_checkpointing_enable from transformers 5.2x, before that
-    gradient_checkpointing_enable (the GPU machine's 5.17)."""
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    assert model.is_gradient_checkpointing
-
-
 def _llama_steps(models, recipe, steps=3):
     """`steps` AdamW steps of each model, each step's forwards in one FP8 region (delayed
     scaling's update rolls every live quantizer: both models see the same updates), the
@@ -159,8 +148,11 @@ def test_hf_llama_with_gradient_checkpointing_trains_as_without(recipe, reentran
     model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
     fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
     twin = copy.deepcopy(model)
-    _enable_checkpointing(twin, reentrant)
+    hf_llama.checkpointing(twin, reentrant)
+    calls = []  # which FP8 recipe each call of one checkpointed Linear ran by
+    twin.model.layers[1].self_attn.q_proj.register_forward_hook(lambda m, *_: calls.append(m.call_recipe()))
     want, got = _llama_steps((model, twin), recipe)
+    assert calls == [recipe] * 6  # three steps, each a forward and its recomputation, all in FP8
     assert torch.equal(got, want), (got, want)
     _assert_same_model(model, twin)
 
@@ -175,7 +167,7 @@ def test_compiled_hf_llama_with_gradient_checkpointing_trains_as_without(recipe)
     model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
     fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
     twin = copy.deepcopy(model)
-    _enable_checkpointing(twin, False)
+    hf_llama.checkpointing(twin, False)
     _llama_steps((model, twin), recipe, steps=1)  # one eager step first (shared input casts tie there)
     want, got = _llama_steps([torch.compile(m, backend="aot_eager") for m in (model, twin)], recipe)
     assert torch.equal(got, want), (got, want)

@@ -91,14 +91,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 
-def _enable_checkpointing(model, reentrant: bool) -> None:
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 def _steps(models, recipe, steps, shape=(2, 64)):
     """AdamW steps of each model side by side, each step's forwards in one FP8 region (delayed
     updates roll every live quantizer), the backwards after it exits. Returns the losses."""
@@ -141,7 +133,8 @@ def test_hf_llama_with_gradient_checkpointing_trains_as_without(recipe, reentran
     model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], CUDA)
     fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
     twin = copy.deepcopy(model)
-    _enable_checkpointing(twin, reentrant)
+    hf_llama.checkpointing(twin, reentrant)
+    assert twin.is_gradient_checkpointing and not model.is_gradient_checkpointing
     want, got = _steps((model, twin), recipe, steps=4)
     assert torch.equal(got, want), (got, want)
     for (name, w), g in zip(model.state_dict().items(), twin.state_dict().values()):
@@ -163,7 +156,7 @@ def test_checkpointed_hf_llama_holds_no_fp8_copies_between_forward_and_backward(
     fp8 = copy.deepcopy(bf16)
     fp8train.convert(fp8, recipe, filter_fn=hf_llama.not_lm_head)
     for m in (bf16, fp8):
-        _enable_checkpointing(m, False)
+        hf_llama.checkpointing(m, False)
     held = [_held_between_forward_and_backward(m, recipe, 3, (shape.batch, shape.seq)) for m in (bf16, fp8)]
     tokens = shape.batch * shape.seq
     assert held[1] <= held[0] + shape.layers * tokens * shape.hidden, (held, tokens * shape.hidden)
