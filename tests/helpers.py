@@ -283,3 +283,24 @@ def sgd_steps(model, recipe, xs, params_dtype):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
+
+
+def llama_steps_side_by_side(models, recipe, steps, device, shape=(2, 64)):
+    """`steps` AdamW steps of HF causal LMs on the same random byte batches, each step's
+    forwards in one FP8 region (a delayed update rolls every live quantizer: every model sees
+    the same updates), the backwards after it exits (a checkpointed forward's recomputation
+    runs there). Returns each model's losses."""
+    import fp8train
+    g = torch.Generator().manual_seed(0)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=device.type == "cuda") for m in models]
+    losses = [[] for _ in models]
+    for _ in range(steps):
+        x = torch.randint(0, 256, shape, generator=g).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
+            out = [m(input_ids=x, labels=x, use_cache=False).loss for m in models]
+        for loss, opt, record in zip(out, opts, losses):
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            record.append(loss.detach())
+    return [torch.stack(record) for record in losses]

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fp8train
 from fp8train import LayerNormLinear, LayerNormMLP, Linear
+from helpers import llama_steps_side_by_side
 
 RECIPES = [pytest.param(fp8train.CurrentScaling(), id="current"),
            pytest.param(fp8train.DelayedScaling(), id="delayed"),
@@ -118,25 +119,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 
-def _llama_steps(models, recipe, steps=3):
-    """`steps` AdamW steps of each model, each step's forwards in one FP8 region (delayed
-    scaling's update rolls every live quantizer: both models see the same updates), the
-    backwards after it exits (the recomputation runs there). Returns each one's losses."""
-    g = torch.Generator().manual_seed(0)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
-    losses = [[] for _ in models]
-    for _ in range(steps):
-        x = torch.randint(0, 256, (2, 64), generator=g)
-        with torch.autocast("cpu", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
-            out = [m(input_ids=x, labels=x, use_cache=False).loss for m in models]
-        for loss, opt, record in zip(out, opts, losses):
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            record.append(loss.detach())
-    return [torch.stack(record) for record in losses]
-
-
 def _assert_same_model(model, twin):
     for (name, w), g in zip(model.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(g, w), name
@@ -151,7 +133,7 @@ def test_hf_llama_with_gradient_checkpointing_trains_as_without(recipe, reentran
     hf_llama.checkpointing(twin, reentrant)
     calls = []  # which FP8 recipe each call of one checkpointed Linear ran by
     twin.model.layers[1].self_attn.q_proj.register_forward_hook(lambda m, *_: calls.append(m.call_recipe()))
-    want, got = _llama_steps((model, twin), recipe)
+    want, got = llama_steps_side_by_side((model, twin), recipe, 3, torch.device("cpu"))
     assert calls == [recipe] * 6  # three steps, each a forward and its recomputation, all in FP8
     assert torch.equal(got, want), (got, want)
     _assert_same_model(model, twin)
@@ -168,7 +150,9 @@ def test_compiled_hf_llama_with_gradient_checkpointing_trains_as_without(recipe)
     fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
     twin = copy.deepcopy(model)
     hf_llama.checkpointing(twin, False)
-    _llama_steps((model, twin), recipe, steps=1)  # one eager step first (shared input casts tie there)
-    want, got = _llama_steps([torch.compile(m, backend="aot_eager") for m in (model, twin)], recipe)
+    cpu = torch.device("cpu")
+    llama_steps_side_by_side((model, twin), recipe, 1, cpu)  # one eager step first (shared input casts tie there)
+    compiled = [torch.compile(m, backend="aot_eager") for m in (model, twin)]
+    want, got = llama_steps_side_by_side(compiled, recipe, 3, cpu)
     assert torch.equal(got, want), (got, want)
     _assert_same_model(model, twin)

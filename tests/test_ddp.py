@@ -61,7 +61,8 @@ def case_trains_like_one_process(ctx, kind: str, recipe: str):
         got = loss.detach().clone()
         dist.all_reduce(got)
         got = float(got) / ctx.world
-        assert abs(got - float(want)) <= LOSS_RTOL * float(want), f"step {step}: DDP loss {got} vs one process {float(want)}"
+        assert abs(got - float(want)) <= LOSS_RTOL * float(want), \
+            f"step {step}: DDP loss {got} vs one process {float(want)}"
         for name, p in model.named_parameters():
             assert _same_everywhere(p), f"step {step}: {name} differs between ranks"
         if recipe == "delayed" and step > 0:  # the first step calibrates each rank's scales on its own rows

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fp8train
-from fp8train.kernels import native
+from tests.helpers import llama_steps_side_by_side
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("native_extension")]
 CUDA = torch.device("cuda")
@@ -91,24 +91,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 
-def _steps(models, recipe, steps, shape=(2, 64)):
-    """AdamW steps of each model side by side, each step's forwards in one FP8 region (delayed
-    updates roll every live quantizer), the backwards after it exits. Returns the losses."""
-    g = torch.Generator().manual_seed(0)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
-    losses = [[] for _ in models]
-    for _ in range(steps):
-        x = torch.randint(0, 256, shape, generator=g).to(CUDA)
-        with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
-            out = [m(input_ids=x, labels=x, use_cache=False).loss for m in models]
-        for loss, opt, record in zip(out, opts, losses):
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            record.append(loss.detach())
-    return [torch.stack(r) for r in losses]
-
-
 def _held_between_forward_and_backward(model, recipe, steps, shape) -> int:
     """Bytes a forward leaves allocated for its backward, measured after torch.autocast exits
     (its cache of cast weights goes then), at the last of `steps` steps."""
@@ -135,7 +117,7 @@ def test_hf_llama_with_gradient_checkpointing_trains_as_without(recipe, reentran
     twin = copy.deepcopy(model)
     hf_llama.checkpointing(twin, reentrant)
     assert twin.is_gradient_checkpointing and not model.is_gradient_checkpointing
-    want, got = _steps((model, twin), recipe, steps=4)
+    want, got = llama_steps_side_by_side((model, twin), recipe, 4, CUDA)
     assert torch.equal(got, want), (got, want)
     for (name, w), g in zip(model.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(g, w), name
