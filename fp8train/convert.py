@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from . import gemm
+from .autocast import active_recipe
 from .modules.linear import Linear
 from .recipe import Recipe, check_recipe
 
@@ -23,6 +25,11 @@ def convert(model: nn.Module, recipe: Optional[Recipe] = None, filter_fn: Option
     checkpoint taken before the first FP8 step already holds their (initial) state.
     Layers already converted, subclasses of nn.Linear with their own forward, and a `model`
     that is itself an nn.Linear are left alone (a root module cannot be replaced in place).
+
+    `torch.compile(model)` needs no eager step first: the first compiled call inside
+    fp8train.autocast runs the model's forward once eagerly without gradients before it
+    compiles (`_first_compiled_call`), which makes the quantizers and ties sibling layers'
+    input quantizers (shared input casts), as an eager step would.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -38,7 +45,30 @@ def convert(model: nn.Module, recipe: Optional[Recipe] = None, filter_fn: Option
             if filter_fn is not None and not filter_fn(qualified, child):
                 continue
             setattr(parent, child_name, _from_linear(child, qualified, recipe))
+    if any(isinstance(m, Linear) for m in model.modules()) and not isinstance(model, Linear):
+        # torch.compile's protocol for lazy modules (torch/_dynamo/eval_frame.py, OptimizedModule):
+        # a module with both attributes when torch.compile wraps it has
+        # _infer_parameters(module, args, kwargs) called eagerly before every compiled call
+        model._initialize_hook = None
+        model._infer_parameters = _first_compiled_call
     return model
+
+
+def _first_compiled_call(model: nn.Module, args: tuple, kwargs: Optional[dict] = None) -> None:
+    """Before `torch.compile(model)`'s first call inside fp8train.autocast: the model's
+    forward once, eagerly, without gradients, on the call's inputs and with its RNG state put
+    back after. Layers make their quantizers there (a trace cannot: its buffers would be the
+    graph's temporaries) and siblings that read one tensor tie their input quantizers (ties
+    form in eager calls only). Delayed scaling's quantizers calibrate on these inputs, as the
+    compiled step's own casts would, and record their amaxes, which the step records again
+    (a max). Calls outside fp8train.autocast wait for one inside; after it the attributes go,
+    and torch.compile's check finds nothing to call."""
+    if active_recipe() is None:
+        return
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        model(*args, **(kwargs or {}))
+    del model._initialize_hook, model._infer_parameters
 
 
 def _from_linear(src: nn.Linear, name: str, recipe: Optional[Recipe]) -> Linear:

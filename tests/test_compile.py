@@ -409,3 +409,17 @@ def test_compiled_call_drops_the_eager_weight_workspace(recipe):
         y1 = module(x)
     assert (ws.block if block else ws.fp8) is not None
     assert torch.equal(yc, y0) and torch.equal(y1, y0)
+
+
+def test_layers_nested_in_a_compiled_module_without_quantizers_say_what_to_do():
+    """A module nests fp8train layers that never ran FP8 and is not the model
+    fp8train.convert converted: the trace cannot make their quantizers, and says how."""
+    model = torch.nn.Sequential(fp8train.Linear(32, 32), torch.nn.GELU())
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with fp8train.autocast(recipe=CurrentScaling()), pytest.raises(Exception, match="fp8train.convert converted"):
+        compiled(torch.randn(4, 32))
+    converted = fp8train.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()))
+    torch._dynamo.reset()
+    with fp8train.autocast(recipe=CurrentScaling()):  # its first compiled call makes them
+        y = torch.compile(converted, backend="aot_eager", fullgraph=True)(torch.randn(4, 32))
+    assert y.shape == (4, 32) and converted[0].input_quantizer is not None

@@ -20,21 +20,28 @@ RECIPES = [pytest.param(fp8train.DelayedScaling(), id="delayed"),
            pytest.param(fp8train.CurrentScaling(), id="current", marks=pytest.mark.slow)]
 
 
-def _steps_side_by_side(eager, model, compiled, recipe, batches):
+def _steps_side_by_side(eager, model, compiled, recipe, batches, eager_first=True):
     """Each step of the eager twin and of the model in one FP8 region (one delayed-scaling
     update for both: it rolls every live quantizer); the model's first step runs eagerly
-    (it makes the quantizers), the rest compiled. Returns both loss trajectories."""
+    where eager_first (it makes the quantizers), the rest compiled. Returns both loss
+    trajectories."""
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, model)]
     losses = ([], [])
     for i, (x, y) in enumerate(batches):
         with torch.autocast("cpu", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
-            out = [m(input_ids=x, labels=y).loss for m in (eager, model if i == 0 else compiled)]
+            out = [m(input_ids=x, labels=y).loss for m in (eager, model if i == 0 and eager_first else compiled)]
         for loss, opt, record in zip(out, opts, losses):
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             record.append(loss.detach())
     return torch.stack(losses[0]), torch.stack(losses[1])
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 256, (2, 64), generator=g), torch.randint(0, 256, (2, 64), generator=g))
+            for _ in range(4)]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -44,11 +51,32 @@ def test_converted_hf_llama_compiles_fullgraph_with_eager_losses(recipe):
     fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
     assert sum(isinstance(m, fp8train.Linear) for m in model.modules()) == 14  # 2 x (q k v o gate up down)
     twin = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 256, (2, 64), generator=g), torch.randint(0, 256, (2, 64), generator=g))
-               for _ in range(4)]
     want, got = _steps_side_by_side(twin, model, torch.compile(model, fullgraph=True, backend="aot_eager"), recipe,
-                                    batches)
+                                    _batches())
     assert torch.equal(got, want), (got, want)
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_converted_hf_llama_compiles_without_an_eager_step(recipe):
+    """convert(model) without a recipe (no quantizers yet), then torch.compile(model) at once:
+    the first compiled call inside fp8train.autocast runs the forward once eagerly without
+    gradients (convert._first_compiled_call), which makes the quantizers and ties q/k/v's and
+    gate/up's input quantizers; training is then the eager twin's bit for bit. A compiled
+    call outside fp8train.autocast before it leaves that for the first call inside."""
+    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
+    fp8train.convert(model, filter_fn=hf_llama.not_lm_head)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        compiled(input_ids=x)  # outside FP8: the torch composition, nothing made
+    assert model.model.layers[0].self_attn.q_proj.input_quantizer is None and hasattr(model, "_infer_parameters")
+    torch._dynamo.reset()
+    want, got = _steps_side_by_side(twin, model, compiled, recipe, _batches(), eager_first=False)
+    assert torch.equal(got, want), (got, want)
+    assert not hasattr(model, "_infer_parameters")  # done once
+    assert len(fp8train.inspect.shared_input_casts(model)) == 4  # 2 layers x (q/k/v, gate/up)
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(a, b), name

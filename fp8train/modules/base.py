@@ -74,7 +74,8 @@ class FP8Module(nn.Module):
     # trace: before it traces a module that has `_initialize_hook`, Dynamo calls
     # `_infer_parameters(module, args, kwargs)` eagerly (OptimizedModule._call_lazy_check, on
     # every call of `torch.compile(module)`; layers nested in a compiled model are not reached
-    # in torch 2.13 and need one eager step). Quantizers created inside a trace would have buffers that
+    # in torch 2.13: fp8train.convert gives the model it converts a hook of its own,
+    # convert._first_compiled_call). Quantizers created inside a trace would have buffers that
     # are temporaries of the graph, which the backward graph cannot update. The hook is
     # never registered as a real hook: nothing else reads it.
     _initialize_hook = None
@@ -125,7 +126,8 @@ class FP8Module(nn.Module):
                     raise RuntimeError(
                         f"{self.describe()}: its FP8 quantizers for {type(recipe).__name__} do not exist yet and "
                         "cannot be created inside a torch.compile trace; call the module once eagerly inside "
-                        "fp8train.autocast with this recipe, or compile the module itself (torch.compile(module))")
+                        "fp8train.autocast with this recipe, or compile the module itself or the model "
+                        "fp8train.convert converted (torch.compile(model): its first call makes them)")
                 if q is not None:
                     self.warn_once("recipe", f"recipe changed to {type(recipe).__name__}; its FP8 scaling state was reset")
                     q.sharing = max(q.sharing - 1, 1)  # this layer leaves a tie, if it was in one

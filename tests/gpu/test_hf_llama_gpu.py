@@ -77,9 +77,12 @@ def test_every_linear_takes_the_cpp_node(recipe):
     assert dtypes["model.layers.0.mlp.down_proj"] == torch.bfloat16
 
 
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce-overhead"])
+@pytest.mark.parametrize("mode, eager_first", [(None, True), ("reduce-overhead", True), (None, False)],
+                         ids=["default", "reduce-overhead", "default-compiled-first"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_compiled_losses_follow_eager(recipe, mode):
+def test_compiled_losses_follow_eager(recipe, mode, eager_first):
+    """compiled-first: torch.compile(model) from the first step (convert's first-call pass
+    runs the forward once eagerly without gradients: quantizers, shared input ties)."""
     model = _model(recipe)
     twin = copy.deepcopy(model)
     compiled = torch.compile(model, mode=mode)
@@ -92,7 +95,8 @@ def test_compiled_losses_follow_eager(recipe, mode):
         if mode is not None:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
-            out = [twin(input_ids=x, labels=y).loss, (model if step == 0 else compiled)(input_ids=x, labels=y).loss]
+            out = [twin(input_ids=x, labels=y).loss,
+                   (model if step == 0 and eager_first else compiled)(input_ids=x, labels=y).loss]
         for loss, opt, record in zip(out, opts, losses):
             loss.backward()
             opt.step()
@@ -101,3 +105,4 @@ def test_compiled_losses_follow_eager(recipe, mode):
     want, got = torch.tensor(losses[0]), torch.tensor(losses[1])
     assert ((got - want).abs() <= 0.01 * want.abs()).all(), (got, want)
     assert dict(torch._dynamo.utils.counters["frames"]) == frames, "recompiled after the warm-up"
+    assert len(fp8train.inspect.shared_input_casts(model)) == 4  # 2 layers x (q/k/v, gate/up), tied either way
