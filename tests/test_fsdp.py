@@ -436,11 +436,12 @@ def case_2d_mesh_fsdp_over_tp(ctx, recipe: str, sp: bool = False):
                 assert _same_everywhere(q.scale), f"quantizer {i}: scales differ over the grid"
 
 
-def case_compiled_matches_eager(ctx, recipe: str):
+def case_compiled_matches_eager(ctx, recipe: str, eager_first: bool = True):
     """The torchtitan order (fp8_all_gather, fully_shard per layer and root, torch.compile,
-    optimizer): after one eager step (which makes the activation quantizers), the compiled
-    model (aot_eager: Dynamo and AOTAutograd, no code generation) trains bit for bit like the
-    same model left eager."""
+    optimizer): after one eager step (which makes the activation quantizers), or from the
+    first step (not eager_first: the converted root's first compiled call runs its forward once
+    eagerly without gradients, fp8train.convert), the compiled model (aot_eager: Dynamo and
+    AOTAutograd, no code generation) trains bit for bit like the same model left eager."""
     r = RECIPES[recipe]()
     runs = [list(_fp8_gathered(ctx, r)) for _ in range(2)]
     g = torch.Generator().manual_seed(ctx.seed)
@@ -451,7 +452,7 @@ def case_compiled_matches_eager(ctx, recipe: str):
         losses = []
         with fp8train.autocast(recipe=r):
             for i, (model, _) in enumerate(runs):
-                m = torch.compile(model, backend="aot_eager") if (i == 1 and step == 1) else model
+                m = torch.compile(model, backend="aot_eager") if (i == 1 and step == int(eager_first)) else model
                 runs[i][0] = m
                 loss = (m(x.chunk(ctx.world)[ctx.rank]) - y.chunk(ctx.world)[ctx.rank]).square().mean()
                 loss.backward()
@@ -569,6 +570,7 @@ def _cases():
     out.append(gloo_harness.case(case_fp8_all_gather_leaves_tp_layers_alone, (2,)))
     for recipe in RECIPES:  # at 3 ranks, in the slow tier: two Dynamo traces cost ~15 s of the 2-rank launch
         out.append(gloo_harness.case(case_compiled_matches_eager, (1, 3), recipe=recipe))
+        out.append(gloo_harness.case(case_compiled_matches_eager, (1, 3), recipe=recipe, eager_first=False))
     for recipe in RECIPES:
         out.append(gloo_harness.case(case_2d_mesh_fsdp_over_tp, (4,), recipe=recipe))
         out.append(gloo_harness.case(case_2d_mesh_fsdp_over_tp, (4,), recipe=recipe, sp=True))
