@@ -322,10 +322,29 @@ class Quantizer(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
         self._forget_prepared()  # assign=True loads replace the buffers
 
+    # A tie's quantizer (sharing > 1) reaches one state_dict under each sibling's name. Its
+    # first name's entry of fp8_max, (key, tensor), marks the state_dict being written.
+    _state_mark = None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        mark = self._state_mark
+        if self.sharing > 1 and mark is not None and destination.get(mark[0]) is mark[1]:
+            # A later name of a tie gets copies: safetensors (HF save_pretrained) refuses one
+            # storage under several names. The first name keeps the buffers themselves, which
+            # loads in place (torch.distributed.checkpoint) write through.
+            entries: dict = {}
+            super()._save_to_state_dict(entries, prefix, keep_vars)
+            destination.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()})
+            return
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "fp8_max"
+        self._state_mark = (key, destination[key]) if self.sharing > 1 else None
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_prepared"] = {}  # compiled kernels and views of this copy's buffers stay behind
         state["_memo"] = None
+        state.pop("_state_mark", None)  # an alias of a buffer of the original
         return state
 
     def matches(self, recipe: Recipe, role: TensorRole) -> bool:

@@ -258,6 +258,37 @@ def test_checkpoint_round_trip_of_a_tied_model(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_tied_state_dict_saves_through_safetensors(recipe, tmp_path):
+    """safetensors (what HF save_pretrained writes) refuses one storage under several names:
+    a tie's later names hold copies, its first name the buffers themselves (a load in place,
+    as torch.distributed.checkpoint's, writes through to every sibling)."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model = _block()
+    batches = _batches(4)
+    _train(model, recipe, batches[:2], autocast_bf16=False)
+    state = model.state_dict()
+    q = model.q.input_quantizer
+    assert q is model.k.input_quantizer
+    for name, buf in q.named_buffers():
+        if name in q._non_persistent_buffers_set:
+            continue
+        first, later = state[f"q.input_quantizer.{name}"], state[f"v.input_quantizer.{name}"]
+        assert first.data_ptr() == buf.data_ptr(), name
+        assert later.data_ptr() != buf.data_ptr() and torch.equal(later, buf), name
+    assert model.state_dict().keys() == state.keys()  # a second call marks its own state_dict
+    assert model.state_dict()["v.input_quantizer.fp8_max"].data_ptr() != q.fp8_max.data_ptr()
+    path = tmp_path / "block.safetensors"
+    safetensors_torch.save_file(state, path)
+    want = _train(model, recipe, batches[2:], autocast_bf16=False)
+    want_state = _state(model)
+    resumed = _block(seed=5)
+    resumed.load_state_dict(safetensors_torch.load_file(path))
+    got = _train(resumed, recipe, batches[2:], autocast_bf16=False)
+    assert torch.equal(got, want), (got, want)
+    _assert_same_state(_state(resumed), want_state)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_untied_checkpoint_loads_into_a_tied_model(recipe, monkeypatch):
     untied = _block()
     batches = _batches(4)
