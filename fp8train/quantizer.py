@@ -314,7 +314,14 @@ class Quantizer(nn.Module):
         self._memo = None  # its scale may be stale too (a load, a move, a new rule)
 
     def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
+        def keeping_dtype(t):
+            # The scaling state stays float32 (the kernels read it so): a model's .to(bfloat16),
+            # .half() or .double() moves these buffers, if it moves them, and converts only the
+            # layers' parameters (rounding the scales to bf16 and back would lose their bits).
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.to(device=out.device)
+
+        out = super()._apply(keeping_dtype, recurse)
         self._forget_prepared()  # buffers may be new tensors
         return out
 

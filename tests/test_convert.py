@@ -1,5 +1,7 @@
 """fp8train.convert on CPU: which layers are swapped, shared parameters, exact outputs outside
 autocast, training inside, and the clear errors."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -75,6 +77,38 @@ def test_converted_model_trains_in_fp8_with_a_prebuilt_optimizer():
     with fp8train.autocast(recipe=recipe):
         y = m(x)
     assert sqnr_db(y, m(x)) > 20  # FP8 forward close to the same model in high precision
+
+
+@pytest.mark.parametrize("recipe", [fp8train.DelayedScaling(), fp8train.CurrentScaling(), fp8train.BlockScaling()],
+                         ids=["delayed", "current", "block"])
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half()],
+                         ids=["to-bf16", "half"])
+def test_casting_a_converted_model_converts_its_parameters_not_its_scaling_state(recipe, cast):
+    """model.to(dtype) after convert (pure-bf16 training): the layers' parameters take the
+    dtype, the quantizers' state stays float32 with its bits, and the model then trains as
+    one whose parameters alone were converted."""
+    m = model()
+    fp8train.convert(m, recipe)
+    x = torch.randn(32, 64)
+    with fp8train.autocast(recipe=recipe):
+        m(x).float().pow(2).mean().backward()  # a step's scaling state (delayed: a recorded amax)
+    m.zero_grad(set_to_none=True)
+    twin = copy.deepcopy(m)
+    state = copy.deepcopy(m.state_dict())
+    assert cast(m) is m
+    dtype = m[0].up.weight.dtype
+    assert dtype != torch.float32
+    for p in twin.parameters():  # the parameters alone
+        p.data = p.data.to(dtype)
+    for name, buf in m.named_buffers():
+        if ".input_quantizer." in name or ".weight_quantizer." in name or ".grad_output_quantizer." in name:
+            assert buf.dtype in (torch.float32, torch.int32), name
+            assert name not in state or torch.equal(buf, state[name]), name
+    with fp8train.autocast(recipe=recipe):  # one region: a delayed update rolls every live quantizer
+        losses = [model_(x.to(dtype)).float().pow(2).mean() for model_ in (m, twin)]
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(m.state_dict().items(), twin.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 def test_errors():
