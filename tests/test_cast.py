@@ -154,3 +154,22 @@ def test_power_of_two_current_scaling_twins(dtype, transpose, amax):
     assert scale.item() == want and scale_inv.item() == 1.0 / want  # a power of two: its inverse is exact
     assert count.item() == 2 + (not math.isfinite(a))
     assert_same_fp8(fp8_bytes(out).numpy(), ml_dtypes_cast(x, want, dtype), dtype)
+
+
+@pytest.mark.parametrize("work", [2, 77, 5000])
+def test_persistent_grid_of_a_symbolic_size_adds_no_guard(work):
+    """fp8train::cast_kernels' body runs in torch.compile's trace with symbolic sizes: a guard
+    on the token count there makes every sequence length on the other side of it compile
+    again (a compiled HF Llama did for 64 tokens or fewer, on the GPU)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fp8train.kernels import cast as cast_kernels
+
+    env = ShapeEnv()
+    size = env.create_symintnode(env.create_symbol(work, source=ConstantSource("tokens")), hint=work)
+    programs = cast_kernels._grid(size, 3, torch.device("cpu"))  # the interpreter's 3 SMs: a cap of 9
+    assert env.guards == []
+    assert programs.node.hint == min(work, 9)
+    assert cast_kernels._grid(work, 3, torch.device("cpu")) == min(work, 9)
+    assert cast_kernels._grid(0, 3, torch.device("cpu")) == 1

@@ -113,8 +113,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _grid(work_items: int, programs_per_sm: int, device: torch.device) -> int:
-    """Programs of a persistent 1-D grid: enough for the work, at most programs_per_sm per SM."""
-    return max(1, min(work_items, programs_per_sm * _sm_count(device)))
+    """Programs of a persistent 1-D grid: enough for the work, at most programs_per_sm per SM.
+    In fp8train::cast_kernels' trace work_items is symbolic where the token count is: Python's
+    max and min would guard on it, and a compiled HF Llama recompiled for every batch of 64
+    or fewer tokens per sequence once it had gone dynamic; torch.sym_max / sym_min do not."""
+    return torch.sym_max(1, torch.sym_min(work_items, programs_per_sm * _sm_count(device)))
 
 
 # --------------------------------------------------------------------------- device code
