@@ -173,3 +173,10 @@ def test_persistent_grid_of_a_symbolic_size_adds_no_guard(work):
     assert programs.node.hint == min(work, 9)
     assert cast_kernels._grid(work, 3, torch.device("cpu")) == min(work, 9)
     assert cast_kernels._grid(0, 3, torch.device("cpu")) == 1
+    cfg = cast_kernels.launch_configs(torch.device("cpu"))[1]
+    cast_kernels._check_tile_offsets(cfg, 64, 64, size)  # rows of 64 elements, a symbolic padded row count
+    for guard in env.guards:  # the int32 bound alone: true for every size from 2 to a million rows
+        symbol, = guard.expr.free_symbols
+        assert all(bool(guard.expr.subs(symbol, rows)) for rows in (2, 17, 64, 65, 10**6)), guard.expr
+    with pytest.raises(ValueError, match="too long"):
+        cast_kernels._check_tile_offsets(cfg, 2**31, 64, 64)

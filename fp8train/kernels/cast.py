@@ -620,8 +620,9 @@ def _as_rows(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
 
 
 def _check_tile_offsets(cfg: TileConfig, row_stride: int, n: int, mp: int) -> None:
-    # Offsets inside one tile are int32 (tile origins are int64).
-    if max(row_stride, n, mp) * max(cfg.block_m, cfg.block_n) >= 2**31:
+    # Offsets inside one tile are int32 (tile origins are int64). sym_max: no guard on which
+    # size is the largest in a trace (see _grid), only the bound itself.
+    if torch.sym_max(torch.sym_max(row_stride, n), mp) * max(cfg.block_m, cfg.block_n) >= 2**31:
         raise ValueError(f"fp8 cast: rows of {max(row_stride, n, mp)} elements are too long for the tiled "
                          f"kernel (int32 offsets inside a {cfg.block_m}x{cfg.block_n} tile)")
 
