@@ -31,9 +31,11 @@ slow_models=(tests/gpu/test_fsdp_gpu.py tests/gpu/test_hf_llama_gpu.py tests/gpu
 slow_modules=(tests/gpu/test_graphs_gpu.py tests/gpu/test_replay_gpu.py tests/gpu/test_mlp_node_gpu.py
   tests/gpu/test_shared_inputs_gpu.py tests/gpu/test_precision_gpu.py tests/gpu/test_fused_modules_gpu.py
   tests/gpu/test_linear_gpu.py)
-slow=("${slow_models[@]}" "${slow_modules[@]}")
+usage=(tests/gpu/test_hf_llama_usage_gpu.py tests/gpu/test_activation_checkpointing_gpu.py tests/gpu/test_ddp_gpu.py)
+slow=("${slow_models[@]}" "${slow_modules[@]}" "${usage[@]}")
 run rest-slow-models "${slow_models[@]}"
 run rest-slow-modules "${slow_modules[@]}"
+run rest-usage "${usage[@]}"
 run rest tests --ignore=tests/gpu/test_kernels_gpu.py --ignore=tests/gpu/test_activation_gpu.py \
   --ignore=tests/gpu/test_norm_gpu.py --ignore=tests/gpu/test_transpose_gpu.py --ignore=tests/gpu/test_launcher_gpu.py \
   $(printf -- '--ignore=%s ' "${multi[@]}" "${slow[@]}") --deselect tests/gpu/test_distributed_gpu.py::test_collective_matmuls_world2
