@@ -15,7 +15,7 @@ from torch import nn
 from . import kernels, ops, scaling
 from .recipe import CurrentScaling, DelayedScaling, Recipe
 from .roles import TensorRole
-from .tensor import Float8Tensor, padded_rows
+from .tensor import Float8Tensor, padded_rows, version_of
 
 
 _CASTABLE = (torch.bfloat16, torch.float16, torch.float32)
@@ -140,12 +140,12 @@ class Quantizer(nn.Module):
         memo = self._memo
         if memo is not None:
             ref, version, shape, memo_epoch, left, cast = memo
-            if (ref() is x and version == x._version and shape == x.shape and memo_epoch == epoch
+            if (ref() is x and version == version_of(x) and shape == x.shape and memo_epoch == epoch
                     and (cast.data_t is not None or not transpose)):
                 self._memo = (ref, version, shape, epoch, left - 1, cast) if left > 1 else None
                 return cast
         cast = self.cast(rows, transpose=transpose)
-        self._memo = (weakref.ref(x), x._version, x.shape, epoch, self.sharing - 1, cast)
+        self._memo = (weakref.ref(x), version_of(x), x.shape, epoch, self.sharing - 1, cast)
         return cast
 
     def _traced_cast_shared(self, x: torch.Tensor, rows: torch.Tensor, transpose: bool) -> "Cast":

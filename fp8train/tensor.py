@@ -23,6 +23,12 @@ aten = torch.ops.aten
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def version_of(t: torch.Tensor) -> Optional[int]:
+    """t's version counter, or None for a tensor made under torch.inference_mode, which keeps
+    none: its in-place writes cannot be seen (the caches keyed on versions trust it unchanged)."""
+    return None if t.is_inference() else t._version
+
+
 def padded_rows(m: int, multiple: int = 16) -> int:
     """Rows of a transposed copy's padded storage: FP8 GEMM reduction dims need multiples of 16."""
     return -(-m // multiple) * multiple
@@ -97,12 +103,12 @@ class Float8Tensor(torch.Tensor):
         return buf if padded or buf.shape[1] == rows else buf[:, :rows]
 
     def transpose_is_cached(self) -> bool:
-        return self._transpose is not None and self._transpose_version == self._data._version
+        return self._transpose is not None and self._transpose_version == version_of(self._data)
 
     def _set_transpose(self, buf: torch.Tensor) -> None:
         """Adopt `buf` (written together with the payload) as the valid transposed copy."""
         self._transpose = buf
-        self._transpose_version = self._data._version
+        self._transpose_version = version_of(self._data)
 
     def _share_transpose(self, src: "Float8Tensor") -> None:
         # Views made below autograd get their own version counter, so the shared copy is
@@ -110,8 +116,12 @@ class Float8Tensor(torch.Tensor):
         self._set_transpose(src._transpose)
 
     def _mark_rewritten(self) -> None:
-        """Kernels write the payload through raw pointers: bump its version so caches notice."""
-        torch.autograd.graph.increment_version(self._data)
+        """Kernels write the payload through raw pointers: bump its version so caches notice
+        (an inference-mode payload has none: its transposed copy is dropped instead)."""
+        if self._data.is_inference():
+            self._transpose = None
+        else:
+            torch.autograd.graph.increment_version(self._data)
 
     # ---------------------------------------------------------------- python protocol
     def __repr__(self):

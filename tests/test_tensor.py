@@ -107,6 +107,21 @@ def test_transpose_cache_built_once_and_invalidated_by_inplace_writes(q):
     assert not q.transpose_is_cached()
 
 
+def test_inference_mode_tensors_cache_their_transpose_until_rewritten_through_fp8train():
+    """Made under torch.inference_mode the payload keeps no version counter: the transposed
+    copy is kept until fp8train rewrites the payload (copy_ requantizes, which drops it);
+    a foreign in-place write there goes unseen."""
+    with torch.inference_mode():
+        q = fp8train.quantize(torch.randn(6, 48, dtype=torch.bfloat16), role=TensorRole.INPUT)
+        assert q.fp8_data.is_inference()
+        t1 = q.transpose_data()
+        assert q.transpose_is_cached() and q.transpose_data().data_ptr() == t1.data_ptr()
+        assert torch.equal(fp8_bytes(t1), fp8_bytes(q.fp8_data).t())
+        q.copy_(torch.randn(6, 48))
+        assert not q.transpose_is_cached()
+        assert torch.equal(fp8_bytes(q.transpose_data()), fp8_bytes(q.fp8_data).t())
+
+
 def test_reshape_keeps_the_transposed_copy_when_rows_are_unchanged():
     q = fp8train.quantize(torch.randn(2, 3, 32))
     t = q.transpose_data()

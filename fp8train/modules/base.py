@@ -16,7 +16,7 @@ from ..quantizer import Quantizer
 from ..quantizer_factory import make_quantizer, quantizer_from_state
 from ..recipe import BlockScaling, Format, Recipe
 from ..roles import TensorRole
-from ..tensor import Float8Tensor
+from ..tensor import Float8Tensor, version_of
 
 # Submodule name of each role's quantizer, after the GEMM's prefix; these names appear in
 # state_dict keys ("input_quantizer" for Linear, "fc1_input_quantizer" in LayerNormMLP).
@@ -131,7 +131,8 @@ class FP8Module(nn.Module):
                 if q is not None:
                     self.warn_once("recipe", f"recipe changed to {type(recipe).__name__}; its FP8 scaling state was reset")
                     q.sharing = max(q.sharing - 1, 1)  # this layer leaves a tie, if it was in one
-                q = make_quantizer(recipe, role, device=device)
+                with torch.inference_mode(False):  # state that training steps update in place later
+                    q = make_quantizer(recipe, role, device=device)
                 setattr(self, name, q)
                 if device.type == "cuda" and native.ENABLED:
                     native.extension()  # loaded before any trace: compiled GEMMs call its operator
@@ -156,7 +157,7 @@ class FP8Module(nn.Module):
         if last is not None:
             ref, version, shape, last_recipe, last_region, q_ref = last
             other = q_ref()
-            if (ref() is x and version == x._version and shape == x.shape and last_recipe == recipe
+            if (ref() is x and version == version_of(x) and shape == x.shape and last_recipe == recipe
                     and last_region == region()
                     and other is not None and other is not q and type(other) is type(q)
                     and other.matches(recipe, TensorRole.INPUT) and other.fp8_max.device == q.fp8_max.device):
@@ -165,7 +166,7 @@ class FP8Module(nn.Module):
                 other.sharing += 1
                 setattr(self, name, other)
                 q = other
-        _last_input[0] = (weakref.ref(x), x._version, x.shape, recipe, region(), weakref.ref(q))
+        _last_input[0] = (weakref.ref(x), version_of(x), x.shape, recipe, region(), weakref.ref(q))
         return q
 
     def takes_block_scaling(self) -> bool:

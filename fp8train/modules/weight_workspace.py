@@ -1,6 +1,7 @@
 """The FP8 copy of a weight that a layer owns and rewrites in place."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple, Union
 
 import torch
@@ -61,7 +62,8 @@ class WeightWorkspace:
         if fits:
             quantizer.requantize(weight, ws, transpose=need_transpose, skip=skip)
         else:
-            self.fp8 = quantizer.quantize(weight, transpose=need_transpose)
+            with _kept():
+                self.fp8 = quantizer.quantize(weight, transpose=need_transpose)
         return self.fp8
 
     def for_native(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
@@ -114,10 +116,19 @@ class WeightWorkspace:
         kept = self.block
         if is_first_microbatch is False and kept is not None and kept.data.shape == weight.shape \
                 and kept.data.dtype == quantizer.dtype and kept.data.device == weight.device:
-            self.block = kept = transpose_tiles(kept) if need_transpose else kept
+            with _kept():
+                self.block = kept = transpose_tiles(kept) if need_transpose else kept
             return kept
-        self.block = quantizer.cast(weight, transpose=need_transpose)
+        with _kept():
+            self.block = quantizer.cast(weight, transpose=need_transpose)
         return self.block
+
+
+def _kept():
+    """Where the workspace allocates what it keeps between steps: ordinary tensors, also under
+    torch.inference_mode (an evaluation before training), since a training step rewrites them
+    in place, which an inference tensor refuses outside inference mode."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 def weight_operands(w: Union[Float8Tensor, Cast, BlockCast]) -> Tuple[torch.Tensor, torch.Tensor]:

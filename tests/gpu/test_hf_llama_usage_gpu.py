@@ -4,7 +4,8 @@
   wgrad GEMM's K is the token count, padded in the transposed copies): losses within 1% of
   eager per step, as tests/gpu/test_hf_llama_gpu.py compares them, and no compile more than
   BF16's compiled model makes;
-* `generate` (KV cache: decode steps of one token per sequence) inside fp8train.autocast;
+* `generate` (KV cache: decode steps of one token per sequence) inside fp8train.autocast, also
+  under torch.inference_mode before any training step;
 * `model.to(torch.bfloat16)` after FP8 steps (pure-bf16 training): the parameters take the
   dtype, the scaling state stays float32, and the C++ nodes then train it bit for bit as a
   model whose parameters alone were converted.
@@ -116,6 +117,26 @@ def test_generate_inside_fp8_autocast(recipe):
     assert all(torch.isfinite(s).all() for s in out.scores)
     # the first scores come from the same prompt: FP8 against high precision
     assert sqnr_db(out.scores[0].float(), runs[False].scores[0].float()) > 20
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_inference_mode_evaluation_then_training(recipe):
+    """torch.inference_mode: generate as under no_grad (one FP8 region: one set of delayed
+    scales), before training made the layers' FP8 state, which training then rewrites."""
+    model = _model(recipe)
+    prompt = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    out = {}
+    with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
+        for mode in (torch.inference_mode, torch.no_grad):  # inference mode first: it makes the workspaces
+            with mode():
+                out[mode] = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out[torch.inference_mode], out[torch.no_grad])
+    for name, t in model.named_buffers():
+        assert not t.is_inference(), name
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 256, (2, 64), generator=g).to(CUDA) for _ in range(3)]
+    losses = _steps([model], batches, recipe)[0]
+    assert torch.isfinite(losses).all()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
