@@ -321,9 +321,22 @@ class Quantizer(nn.Module):
             out = fn(t)
             return out if out.dtype == t.dtype else t.to(device=out.device)
 
+        was_meta = self.fp8_max.is_meta
         out = super()._apply(keeping_dtype, recurse)
+        if was_meta and not self.fp8_max.is_meta:
+            # Materialised from the meta device (model.to_empty after a meta-device init, as
+            # torchtitan and FSDP2 users build models): the new buffers hold whatever memory held.
+            self._fill_initial_state()
         self._forget_prepared()  # buffers may be new tensors
         return out
+
+    @torch.no_grad()
+    def _fill_initial_state(self) -> None:
+        """The state of a new quantizer, written into its buffers in place."""
+        self.fp8_max.fill_(scaling.fp8_max(self.dtype))
+        if not self.blockwise:
+            self.scale.fill_(1.0)
+            self.nonfinite_count.zero_()
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -379,6 +392,10 @@ class CurrentScalingQuantizer(Quantizer):
         super().__init__(role, dtype, device, power_of_two)
         self.register_buffer("amax", torch.zeros((), device=device))
 
+    def _fill_initial_state(self) -> None:
+        super()._fill_initial_state()
+        self.amax.zero_()
+
     def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
         amax = self.amax  # a buffer: each read is a Module.__getattr__ call
         amax.zero_()
@@ -430,6 +447,12 @@ class DelayedScalingQuantizer(Quantizer):
     @property
     def history_len(self) -> int:
         return self.amax_history.shape[0]
+
+    def _fill_initial_state(self) -> None:
+        super()._fill_initial_state()
+        self.amax_history.fill_(scaling.UNRECORDED)
+        self._calibration_amax.zero_()
+        self.calibrated = False
 
     def _scale_epoch(self) -> int:
         return delayed_updates()  # the scale changes at an update only (a kernel writes it: no version bump)

@@ -111,6 +111,34 @@ def test_casting_a_converted_model_converts_its_parameters_not_its_scaling_state
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("recipe", [fp8train.DelayedScaling(), fp8train.CurrentScaling(), fp8train.BlockScaling()],
+                         ids=["delayed", "current", "block"])
+def test_meta_device_init_then_to_empty_starts_from_fresh_scaling_state(recipe):
+    """Built on the meta device, converted, then materialised with to_empty (torchtitan's and
+    FSDP2's way to build big models): the quantizers' buffers come back as uninitialised
+    memory, and are refilled with a new quantizer's state. The model then trains as one built
+    on the CPU with the same weights."""
+    with torch.device("meta"):
+        meta = model()
+    fp8train.convert(meta, recipe)
+    meta.to_empty(device="cpu")
+    twin = fp8train.convert(model(), recipe)
+    weights = {k: v for k, v in twin.state_dict().items() if "_quantizer." not in k}
+    meta.load_state_dict(weights, strict=False)  # the weights alone, as an init would write them
+    for (name, a), b in zip(meta.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), name
+    x = torch.randn(32, 64)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (meta, twin)]
+    for _ in range(3):
+        with fp8train.autocast(recipe=recipe):  # one region: a delayed update rolls every live quantizer
+            losses = [m(x).float().pow(2).mean() for m in (meta, twin)]
+        assert torch.equal(losses[0], losses[1])
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
 def test_errors():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         fp8train.convert(object())
