@@ -540,6 +540,48 @@ def case_fp8_all_gather_leaves_tp_layers_alone(ctx):
     assert isinstance(model[2].fc1_weight, FP8GatherWeight) and isinstance(model[2].fc2_weight, FP8GatherWeight)
 
 
+def case_meta_init_trains_like_built_on_device(ctx, recipe: str, fp8_gather: bool = False):
+    """torchtitan's way to build a big model: on the meta device, converted (with the recipe:
+    the quantizers are on meta too), wrapped, then `to_empty` on the device and the weights
+    written. The quantizers then hold a new quantizer's state (not the memory to_empty hands
+    back), and the model trains as the same model built on the device, bit for bit."""
+    from fp8train.distributed import fp8_all_gather
+    r = RECIPES[recipe]()
+
+    def layers():
+        return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.Linear(64, 64))
+
+    torch.manual_seed(ctx.seed)
+    built = fp8train.convert(layers().to(ctx.device), r)
+    with torch.device("meta"):
+        meta = fp8train.convert(layers(), r)
+    for m in (built, meta):
+        if fp8_gather:
+            fp8_all_gather(m, r)
+        _shard(m)
+    meta.to_empty(device=ctx.device)
+    with torch.no_grad():
+        for p, q in zip(meta.parameters(), built.parameters()):  # the init: this rank's shards
+            p.copy_(q)
+    for (name, a), b in zip(meta.state_dict().items(), built.state_dict().values()):
+        assert torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a,
+                           b.full_tensor() if hasattr(b, "full_tensor") else b), name
+    models = (meta, built)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    g = torch.Generator().manual_seed(ctx.seed)
+    for step in range(STEPS):
+        x, y = _batch(g, ctx)
+        if recipe == "delayed":
+            reduce_delayed_amaxes(delayed_quantizers(meta) + delayed_quantizers(built), dist.group.WORLD)
+        with fp8train.autocast(recipe=r):  # one region: a delayed update rolls both models' quantizers
+            losses = [(m(x.chunk(ctx.world)[ctx.rank]) - y.chunk(ctx.world)[ctx.rank]).square().mean() for m in models]
+        assert torch.equal(losses[0], losses[1]), f"step {step}: {losses}"
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
 # World 1 (NCCL on one GPU, tests/gpu/test_fsdp_gpu.py; the CPU suite runs worlds 2-4 only):
 # FSDP2 still runs the FP8 pre/post all-gather hooks there, and the weight-amax all-reduces.
 # Not at 1: the cases that need 4 ranks (a 2-rank sub-mesh, a 2 x 2 grid).
@@ -565,6 +607,9 @@ def _cases():
         out.append(gloo_harness.case(case_fp8_all_gather_is_the_master_gather_in_fp8, (1, 2, 3), recipe=recipe,
                                      kind="fused"))
     out.append(gloo_harness.case(case_current_weight_scales_from_one_all_reduce_per_step, (1, 2)))
+    for recipe in RECIPES:
+        out.append(gloo_harness.case(case_meta_init_trains_like_built_on_device, (1, 2), recipe=recipe))
+    out.append(gloo_harness.case(case_meta_init_trains_like_built_on_device, (1, 2), recipe="current", fp8_gather=True))
     for recipe in RECIPES:
         out.append(gloo_harness.case(case_weights_cast_once_per_step, (1, 2), recipe=recipe))
     out.append(gloo_harness.case(case_fp8_all_gather_leaves_tp_layers_alone, (2,)))
