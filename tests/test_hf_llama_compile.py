@@ -80,3 +80,31 @@ def test_converted_hf_llama_compiles_without_an_eager_step(recipe):
     assert len(fp8train.inspect.shared_input_casts(model)) == 4  # 2 layers x (q/k/v, gate/up)
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def _compiles(model, recipe, lengths) -> int:
+    """Dynamo frames compiled while torch.compile(model) (aot_eager) trains one step per length."""
+    compiled = torch.compile(model, backend="aot_eager")
+    g = torch.Generator().manual_seed(0)
+    before = torch._dynamo.utils.counters["frames"]["ok"]  # cumulative over the process
+    for length in lengths:
+        x = torch.randint(0, 256, (2, length), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8train.autocast(enabled=recipe is not None, recipe=recipe):
+            compiled(input_ids=x, labels=x).loss.backward()
+    return torch._dynamo.utils.counters["frames"]["ok"] - before
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_changing_sequence_lengths_compile_as_often_as_bf16(recipe):
+    """Lengths that change between batches: Dynamo's static first graph, then one dynamic
+    graph for the rest, as for the unconverted model; a size comparison in the layers' Python
+    would be a guard and compile again (the GPU's cast operators had two:
+    tests/gpu/test_hf_llama_usage_gpu.py). BlockScaling is left out: its torch-ops casts here
+    (the CPU's) take whole blocks and tail blocks by different code, a guard of their own."""
+    lengths = (64, 77, 93, 41, 100)
+    torch._dynamo.reset()
+    bf16 = _compiles(hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu")), None, lengths)
+    torch._dynamo.reset()
+    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
+    fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
+    assert _compiles(model, recipe, lengths) == bf16
