@@ -285,18 +285,29 @@ def sgd_steps(model, recipe, xs, params_dtype):
     return out
 
 
-def llama_steps_side_by_side(models, recipe, steps, device, shape=(2, 64)):
-    """`steps` AdamW steps of HF causal LMs on the same random byte batches, each step's
-    forwards in one FP8 region (a delayed update rolls every live quantizer: every model sees
-    the same updates), the backwards after it exits (a checkpointed forward's recomputation
-    runs there). Returns each model's losses."""
+def converted_llama(recipe, device, shape: str = "tiny"):
+    """benchmarks/hf_llama.py's LlamaForCausalLM at `shape` (FP32 parameters), converted with
+    `recipe` (None: the quantizers come at the first FP8 call), the LM head left out."""
+    import fp8train
+    import hf_llama  # benchmarks/ on sys.path (the HF test files put it there)
+    model = hf_llama.build_llama(hf_llama.SHAPES[shape], device)
+    return fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
+
+
+def llama_steps_side_by_side(models, recipe, steps, device, shape=(2, 64), lengths=None):
+    """`steps` AdamW steps of HF causal LMs on the same random byte batches (`shape`, or
+    sequence lengths `lengths`, one step each, batch shape[0]), each step's forwards in one
+    FP8 region (a delayed update rolls every live quantizer: every model sees the same
+    updates; recipe None: no FP8), the backwards after it exits (a checkpointed forward's
+    recomputation runs there). Returns each model's losses."""
     import fp8train
     g = torch.Generator().manual_seed(0)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=device.type == "cuda") for m in models]
     losses = [[] for _ in models]
-    for _ in range(steps):
-        x = torch.randint(0, 256, shape, generator=g).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
+    for length in lengths or (shape[1],) * steps:
+        x = torch.randint(0, 256, (shape[0], length), generator=g).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16), \
+                fp8train.autocast(enabled=recipe is not None, recipe=recipe):
             out = [m(input_ids=x, labels=x, use_cache=False).loss for m in models]
         for loss, opt, record in zip(out, opts, losses):
             loss.backward()

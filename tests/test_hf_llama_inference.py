@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402
+from helpers import converted_llama  # noqa: E402
 
 RECIPES = [pytest.param(fp8train.DelayedScaling(), id="delayed"), pytest.param(fp8train.CurrentScaling(), id="current"),
            pytest.param(fp8train.BlockScaling(), id="block")]
@@ -40,8 +41,7 @@ def _train(model, recipe, batches):
 
 
 def _model(recipe, with_quantizers=True):
-    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
-    return fp8train.convert(model, recipe if with_quantizers else None, filter_fn=hf_llama.not_lm_head)
+    return converted_llama(recipe if with_quantizers else None, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

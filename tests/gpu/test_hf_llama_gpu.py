@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402
+from tests.helpers import converted_llama  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -35,9 +36,7 @@ def _batches(n):
 
 
 def _model(recipe):
-    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], CUDA)
-    fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
-    return model
+    return converted_llama(recipe, CUDA)
 
 
 @pytest.fixture(autouse=True)

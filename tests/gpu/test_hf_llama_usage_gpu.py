@@ -25,7 +25,7 @@ import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402
 from fp8train.quantizer import Quantizer  # noqa: E402
-from helpers import sqnr_db  # noqa: E402
+from tests.helpers import converted_llama, llama_steps_side_by_side, sqnr_db  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -34,9 +34,7 @@ RECIPES = [pytest.param(fp8train.DelayedScaling(), id="delayed"), pytest.param(f
 
 
 def _model(recipe):
-    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], CUDA)
-    fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
-    return model
+    return converted_llama(recipe, CUDA)
 
 
 @pytest.fixture(autouse=True)
@@ -48,21 +46,6 @@ def _fresh_dynamo():
 
 def _frames() -> int:
     return torch._dynamo.utils.counters["frames"]["ok"]  # cumulative over the process: take differences
-
-
-def _steps(models, batches, recipe=None):
-    """One step per batch of each model, side by side (AdamW); the loss trajectories."""
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
-    losses = [[] for _ in models]
-    for x in batches:
-        with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(enabled=recipe is not None, recipe=recipe):
-            out = [m(input_ids=x, labels=x).loss for m in models]
-        for loss, opt, record in zip(out, opts, losses):
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            record.append(float(loss))
-    return [torch.tensor(r) for r in losses]
 
 
 @pytest.mark.parametrize("recipe, lengths", [
@@ -83,16 +66,15 @@ def test_compiled_with_changing_sequence_lengths_follows_eager(recipe, lengths):
 
 
 def _compare_compiles(recipe, lengths):
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 256, (2, length), generator=g).to(CUDA) for length in lengths]
     before = _frames()
-    _steps([torch.compile(hf_llama.build_llama(hf_llama.SHAPES["tiny"], CUDA))], batches)
+    llama_steps_side_by_side([torch.compile(hf_llama.build_llama(hf_llama.SHAPES["tiny"], CUDA))], None, None, CUDA,
+                             lengths=lengths)
     bf16_frames = _frames() - before
     torch._dynamo.reset()
     model = _model(recipe)
     twin = copy.deepcopy(model)
     before = _frames()
-    want, got = _steps([twin, torch.compile(model)], batches, recipe)
+    want, got = llama_steps_side_by_side([twin, torch.compile(model)], recipe, None, CUDA, lengths=lengths)
     assert ((got - want).abs() <= 0.01 * want.abs()).all(), (got, want)
     assert _frames() - before == bf16_frames, (_frames() - before, bf16_frames)
 
@@ -133,9 +115,7 @@ def test_inference_mode_evaluation_then_training(recipe):
     assert torch.equal(out[torch.inference_mode], out[torch.no_grad])
     for name, t in model.named_buffers():
         assert not t.is_inference(), name
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 256, (2, 64), generator=g).to(CUDA) for _ in range(3)]
-    losses = _steps([model], batches, recipe)[0]
+    losses = llama_steps_side_by_side([model], recipe, 3, CUDA)[0]
     assert torch.isfinite(losses).all()
 
 
