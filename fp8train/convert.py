@@ -1,12 +1,14 @@
 """`fp8train.convert`: swap a model's torch.nn.Linear layers for fp8train.Linear, in place."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from . import gemm
+from .coverage import not_linear_summary
 from .autocast import active_recipe
 from .modules.linear import Linear
 from .recipe import Recipe, check_recipe
@@ -25,6 +27,8 @@ def convert(model: nn.Module, recipe: Optional[Recipe] = None, filter_fn: Option
     checkpoint taken before the first FP8 step already holds their (initial) state.
     Layers already converted, subclasses of nn.Linear with their own forward, and a `model`
     that is itself an nn.Linear are left alone (a root module cannot be replaced in place).
+    Modules that are not nn.Linear but hold matrices (an MoE's experts, GPT-2's Conv1D) stay
+    in high precision: a warning says so (fp8train.inspect.coverage lists every module).
 
     `torch.compile(model)` needs no eager step first: the first compiled call inside
     fp8train.autocast runs the model's forward once eagerly without gradients before it
@@ -45,6 +49,9 @@ def convert(model: nn.Module, recipe: Optional[Recipe] = None, filter_fn: Option
             if filter_fn is not None and not filter_fn(qualified, child):
                 continue
             setattr(parent, child_name, _from_linear(child, qualified, recipe))
+    summary = not_linear_summary(model)
+    if summary:
+        warnings.warn(f"convert: {summary}", stacklevel=2)
     if any(isinstance(m, Linear) for m in model.modules()) and not isinstance(model, Linear):
         # torch.compile's protocol for lazy modules (torch/_dynamo/eval_frame.py, OptimizedModule):
         # a module with both attributes when torch.compile wraps it has

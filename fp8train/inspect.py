@@ -36,6 +36,7 @@ from torch import nn
 
 from . import scaling
 from .autocast import active_recipe
+from .coverage import Coverage, Reason, coverage  # noqa: F401  (fp8train.inspect.coverage)
 from .kernels import block_reference
 from .kernels.reference import abs_max, saturating_cast
 from .modules.base import QUANTIZER_NAMES, FP8Module

@@ -139,6 +139,39 @@ def test_meta_device_init_then_to_empty_starts_from_fresh_scaling_state(recipe):
             opt.zero_grad(set_to_none=True)
 
 
+class Experts(nn.Module):
+    """An MoE's experts as Hugging Face's MoE models hold them (transformers 5): one module
+    with 3-D weights and its own matmuls, no nn.Linear."""
+
+    def __init__(self, n=4, d=64, f=32):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, f, d) * 0.1)
+
+    def forward(self, x):
+        return torch.einsum("...d,nfd->...f", x, self.w)
+
+
+def test_coverage_says_what_stays_in_high_precision():
+    m = nn.Sequential(nn.Embedding(100, 64), nn.Linear(64, 64), nn.Linear(64, 10), Experts(), nn.Linear(32, 64))
+    with pytest.warns(UserWarning, match=r"1 module\(s\) of type Experts hold (\d+)% .* not nn.Linear") as record:
+        fp8train.convert(m, filter_fn=lambda name, mod: name != "4")
+    # matrices outside the embedding: 64*64 (FP8) + 64*10 (dims) + 4*32*64 (experts) + 32*64 (left)
+    share = round(100 * 4 * 32 * 64 / (64 * 64 + 64 * 10 + 4 * 32 * 64 + 32 * 64))
+    assert f"hold {share}%" in str(record[0].message)
+    rows = {c.name: (c.kind, c.params, c.reason) for c in fp8train.inspect.coverage(m)}
+    Reason = fp8train.inspect.Reason
+    assert rows == {"0": ("Embedding", 6400, Reason.EMBEDDING), "1": ("Linear", 4096, Reason.FP8),
+                    "2": ("Linear", 640, Reason.DIMS), "3": ("Experts", 8192, Reason.NOT_LINEAR),
+                    "4": ("Linear", 2048, Reason.LEFT)}
+
+
+def test_convert_of_a_model_of_linears_says_nothing():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8train.convert(model())  # its odd Linear stays, as documented: no warning for that
+
+
 def test_errors():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         fp8train.convert(object())
