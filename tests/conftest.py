@@ -41,6 +41,14 @@ def device(request):
     return torch.device(request.param)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test (its frame counters are cumulative)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def native_extension():
     """The C++ extension, built: a test of the C++ nodes fails (not skips) where it did not build."""

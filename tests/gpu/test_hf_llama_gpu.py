@@ -24,7 +24,7 @@ import hf_llama  # noqa: E402
 import fp8train  # noqa: E402
 from tests.helpers import converted_llama  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 CUDA = torch.device("cuda")
 RECIPES = [pytest.param(fp8train.DelayedScaling(), id="delayed"), pytest.param(fp8train.CurrentScaling(), id="current")]
 STEPS = 8
@@ -37,13 +37,6 @@ def _batches(n):
 
 def _model(recipe):
     return converted_llama(recipe, CUDA)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

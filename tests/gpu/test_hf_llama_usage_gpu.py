@@ -27,21 +27,11 @@ import fp8train  # noqa: E402
 from fp8train.quantizer import Quantizer  # noqa: E402
 from tests.helpers import converted_llama, llama_steps_side_by_side, sqnr_db  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 CUDA = torch.device("cuda")
 RECIPES = [pytest.param(fp8train.DelayedScaling(), id="delayed"), pytest.param(fp8train.CurrentScaling(), id="current"),
            pytest.param(fp8train.BlockScaling(), id="block")]
 
-
-def _model(recipe):
-    return converted_llama(recipe, CUDA)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _frames() -> int:
@@ -71,7 +61,7 @@ def _compare_compiles(recipe, lengths):
                              lengths=lengths)
     bf16_frames = _frames() - before
     torch._dynamo.reset()
-    model = _model(recipe)
+    model = converted_llama(recipe, CUDA)
     twin = copy.deepcopy(model)
     before = _frames()
     want, got = llama_steps_side_by_side([twin, torch.compile(model)], recipe, None, CUDA, lengths=lengths)
@@ -81,7 +71,7 @@ def _compare_compiles(recipe, lengths):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_generate_inside_fp8_autocast(recipe):
-    model = _model(recipe)
+    model = converted_llama(recipe, CUDA)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(CUDA)
     with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
@@ -105,7 +95,7 @@ def test_generate_inside_fp8_autocast(recipe):
 def test_inference_mode_evaluation_then_training(recipe):
     """torch.inference_mode: generate as under no_grad (one FP8 region: one set of delayed
     scales), before training made the layers' FP8 state, which training then rewrites."""
-    model = _model(recipe)
+    model = converted_llama(recipe, CUDA)
     prompt = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0)).to(CUDA)
     out = {}
     with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
@@ -121,7 +111,7 @@ def test_inference_mode_evaluation_then_training(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_to_bfloat16_after_fp8_steps(recipe):
-    model = _model(recipe)
+    model = converted_llama(recipe, CUDA)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (2, 64), generator=g).to(CUDA) for _ in range(4)]
 
