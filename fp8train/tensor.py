@@ -39,9 +39,10 @@ class Float8Tensor(torch.Tensor):
     _scale_inv: torch.Tensor
     _role: Optional[TensorRole]
     # Transposed payload cache: (cols, padded_rows(rows)) fp8, zero beyond `rows`, valid while
-    # _data's version counter equals _transpose_version (in-place writes bump it).
+    # _data's version counter equals _transpose_version (in-place writes bump it; None for an
+    # inference-mode payload, which has none: fp8train's own rewrites drop the copy instead).
     _transpose: Optional[torch.Tensor]
-    _transpose_version: int
+    _transpose_version: Optional[int]
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, orig_dtype: torch.dtype,
