@@ -116,8 +116,12 @@ def _grid(work_items: int, programs_per_sm: int, device: torch.device) -> int:
     """Programs of a persistent 1-D grid: enough for the work, at most programs_per_sm per SM.
     In fp8train::cast_kernels' trace work_items is symbolic where the token count is: Python's
     max and min would guard on it, and a compiled HF Llama recompiled for every batch of 64
-    or fewer tokens per sequence once it had gone dynamic; torch.sym_max / sym_min do not."""
-    return torch.sym_max(1, torch.sym_min(work_items, programs_per_sm * _sm_count(device)))
+    or fewer tokens per sequence once it had gone dynamic; torch.sym_max / sym_min do not
+    (eager calls keep Python's, ~2 us cheaper)."""
+    cap = programs_per_sm * _sm_count(device)
+    if type(work_items) is int:
+        return max(1, min(work_items, cap))
+    return torch.sym_max(1, torch.sym_min(work_items, cap))
 
 
 # --------------------------------------------------------------------------- device code
@@ -620,9 +624,10 @@ def _as_rows(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
 
 
 def _check_tile_offsets(cfg: TileConfig, row_stride: int, n: int, mp: int) -> None:
-    # Offsets inside one tile are int32 (tile origins are int64). sym_max: no guard on which
-    # size is the largest in a trace (see _grid), only the bound itself.
-    if torch.sym_max(torch.sym_max(row_stride, n), mp) * max(cfg.block_m, cfg.block_n) >= 2**31:
+    # Offsets inside one tile are int32 (tile origins are int64). In a trace sym_max: no guard
+    # on which size is the largest (see _grid), only the bound itself.
+    longest = max(row_stride, n, mp) if type(mp) is int else torch.sym_max(torch.sym_max(row_stride, n), mp)
+    if longest * max(cfg.block_m, cfg.block_n) >= 2**31:
         raise ValueError(f"fp8 cast: rows of {max(row_stride, n, mp)} elements are too long for the tiled "
                          f"kernel (int32 offsets inside a {cfg.block_m}x{cfg.block_n} tile)")
 
