@@ -40,8 +40,9 @@ def _frames() -> int:
 
 @pytest.mark.parametrize("recipe, lengths", [
     pytest.param(fp8train.CurrentScaling(), (64, 77, 93, 41), id="current"),
-    # BlockScaling: 41 tokens x 2 rows make the 128 x 1 scales' row count 1, a size Dynamo
-    # specialises (one compile more than BF16's for batches of 128 tokens or fewer)
+    # BlockScaling: 41 tokens x 2 rows make the 128 x 1 scales' row count 1, which torch's own
+    # tensor metadata guards on (one compile more than BF16's for batches of 128 tokens or
+    # fewer: docs/design.md, known limits)
     pytest.param(fp8train.BlockScaling(), (64, 77, 93, 100), id="block")])
 def test_compiled_with_changing_sequence_lengths_follows_eager(recipe, lengths):
     """Losses within 1% of eager per step, and no more compiles than BF16's compiled model
