@@ -55,6 +55,8 @@ device events (kernels, copies) per step, with `--host-top N` the N largest host
 step, with `--device-top N` the device time per step by kernel kind (GEMM, attention, ...)
 and the N largest kernels, with `--python-top N` the N Python functions with the largest
 self time per step under cProfile (where a host-bound step's host time goes, by function),
+with `--idle-top N` the GPU's idle time per step between kernels and its N largest shares by
+the host op that launched the kernel after each gap (where wall time exceeds device time),
 peak memory above what the variants built before it hold (over one steady step; the
 warm-up's, which holds the compiles and fp8train's eager first step, in the JSON), the
 last round's mean loss, and the median over rounds of the within-round ratio to BF16 eager
@@ -268,16 +270,17 @@ class Runner:
         self.losses = [float(v) for v in out]
         return (time.perf_counter() - t0) * 1e3 / steps
 
-    def profile(self, steps: int, host_top: int = 0, device_top: int = 0) -> Dict:
+    def profile(self, steps: int, host_top: int = 0, device_top: int = 0, idle_top: int = 0) -> Dict:
         """Under torch.profiler: the kernels' time per step (the device's own events only: a
         CPU op's self device time would count its kernels a second time), the device events
         (kernels, copies) per step, with host_top the `host_top` largest host self times per
         step (where a host-bound step spends its time), and with device_top the device time per
         step of each kernel_kind and of the `device_top` largest kernels (where a GPU-bound step
-        spends it)."""
+        spends it), and with idle_top the GPU's idle time between kernels by the host op that
+        launched the kernel after each gap (idle_gaps: where wall time exceeds device time)."""
         if steps <= 0:
             return {"device_ms": None, "kernels_per_step": None, "host_top": [], "device_kinds": {},
-                    "device_top": []}
+                    "device_top": [], "idle_top": []}
         from torch.profiler import ProfilerActivity, profile
         cuda = self.device.type == "cuda"  # on the CPU: the host columns only (and this code runs in CPU tests)
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -295,7 +298,8 @@ class Runner:
                 "kernels_per_step": sum(e.count for e in events) / steps if cuda else None,
                 "host_top": [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in top],
                 "device_kinds": kinds if device_top else {},
-                "device_top": [(e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in largest]}
+                "device_top": [(e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in largest],
+                "idle_top": idle_gaps(prof, steps, idle_top) if cuda and idle_top else []}
 
 
     def python_profile(self, steps: int, top: int) -> List:
@@ -321,6 +325,43 @@ class Runner:
                 for (file, line, name), (_, calls, tottime, _, _) in rows]
 
 
+def idle_gaps(prof, steps: int, top: int, floor_us: float = 5.0) -> List:
+    """The device's idle time per step between consecutive device events (gaps over floor_us,
+    the steps' ends excluded by the caller's one sync: the last gap runs to the next step),
+    grouped by (the host op that launched the event after the gap, that op's outermost
+    enclosing op on its thread: an autograd node's evaluate_function in the backward, the
+    module's first op in the forward): the `top` largest groups as (launcher <- outer, ms per
+    step, gaps per step), led by the total ("all", ms, gaps)."""
+    events = prof.profiler.kineto_results.events()
+    device = sorted((e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
+                     and not e.is_user_annotation()), key=lambda e: e.start_ns())
+    ops = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU and e.duration_ns() > 0]
+    by_id = {e.correlation_id(): e for e in ops}
+    outer: Dict[int, str] = {}  # op correlation id -> outermost enclosing op's name, per thread by a stack sweep
+    for thread in {e.start_thread_id() for e in ops}:
+        stack: List = []
+        for e in sorted((e for e in ops if e.start_thread_id() == thread), key=lambda e: (e.start_ns(), -e.end_ns())):
+            while stack and stack[-1].end_ns() <= e.start_ns():
+                stack.pop()
+            outer[e.correlation_id()] = (stack[0] if stack else e).name()
+            stack.append(e)
+    groups: Dict[str, List[float]] = {}
+    total = [0.0, 0]
+    for prev, cur in zip(device, device[1:]):
+        gap_us = (cur.start_ns() - max(prev.end_ns(), prev.start_ns())) / 1e3
+        if gap_us <= floor_us:
+            continue
+        op = by_id.get(cur.linked_correlation_id())
+        key = f"{op.name()} <- {outer.get(op.correlation_id(), '?')}" if op is not None else "(no host op)"
+        entry = groups.setdefault(key, [0.0, 0])
+        entry[0] += gap_us
+        entry[1] += 1
+        total[0] += gap_us
+        total[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return [("all", total[0] / 1e3 / steps, total[1] / steps)] + [(k, us / 1e3 / steps, n / steps) for k, (us, n) in rows]
+
+
 # Kernel names by kind, first match wins: cuBLAS(Lt)'s GEMMs (nvjet / sm90 xmma / cutlass),
 # SDPA's flash attention, the fused AdamW, Inductor's generated kernels (triton_{poi,red,per}_),
 # fp8train's own Triton kernels (named _<what>_kernel), ATen's, copies.
@@ -344,7 +385,7 @@ def kernel_kind(name: str) -> str:
 
 
 def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: int, host_top: int = 0,
-            device_top: int = 0, python_top: int = 0) -> List[Dict]:
+            device_top: int = 0, python_top: int = 0, idle_top: int = 0) -> List[Dict]:
     """Rounds of `steps` timed steps per variant, the order reversed every other round (the
     host's speed drifts between rounds: every variant sees the same drift). Per variant: the
     median round, and the median over rounds of its ratio to BF16 eager's and to torchao
@@ -365,18 +406,20 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
     for v, run in runners.items():
         wall = statistics.median(times[v])
         try:  # the timings stand without the profile: a profiler failure must not lose them
-            prof = run.profile(profile_steps, host_top, device_top)
+            prof = run.profile(profile_steps, host_top, device_top, idle_top)
         except Exception as e:
             traceback.print_exc()
             print(f"  {v}: profile failed ({type(e).__name__}: {e}); wall times kept", flush=True)
-            prof = {"device_ms": None, "kernels_per_step": None, "host_top": [], "device_kinds": {}, "device_top": []}
+            prof = {"device_ms": None, "kernels_per_step": None, "host_top": [], "device_kinds": {}, "device_top": [],
+                    "idle_top": []}
         python = run.python_profile(profile_steps, python_top)
         device_ms = prof["device_ms"]
         rows.append({"variant": v, "wall_ms": wall, "rounds_ms": times[v], "device_ms": device_ms,
                      "wall_over_device": wall / device_ms if device_ms else None, "peak_gib": run.peak_gib,
                      "warmup_peak_gib": run.warmup_peak_gib,
                      "kernels_per_step": prof["kernels_per_step"], "host_top": prof["host_top"],
-                     "device_kinds": prof["device_kinds"], "device_top": prof["device_top"], "python_top": python,
+                     "device_kinds": prof["device_kinds"], "device_top": prof["device_top"], "idle_top": prof["idle_top"],
+                     "python_top": python,
                      "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
                      "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
                      "shared_input_groups": run.shared_groups, "linear_paths": run.paths})
@@ -406,6 +449,9 @@ def print_table(name: str, rows: List[Dict]) -> None:
         for key, ms, count in r.get("host_top", []):
             print(f"  host {r['variant']:<34}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
     for r in rows:
+        for key, ms, count in r.get("idle_top", []):
+            print(f"  idle {r['variant']:<34}{ms:8.3f} ms{count:7.0f}x  {key[:110]}")
+    for r in rows:
         for key, ms, count in r.get("python_top", []):
             print(f"  py   {r['variant']:<34}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
     for r in rows:
@@ -426,6 +472,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--host-top", type=int, default=0, help="print each variant's N largest host self times per step")
     p.add_argument("--device-top", type=int, default=0,
                    help="print each variant's device time per step by kernel kind and its N largest kernels")
+    p.add_argument("--idle-top", type=int, default=0,
+                   help="print each variant's GPU idle time per step and its N largest shares by launching host op")
     p.add_argument("--python-top", type=int, default=0,
                    help="print each variant's N largest Python self times per step (cProfile, --profile-steps more steps)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -461,7 +509,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
             built = f"ready in {time.perf_counter() - t0:.0f} s" if v in runners else failed[-1]["error"]
             print(f"  {name} {v}: {built}", flush=True)
         rows = measure(runners, args.rounds, args.steps, args.profile_steps, args.host_top, args.device_top,
-                       args.python_top) + failed
+                       args.python_top, args.idle_top) + failed
         results["shapes"][name] = {"shape": asdict(shape), "rounds": args.rounds, "steps_per_round": args.steps,
                                    "rows": rows}
         print_table(name, rows)
