@@ -76,6 +76,47 @@ def test_checkpointed_layers_train_bit_for_bit_as_without(recipe, reentrant):
         _assert_same(plain, checkpointed, want, got)
 
 
+def _count_weight_casts(layer) -> list:
+    """Wrap every weight quantizer's cast entry points (Python casts, and the C++ node's
+    re-cast plan) with a counter; returns it (one entry per call)."""
+    calls = []
+    for gemm in layer.GEMMS:
+        q = layer._modules[layer._names[gemm][1]]
+        for name in ("quantize", "requantize", "cast", "native_recast"):
+            def counted(*args, _f=getattr(q, name), _name=name, **kwargs):
+                calls.append(_name)
+                return _f(*args, **kwargs)
+            setattr(q, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("reentrant", REENTRANT)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_recomputation_reuses_the_forwards_weight_cast(recipe, reentrant):
+    """The weights do not change between a forward and its backward: the recomputation takes
+    the forward's FP8 weights as kept (WeightWorkspace.source) instead of casting each weight
+    again (host launches and a read of every master weight). A weight written in place in
+    between is cast again."""
+    for plain, layer in zip(_layers(recipe), _layers(recipe)):
+        want, got = _train_side_by_side(plain, layer, recipe, _xs()[:2], reentrant=reentrant)
+        _assert_same(plain, layer, want, got)
+        calls = _count_weight_casts(layer)
+        x = _xs()[2].requires_grad_()
+        with fp8train.autocast(recipe=recipe):
+            y = checkpoint(layer, x, use_reentrant=reentrant)
+        forward_casts = len(calls)
+        assert forward_casts == len(layer.GEMMS), calls  # one per weight
+        y.float().sum().backward()
+        assert len(calls) == forward_casts, calls  # the recomputation cast nothing
+        with fp8train.autocast(recipe=recipe):
+            y = checkpoint(layer, x, use_reentrant=reentrant)
+        with torch.no_grad():
+            next(p for p in layer.parameters() if p.dim() == 2).mul_(0.5)  # after the forward, before the backward
+        recast_before = len(calls)
+        y.float().sum().backward()
+        assert len(calls) > recast_before, type(layer).__name__
+
+
 def test_a_forward_outside_autocast_recomputes_in_high_precision():
     recipe = fp8train.CurrentScaling()
     plain, checkpointed = _layers(recipe)[0], _layers(recipe)[0]

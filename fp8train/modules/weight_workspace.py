@@ -8,7 +8,7 @@ import torch
 
 from ..block_quantizer import BlockCast, transpose_tiles
 from ..quantizer import Cast, Quantizer
-from ..tensor import Float8Tensor
+from ..tensor import Float8Tensor, version_of
 
 
 class WeightWorkspace:
@@ -32,12 +32,31 @@ class WeightWorkspace:
     `block` (a Float8Tensor holds one scale_inv), cast into fresh buffers when Python casts it
     and re-cast into the same buffers by the C++ node (for_native); a kept cast without the transposed copy gets its tiles
     transposed (no second cast).
+
+    Activation checkpointing's recomputation (a forward run inside the backward pass) reuses
+    the kept cast, as is_first_microbatch=False would, where it was cast from this weight as
+    it is now (`source`: its storage and version counter, which an optimizer step bumps) by
+    the same quantizer: the re-cast would write the same bytes (current scaling: scales from
+    the weight alone; delayed: scales that move on autocast entry only, as for the rest of
+    the recomputation). Eager calls only; a graphed layer's skip flag keeps its own rule.
     """
 
     def __init__(self):
         self.fp8: Optional[Float8Tensor] = None
         self.compiled: Optional[Cast] = None  # the kept cast of compiled calls (data, data_t, scale_inv)
         self.block: Optional[BlockCast] = None  # the kept block cast (BlockScaling)
+        self.source: Optional[tuple] = None  # (storage pointer, version, quantizer) of the weight eager casts last read
+
+    def _cast_from(self, weight: torch.Tensor, quantizer: Quantizer) -> None:
+        """Note that the kept cast is (about to be) rewritten from `weight` by `quantizer`."""
+        self.source = (weight.data_ptr(), version_of(weight), quantizer)
+
+    def _recomputing(self, weight: torch.Tensor, quantizer: Quantizer, skip) -> bool:
+        """Whether this call is a recomputation that may take the kept cast as it is."""
+        source = self.source
+        return (source is not None and skip is None and torch._C._current_graph_task_id() != -1
+                and source[1] is not None and source[2] is quantizer
+                and source[0] == weight.data_ptr() and source[1] == weight._version)
 
     def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
             need_transpose: bool, skip: Optional[torch.Tensor] = None) -> Union[Float8Tensor, Cast, BlockCast]:
@@ -53,12 +72,15 @@ class WeightWorkspace:
             return weight
         if torch.compiler.is_compiling():
             return self._get_traced(weight, quantizer, is_first_microbatch, need_transpose)
+        if self._recomputing(weight, quantizer, skip):
+            is_first_microbatch = False
         if quantizer.blockwise:
             return self._get_block(weight, quantizer, is_first_microbatch, need_transpose, skip)
         ws = self.fp8
         fits = self.fits(weight, quantizer)
         if is_first_microbatch is False and fits:
             return ws  # the transposed copy, if missing, is built from the FP8 payload on demand
+        self._cast_from(weight, quantizer)
         if fits:
             quantizer.requantize(weight, ws, transpose=need_transpose, skip=skip)
         else:
@@ -75,6 +97,8 @@ class WeightWorkspace:
         Python."""
         if isinstance(weight, Float8Tensor):  # gathered by FSDP2 in FP8: nothing to cast
             return weight, None
+        if self._recomputing(weight, quantizer, skip):
+            is_first_microbatch = False
         if quantizer.blockwise:  # the re-cast into the kept block cast's buffers (a tile plan)
             kept = self.block
             if is_first_microbatch is not False and skip is None and kept is not None \
@@ -83,10 +107,12 @@ class WeightWorkspace:
                 if plan is not None:
                     if not need_transpose and kept.data_t is not None:  # not rewritten: no longer kept
                         self.block = kept = kept._replace(data_t=None, scale_inv_t=None)
+                    self._cast_from(weight, quantizer)
                     return kept, plan
         elif is_first_microbatch is not False and skip is None and self.fits(weight, quantizer):
             plan = quantizer.native_recast(weight, self.fp8, need_transpose)
             if plan is not None:
+                self._cast_from(weight, quantizer)
                 return self.fp8, plan
         return self.get(weight, quantizer, is_first_microbatch, need_transpose=need_transpose, skip=skip), None
 
@@ -119,6 +145,7 @@ class WeightWorkspace:
             with _kept():
                 self.block = kept = transpose_tiles(kept) if need_transpose else kept
             return kept
+        self._cast_from(weight, quantizer)
         with _kept():
             self.block = quantizer.cast(weight, transpose=need_transpose)
         return self.block
