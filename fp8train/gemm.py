@@ -32,6 +32,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .kernels import native
 from .recipe import GemmConfig
@@ -257,10 +258,7 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
             f"fp8train: the blockwise GEMM takes e4m3 operands only, got {a.dtype} x {bt.dtype}; use "
             "BlockScaling(fp8_format=Format.E4M3) (its default) on CUDA")
     m = a.shape[0]
-    if m % 4:
-        rows = -(-m // 4) * 4
-        a = F.pad(a.view(torch.uint8), (0, 0, 0, rows - m)).view(a.dtype)  # zero rows (F.pad takes no fp8)
-        a_scale_inv = F.pad(a_scale_inv, (0, 0, 0, rows - m), value=1.0)
+    a, a_scale_inv, padded = rows_to_multiple_of_4(a, a_scale_inv)
     tiles = tuple(bt_block) == TILE
     scale_a = _column_major(a_scale_inv)
     scale_b = tile_scales(bt_scale_inv) if tiles else _column_major(bt_scale_inv)
@@ -277,7 +275,22 @@ def _cuda_block_scaled_mm(a, a_scale_inv, bt, bt_scale_inv, bt_block, out_dtype,
                 "or the C++ extension's block GEMM (fp8train.kernels.native.BLOCK_GEMM = True)")
         gemm_fn = torch.ops.fp8train.cuda_block_scaled_mm if torch.compiler.is_compiling() else _torch_block_gemm
         y = gemm_fn(a, scale_a, bt, scale_b, tiles, out_dtype, bias)
-    return y if y.shape[0] == m else y[:m]
+    return y[:m] if padded else y
+
+
+def rows_to_multiple_of_4(a: torch.Tensor, a_scale_inv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+    """(a, a_scale_inv, padded): A (M, K) fp8 and its (M, Kb) scales with rows appended up to
+    a multiple of 4 (zero bytes, unit scales) where M is not one. A symbolic M (a graph traced
+    with dynamic shapes) not known to be a multiple of 4 is padded whatever its value, perhaps
+    by no rows: branching on M % 4 would guard the graph on it, and a batch whose token count
+    changes parity would compile again (H200, torch 2.11: lengths 77, 93, then 100)."""
+    m = a.shape[0]
+    if statically_known_true(m % 4 == 0):
+        return a, a_scale_inv, False
+    extra = -(-m // 4) * 4 - m
+    zeros = a.new_zeros((extra, a.shape[1]), dtype=torch.uint8)
+    a = torch.cat((a.view(torch.uint8), zeros)).view(a.dtype)  # as bytes: cat and pad take no fp8
+    return a, torch.cat((a_scale_inv, a_scale_inv.new_ones((extra, a_scale_inv.shape[1])))), True
 
 
 def _torch_block_gemm(a: torch.Tensor, scale_a: torch.Tensor, bt: torch.Tensor, scale_b: torch.Tensor, tiles: bool,

@@ -419,3 +419,33 @@ def test_weight_workspace_casts_in_python_where_no_tile_plan_runs():
     second, plan = ws.for_native(w, q, None, need_transpose=True)
     assert plan is None and second is ws.block and second is not first  # cast again, fresh buffers
     assert torch.equal(second.data.view(torch.uint8), first.data.view(torch.uint8))
+
+
+def test_block_gemm_row_padding_guards_on_no_token_count():
+    """The CUDA block GEMM pads A's rows to a multiple of 4. A symbolic row count (a graph
+    traced with dynamic shapes) is padded whatever its value: a branch on M % 4 would guard
+    the graph on the token count's residue and compile it again (H200, torch 2.11: lengths 77
+    and 93, then 100). Concrete counts pad only where needed, with zero bytes and unit scales."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    m = env.create_symintnode(env.create_symbol(154, source=ConstantSource("tokens")), hint=154)
+    with FakeTensorMode(shape_env=env):
+        a, s, padded = gemm.rows_to_multiple_of_4(torch.empty(m, 256, dtype=torch.float8_e4m3fn),
+                                                  torch.empty(2, m).t())
+        assert padded and a.shape[0] == s.shape[0]
+    for guard in env.guards:  # a size that is never negative: true for every row count
+        symbol, = guard.expr.free_symbols
+        assert all(bool(guard.expr.subs(symbol, rows)) for rows in (2, 3, 4, 5, 154, 200, 10**6)), guard.expr
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 32, generator=g) * 100).to(torch.float8_e4m3fn)
+    scales = torch.rand(6, 1, generator=g)
+    a, s, padded = gemm.rows_to_multiple_of_4(x, scales)
+    assert padded and a.shape == (8, 32) and a.dtype == x.dtype and s.shape == (8, 1)
+    assert torch.equal(a[:6].view(torch.uint8), x.view(torch.uint8)) and not a[6:].view(torch.uint8).any()
+    assert torch.equal(s[:6], scales) and torch.equal(s[6:], torch.ones(2, 1))
+    a, s, padded = gemm.rows_to_multiple_of_4(x[:4], scales[:4])
+    assert not padded and a is not None and a.data_ptr() == x.data_ptr()
