@@ -72,7 +72,7 @@ class WeightWorkspace:
             return weight
         if torch.compiler.is_compiling():
             return self._get_traced(weight, quantizer, is_first_microbatch, need_transpose)
-        if self._recomputing(weight, quantizer, skip):
+        if is_first_microbatch is not False and self._recomputing(weight, quantizer, skip):
             is_first_microbatch = False
         if quantizer.blockwise:
             return self._get_block(weight, quantizer, is_first_microbatch, need_transpose, skip)
@@ -97,7 +97,7 @@ class WeightWorkspace:
         Python."""
         if isinstance(weight, Float8Tensor):  # gathered by FSDP2 in FP8: nothing to cast
             return weight, None
-        if self._recomputing(weight, quantizer, skip):
+        if is_first_microbatch is not False and self._recomputing(weight, quantizer, skip):
             is_first_microbatch = False
         if quantizer.blockwise:  # the re-cast into the kept block cast's buffers (a tile plan)
             kept = self.block
