@@ -57,9 +57,7 @@ and the N largest kernels, with `--python-top N` the N Python functions with the
 self time per step under cProfile (where a host-bound step's host time goes, by function),
 with `--idle-top N` the GPU's idle time per step between kernels and its N largest shares by
 the host op that launched the kernel after each gap (where wall time exceeds device time),
-the time per step in Python's garbage collector during the timed steps (with
-`--gc-freeze` every variant's objects are frozen out of it first), peak memory above what the
-variants built before it hold (over one steady step; the
+peak memory above what the variants built before it hold (over one steady step; the
 warm-up's, which holds the compiles and fp8train's eager first step, in the JSON), the
 last round's mean loss, and the median over rounds of the within-round ratio to BF16 eager
 and to torchao compile (T7: fp8train <= 0.85x torchao). A variant that fails prints its
@@ -190,52 +188,6 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     return model, recipe
 
 
-class GcClock:
-    """Python's cyclic garbage collections during timed steps (gc.callbacks): per generation,
-    how many and how long. A host-bound step pays for each collection, and a full one walks
-    every tracked object of the process: here every variant's model and compiled artifacts."""
-
-    def __init__(self):
-        self._sink: Optional[Dict] = None
-        self._t0 = 0.0
-        gc.callbacks.append(self._callback)
-
-    @staticmethod
-    def totals() -> Dict:
-        return {"steps": 0, "ms": [0.0, 0.0, 0.0], "count": [0, 0, 0]}
-
-    def _callback(self, phase: str, info: Dict) -> None:
-        sink = self._sink
-        if sink is None:
-            return
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            gen = min(info["generation"], 2)
-            sink["ms"][gen] += (time.perf_counter() - self._t0) * 1e3
-            sink["count"][gen] += 1
-
-    @contextlib.contextmanager
-    def counting(self, sink: Dict):
-        self._sink = sink
-        try:
-            yield
-        finally:
-            self._sink = None
-
-
-GC_CLOCK = GcClock()
-
-
-def gc_per_step(totals: Dict) -> Optional[Dict]:
-    """GcClock totals as ms and collections per timed step (None before any)."""
-    steps = totals["steps"]
-    if not steps:
-        return None
-    return {"ms": sum(totals["ms"]) / steps, "ms_by_gen": [ms / steps for ms in totals["ms"]],
-            "collections_by_gen": [n / steps for n in totals["count"]]}
-
-
 class Runner:
     """One variant, built, converted, compiled and warmed up (3 steps), kept alive so that the
     variants' timed steps can alternate (`timed`)."""
@@ -251,7 +203,6 @@ class Runner:
         model = build_llama(shape, device)
         self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda)
         self.count = 0
-        self.gc = GcClock.totals()
         self.ro = "compile-ro" in variant.split()
         self.aten_mm = "aten-mm" in variant.split()
         self.call_kwargs = {"use_cache": False} if "ckpt" in variant.split() else {}
@@ -311,17 +262,13 @@ class Runner:
         return loss.detach().clone()
 
     def timed(self, steps: int) -> float:
-        """ms per step over `steps` steps back to back (one sync at each end); Python's cyclic
-        garbage collections inside them are added to self.gc (GcClock)."""
+        """ms per step over `steps` steps back to back (one sync at each end)."""
         self.sync()
-        with GC_CLOCK.counting(self.gc):
-            t0 = time.perf_counter()
-            out = [self.step(self.model, self.recipe) for _ in range(steps)]
-            self.sync()
-            elapsed = time.perf_counter() - t0
-        self.gc["steps"] += steps
+        t0 = time.perf_counter()
+        out = [self.step(self.model, self.recipe) for _ in range(steps)]
+        self.sync()
         self.losses = [float(v) for v in out]
-        return elapsed * 1e3 / steps
+        return (time.perf_counter() - t0) * 1e3 / steps
 
     def profile(self, steps: int, host_top: int = 0, device_top: int = 0, idle_top: int = 0) -> Dict:
         """Under torch.profiler: the kernels' time per step (the device's own events only: a
@@ -472,7 +419,7 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
                      "warmup_peak_gib": run.warmup_peak_gib,
                      "kernels_per_step": prof["kernels_per_step"], "host_top": prof["host_top"],
                      "device_kinds": prof["device_kinds"], "device_top": prof["device_top"], "idle_top": prof["idle_top"],
-                     "python_top": python, "gc": gc_per_step(run.gc),
+                     "python_top": python,
                      "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
                      "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
                      "shared_input_groups": run.shared_groups, "linear_paths": run.paths})
@@ -498,13 +445,6 @@ def print_table(name: str, rows: List[Dict]) -> None:
     for r in rows:
         for path, count in r.get("linear_paths", {}).items():
             print(f"  path {r['variant']:<34}{count:3d} Linears  {path[:100]}")
-    for r in rows:
-        g = r.get("gc")
-        if g:
-            gens = " / ".join(f"{n:.2f}" for n in g["collections_by_gen"])
-            print(f"  gc   {r['variant']:<34}{g['ms']:8.3f} ms per step in Python's garbage collector "
-                  f"(collections per step, generation 0 / 1 / 2: {gens}; full ones "
-                  f"{g['ms_by_gen'][2]:.3f} ms)")
     for r in rows:
         for key, ms, count in r.get("host_top", []):
             print(f"  host {r['variant']:<34}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")
@@ -536,10 +476,6 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                    help="print each variant's GPU idle time per step and its N largest shares by launching host op")
     p.add_argument("--python-top", type=int, default=0,
                    help="print each variant's N largest Python self times per step (cProfile, --profile-steps more steps)")
-    p.add_argument("--gc-freeze", action="store_true",
-                   help="gc.freeze() once every variant is built: the models' and compiled artifacts' objects "
-                        "leave the collector's generations, so that a full collection during a step walks "
-                        "about what one model's process would (an A/B of the collector's share)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -572,9 +508,6 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
             built = f"ready in {time.perf_counter() - t0:.0f} s" if v in runners else failed[-1]["error"]
             print(f"  {name} {v}: {built}", flush=True)
-        if args.gc_freeze:
-            gc.collect()
-            gc.freeze()
         rows = measure(runners, args.rounds, args.steps, args.profile_steps, args.host_top, args.device_top,
                        args.python_top, args.idle_top) + failed
         results["shapes"][name] = {"shape": asdict(shape), "rounds": args.rounds, "steps_per_round": args.steps,
@@ -583,8 +516,6 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         if args.json:  # after each shape: a later shape that runs out of time leaves this one written
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
-        if args.gc_freeze:
-            gc.unfreeze()
         del runners
         torch._dynamo.reset()
         gc.collect()

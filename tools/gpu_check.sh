@@ -23,8 +23,7 @@
 #          h1024 with the tests before them), HOST_TOP=N adds each variant's largest host self times,
 #          DEVICE_TOP=N its device time by kernel kind and its N largest kernels, PYTHON_TOP=N its
 #          N Python functions with the largest self time (cProfile), IDLE_TOP=N its GPU idle time
-#          and the N host ops launching after the largest shares of it, GC_FREEZE=1 freezes every
-#          variant's objects out of Python's collector before timing (--gc-freeze), ROUNDS=N the timing rounds (default 5:
+#          and the N host ops launching after the largest shares of it, ROUNDS=N the timing rounds (default 5:
 #          a host-bound step's rounds range over 30%, rounds cost ~1 s, compiles minutes); compiles take 50-130 s a
 #          variant (h2048: three variants did not finish in 250 s)
 #   hf-code  Inductor's generated code (TORCH_LOGS=output_code) of one h1024 step of each
@@ -115,9 +114,8 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
     hf-h1024|hf-h2048|hf-h4096|hf-block4096)
       shape=${step#hf-}
       timeout "${HF_TIMEOUT:-560}" python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
-        --rounds "${ROUNDS:-5}" --python-top "${PYTHON_TOP:-0}" --idle-top "${IDLE_TOP:-0}" ${GC_FREEZE:+--gc-freeze} \
-        --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
-        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  py|  idle|  gc|  round|  path)|failed" ;;
+        --rounds "${ROUNDS:-5}" --python-top "${PYTHON_TOP:-0}" --idle-top "${IDLE_TOP:-0}" --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
+        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  py|  round|  path)|failed" ;;
     gemm)
       timeout 300 python3 benchmarks/gemm.py --shapes "${GEMM_SHAPES:-h1024,h2048}" --json "$OUT/gemm.json" 2>&1 \
         | tee "$OUT/gemm.log" ;;
