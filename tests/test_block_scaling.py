@@ -423,22 +423,29 @@ def test_weight_workspace_casts_in_python_where_no_tile_plan_runs():
 
 def test_block_gemm_row_padding_guards_on_no_token_count():
     """The CUDA block GEMM pads A's rows to a multiple of 4. A symbolic row count (a graph
-    traced with dynamic shapes) is padded whatever its value: a branch on M % 4 would guard
-    the graph on the token count's residue and compile it again (H200, torch 2.11: lengths 77
-    and 93, then 100). Concrete counts pad only where needed, with zero bytes and unit scales."""
-    from torch._dynamo.source import ConstantSource
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    traced with dynamic shapes) is padded whatever its value, and through no tensor whose size
+    may be 0 or 1: a branch on M % 4, or a size round_up(M, 4) - M that torch's tensor metadata
+    asks "is it 0?", would guard the graph on the token count's residue and compile it again
+    (H200, torch 2.11: lengths 77 and 93, then 100). Traced here as Dynamo and AOTAutograd trace
+    it (functionalized): one graph for every row count. Concrete counts pad only where needed,
+    with zero bytes and unit scales."""
+    from torch._dynamo.testing import CompileCounterWithBackend
 
-    env = ShapeEnv()
-    m = env.create_symintnode(env.create_symbol(154, source=ConstantSource("tokens")), hint=154)
-    with FakeTensorMode(shape_env=env):
-        a, s, padded = gemm.rows_to_multiple_of_4(torch.empty(m, 256, dtype=torch.float8_e4m3fn),
-                                                  torch.empty(2, m).t())
-        assert padded and a.shape[0] == s.shape[0]
-    for guard in env.guards:  # a size that is never negative: true for every row count
-        symbol, = guard.expr.free_symbols
-        assert all(bool(guard.expr.subs(symbol, rows)) for rows in (2, 3, 4, 5, 154, 200, 10**6)), guard.expr
+    def padded_row_sums(x, s):
+        a, scales, _ = gemm.rows_to_multiple_of_4(x.view(torch.float8_e4m3fn), s)
+        assert a.shape[0] % 4 == 0 and a.shape[0] == scales.shape[0]
+        return (a.view(torch.uint8).float().sum(dim=1) * scales[:, 0])[:x.shape[0]]
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(padded_row_sums, backend=counter, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for rows in (154, 186, 200, 202, 8, 5):
+        x = torch.randint(0, 100, (rows, 32), dtype=torch.uint8, generator=g)
+        s = torch.rand(rows, 1, generator=g)
+        torch.testing.assert_close(compiled(x, s), x.float().sum(dim=1) * s[:, 0], rtol=0, atol=0)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(6, 32, generator=g) * 100).to(torch.float8_e4m3fn)
