@@ -115,7 +115,7 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       shape=${step#hf-}
       timeout "${HF_TIMEOUT:-560}" python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --rounds "${ROUNDS:-5}" --python-top "${PYTHON_TOP:-0}" --idle-top "${IDLE_TOP:-0}" --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
-        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  py|  round|  path)|failed" ;;
+        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  py|  idle|  round|  path)|failed" ;;
     gemm)
       timeout 300 python3 benchmarks/gemm.py --shapes "${GEMM_SHAPES:-h1024,h2048}" --json "$OUT/gemm.json" 2>&1 \
         | tee "$OUT/gemm.log" ;;
