@@ -285,20 +285,15 @@ def rows_to_multiple_of_4(a: torch.Tensor, a_scale_inv: torch.Tensor) -> Tuple[t
     by no rows, and without a tensor of round_up(M, 4) - M rows: a branch on M % 4 would guard
     the graph on the token count's residue, and so would a size that may be 0 (torch's tensor
     metadata asks whether each size is 0 or 1); four rows are appended and the result cut to
-    round_up(M, 4), a size never below 4 (H200, torch 2.11: lengths 77 and 93, then 100,
-    compiled twice)."""
+    round_up(M, 4), a size never below 4, for every M alike (H200, torch 2.11: lengths 77 and
+    93, then 100, compiled twice)."""
     m = a.shape[0]
     if statically_known_true(m % 4 == 0):
         return a, a_scale_inv, False
     rows = -(-m // 4) * 4
-    if not torch.compiler.is_compiling():  # (Dynamo reads a SymInt's type as int)
-        extra_a = a.new_zeros((rows - m, a.shape[1]), dtype=torch.uint8)
-        extra_s = a_scale_inv.new_ones((rows - m, a_scale_inv.shape[1]))
-    else:
-        extra_a = a.new_zeros((4, a.shape[1]), dtype=torch.uint8)
-        extra_s = a_scale_inv.new_ones((4, a_scale_inv.shape[1]))
-    a = torch.cat((a.view(torch.uint8), extra_a))[:rows].view(a.dtype)  # as bytes: cat and pad take no fp8
-    return a, torch.cat((a_scale_inv, extra_s))[:rows], True
+    zeros = a.new_zeros((4, a.shape[1]), dtype=torch.uint8)
+    a = torch.cat((a.view(torch.uint8), zeros))[:rows].view(a.dtype)  # as bytes: cat and pad take no fp8
+    return a, torch.cat((a_scale_inv, a_scale_inv.new_ones((4, a_scale_inv.shape[1]))))[:rows], True
 
 
 def _torch_block_gemm(a: torch.Tensor, scale_a: torch.Tensor, bt: torch.Tensor, scale_b: torch.Tensor, tiles: bool,
