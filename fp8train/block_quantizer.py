@@ -109,7 +109,7 @@ class BlockScalingQuantizer(Quantizer):
             if spec is not None:
                 m, k = shape
                 plan = ext.CastPlan(device, native.DTYPE_CODES[dtype], self.dtype == torch.float8_e5m2, [m, k],
-                                    [k, -(-m // 128) * 128] if transpose else [], [], [ext.Launch(*spec[0])], None,
+                                    [k, -(-m // 128) * 128] if transpose else [], [ext.Launch(*spec[0])], None,
                                     None, native.DTYPE_CODES[dbias_dtype or torch.float32], list(spec[1]),
                                     block=True, block_dbias=dbias_dtype is not None)
         prepared[key] = plan
@@ -146,7 +146,7 @@ class BlockScalingQuantizer(Quantizer):
             if spec is not None:
                 m, k = w.shape
                 plan = ext.CastPlan(device, native.DTYPE_CODES[w.dtype], self.dtype == torch.float8_e5m2, [m, k],
-                                    [k, padded_rows(m)] if transpose else [], [], [ext.Launch(*spec[0])], None, None,
+                                    [k, padded_rows(m)] if transpose else [], [ext.Launch(*spec[0])], None, None,
                                     native.DTYPE_CODES[torch.float32], list(spec[1]), block=True, tiles=True)
         prepared[key] = plan
         return plan

@@ -232,12 +232,13 @@ class Quantizer(nn.Module):
         raise NotImplementedError
 
     def _launch(self, x, data, data_t, scale_inv, amax_out=None, from_amax=None, count=None,
-                dbias_out=None, skip=None) -> None:
+                dbias_out=None, skip=None, own_amax=False) -> None:
         """One kernel launch of this quantizer's steady state through a prepared launch
         (kernels.prepare_cast), kept per (shape, dtype, transposed?, cast or amax only, dbias?,
         skip flag).
-        The buffers named here must be this quantizer's own, fixed for the key: preparations
-        are dropped whenever the buffers may have moved (`_forget_prepared`)."""
+        The buffers named here must be this quantizer's own, fixed for the key (and so is
+        own_amax, per quantizer class): preparations are dropped whenever the buffers may have
+        moved (`_forget_prepared`)."""
         key = (x.shape, x.dtype, data_t is not None, data is None, dbias_out is not None,
                skip.data_ptr() if skip is not None else 0)
         launch = self._prepared.get(key)
@@ -246,7 +247,7 @@ class Quantizer(nn.Module):
                 self._prepared.clear()
             launch = self._prepared[key] = kernels.prepare_cast(
                 x, data, data_t, self.scale if data is not None else None, scale_inv, amax_out, from_amax, count,
-                dbias=dbias_out is not None, skip=skip, power_of_two=self.power_of_two)
+                dbias=dbias_out is not None, skip=skip, power_of_two=self.power_of_two, own_amax=own_amax)
         launch(x, data, data_t, scale_inv, dbias_out)
 
     def native_plan(self, shape, dtype: torch.dtype, transpose: bool, dbias_dtype: Optional[torch.dtype]):
@@ -269,7 +270,7 @@ class Quantizer(nn.Module):
             return None
         from .kernels import native
         prepared[key] = native.cast_plan(launches, torch._C._cuda_getDevice(), dtype, self.dtype, shape, transpose,
-                                         self._native_zeroed(), launches[-1].partial if dbias else None,
+                                         launches[-1].partial if dbias else None,
                                          dbias_dtype or torch.float32)
         return prepared[key]
 
@@ -304,10 +305,6 @@ class Quantizer(nn.Module):
     def _steady_launches(self, shape, dtype, transpose: bool, dbias: bool) -> Optional[tuple]:
         """The prepared launches of one steady-state cast, in order (None: not all prepared)."""
         raise NotImplementedError
-
-    def _native_zeroed(self) -> tuple:
-        """Buffers a steady-state cast zeroes before its launches."""
-        return ()
 
     def _forget_prepared(self) -> None:
         self._prepared = {}
@@ -382,7 +379,8 @@ class Quantizer(nn.Module):
 
 
 class CurrentScalingQuantizer(Quantizer):
-    """scale = fp8_max / amax of the tensor being cast: an amax pass, then the cast.
+    """scale = fp8_max / amax of the tensor being cast: an amax pass, then the cast; on CUDA
+    both in one cooperative launch (kernels/cast.py, OWN_AMAX).
 
     `scale` and `amax` hold the values of the last cast (a zero or non-finite amax keeps the
     previous scale, see scaling.compute_scale).
@@ -397,22 +395,16 @@ class CurrentScalingQuantizer(Quantizer):
         self.amax.zero_()
 
     def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
-        amax = self.amax  # a buffer: each read is a Module.__getattr__ call
-        amax.zero_()
-        self._launch(x, None, None, None, amax_out=amax)  # not skipped: `amax` is this cast's scratch
-        self._launch(x, data, data_t, scale_inv, from_amax=amax, count=self.nonfinite_count,
-                     dbias_out=dbias_out, skip=skip)
+        # amax <- x's amax, then the cast with the scale computed from it (a skipped cast leaves both)
+        self._launch(x, data, data_t, scale_inv, from_amax=self.amax, count=self.nonfinite_count,
+                     dbias_out=dbias_out, skip=skip, own_amax=True)
 
     def scaling_state(self) -> ops.ScalingState:
         return ops.ScalingState(self.scale, None, self.amax, self.nonfinite_count, self.power_of_two)
 
     def _steady_launches(self, shape, dtype, transpose, dbias):
-        amax = self._prepared.get((shape, dtype, False, True, False, 0))
         cast = self._prepared.get((shape, dtype, transpose, False, dbias, 0))
-        return None if amax is None or cast is None else (amax, cast)
-
-    def _native_zeroed(self) -> tuple:
-        return (self.amax,)
+        return None if cast is None else (cast,)
 
     def produce(self, first_pass, cast, amax_hook=None) -> None:
         self.amax.zero_()

@@ -18,13 +18,13 @@ def cases(ext, dev):
     bf16 = torch.bfloat16
     dev_index = torch.device(dev).index or 0
     launch = ext.Launch(0, 1, 128, 0, [0, 0], [0, -1])
-    plan = ext.CastPlan(dev_index, 1, False, [2, 16], [], [], [], None, None, 0, [])
+    plan = ext.CastPlan(dev_index, 1, False, [2, 16], [], [], None, None, 0, [])
     group = ext.Group(dev_index, 2, [], [], [], [True, True], [])
     fwd_groups = (ext.Group(dev_index, 9, [], [], [], [False] * 9, []), ext.Group(dev_index, 4, [], [], [], [False] * 4, []))
     mlp_plan = ext.MlpPlan(dev_index, [4, 16, 16, 16, 16], True, False, [False] * 7, [1, 4, 4, 5, 0],
                            [True, False, False], *fwd_groups, None, None, None)
-    tile_plan = ext.CastPlan(dev_index, 1, False, [16, 16], [], [], [launch], None, None, 0, [], True, False, True)
-    tile_plan_t = ext.CastPlan(dev_index, 1, False, [16, 16], [16, 16], [], [launch], None, None, 0, [], True, False,
+    tile_plan = ext.CastPlan(dev_index, 1, False, [16, 16], [], [launch], None, None, 0, [], True, False, True)
+    tile_plan_t = ext.CastPlan(dev_index, 1, False, [16, 16], [16, 16], [launch], None, None, 0, [], True, False,
                                True)
     x = torch.zeros(3, 16, dtype=bf16, device=dev)
     w = torch.zeros(16, 16, dtype=bf16, device=dev)
@@ -35,20 +35,20 @@ def cases(ext, dev):
         "Launch: bad hole": lambda: ext.Launch(0, 1, 128, 0, [0], [-5]),
         "Launch: holes and values differ": lambda: ext.Launch(0, 1, 128, 0, [0, 0], [0]),
         "CastPlan: dbias without its colsum launch": lambda: ext.CastPlan(
-            0, 1, True, [2, 16], [], [], [], torch.zeros(1, 16), None, 0, []),
+            0, 1, True, [2, 16], [], [], torch.zeros(1, 16), None, 0, []),
         "CastPlan: a launch's hole beyond the table": lambda: ext.CastPlan(
-            0, 1, True, [2, 16], [], [], [ext.Launch(0, 1, 128, 0, [0], [7])], None, None, 0, []),
-        "CastPlan: bad dtype code": lambda: ext.CastPlan(0, 9, True, [2, 16], [], [], [], None, None, 0, []),
+            0, 1, True, [2, 16], [], [ext.Launch(0, 1, 128, 0, [0], [7])], None, None, 0, []),
+        "CastPlan: bad dtype code": lambda: ext.CastPlan(0, 9, True, [2, 16], [], [], None, None, 0, []),
         "CastPlan: a block plan of two launches": lambda: ext.CastPlan(
-            0, 1, False, [4, 16], [], [], [launch, launch], None, None, 0, [], True, False),
+            0, 1, False, [4, 16], [], [launch, launch], None, None, 0, [], True, False),
         "CastPlan: a block plan whose transposed copy is not padded to whole blocks": lambda: ext.CastPlan(
-            0, 1, False, [4, 16], [16, 16], [], [launch], None, None, 0, [], True, False),
+            0, 1, False, [4, 16], [16, 16], [launch], None, None, 0, [], True, False),
         "CastPlan: block_dbias without block scaling": lambda: ext.CastPlan(
-            0, 1, False, [4, 16], [], [], [launch], None, None, 0, [], False, True),
+            0, 1, False, [4, 16], [], [launch], None, None, 0, [], False, True),
         "CastPlan: a tile plan without block scaling": lambda: ext.CastPlan(
-            0, 1, False, [4, 16], [], [], [launch], None, None, 0, [], False, False, True),
+            0, 1, False, [4, 16], [], [launch], None, None, 0, [], False, False, True),
         "CastPlan: a tile plan with dbias": lambda: ext.CastPlan(
-            0, 1, False, [4, 16], [], [], [launch], None, None, 0, [], True, True, True),
+            0, 1, False, [4, 16], [], [launch], None, None, 0, [], True, True, True),
         "cast_with: a tile plan": lambda: ext.cast_with(tile_plan, w),
         "recast_with: a tile plan with per-tensor scales": lambda: ext.recast_with(tile_plan, w, w8, None, one),
         "recast_with: a tile plan without the transposed scales": lambda: ext.recast_with(

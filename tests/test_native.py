@@ -46,14 +46,27 @@ def test_kernel_params_without_scratch_fields():
 
 
 @pytest.mark.parametrize("meta, signature", [
-    (dict(num_ctas=2), SIG), (dict(launch_pdl=True), SIG), (dict(launch_cooperative_grid=True), SIG),
+    (dict(num_ctas=2), SIG), (dict(launch_pdl=True), SIG),
     (dict(global_scratch_size=128), SIG), (dict(profile_scratch_size=64), SIG),
     ({}, dict(SIG, f="fp16")),                                  # a scalar type the C++ side does not pack
     ({}, {"x_ptr": "*bf16", "BLOCK": "constexpr"}),             # fewer parameters than arguments
     ({}, dict(SIG, BLOCK="i32")),                               # a trailing parameter that is not a constexpr
-], ids=["cluster", "pdl", "cooperative", "global-scratch", "profile-scratch", "fp16-scalar", "short", "tail"])
+], ids=["cluster", "pdl", "global-scratch", "profile-scratch", "fp16-scalar", "short", "tail"])
 def test_kernel_params_refuse_what_cuLaunchKernel_cannot_do(meta, signature):
     assert kernel_params(fake_binary(signature, **meta), (0, 0, 3, 1, 5, 1.0)) is None
+
+
+@pytest.mark.parametrize("cooperative", [False, True])
+def test_launch_spec_says_whether_the_launch_is_cooperative(cooperative):
+    """A binary compiled for a cooperative launch (a grid-wide barrier: the cast kernels'
+    OWN_AMAX) keeps its parameters; its spec asks the C++ launcher for a cooperative launch."""
+    binary = fake_binary(SIG, launch_cooperative_grid=cooperative)
+    binary.function = 1234
+    x, out = torch.empty(4), torch.empty(4)
+    (function, grid, block, shared, values, holes, coop), fixed = native.launch_spec(binary, 3, (x, out, 7, 1, 9, 0.5),
+                                                                                     holes=(x,))
+    assert (function, grid, block, coop) == (1234, 3, 128, cooperative)
+    assert holes == [0, -1, -1, -1, -1, -1, -1] and values[1] == out.data_ptr() and fixed == [out]
 
 
 @pytest.mark.parametrize("ty, value, raw", [
@@ -167,21 +180,21 @@ def test_cast_plan_with_dbias_needs_its_colsum_launch(ext):
     dbias), and neither without the other."""
     partial = torch.zeros(1, 16)
     with pytest.raises(RuntimeError, match="needs its partial sums and their colsum launch"):
-        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, None, 0, [])
+        ext.CastPlan(0, 1, True, [2, 16], [], [], partial, None, 0, [])
     with pytest.raises(RuntimeError, match="needs its partial sums and their colsum launch"):
-        ext.CastPlan(0, 1, True, [2, 16], [], [], [], None, ext.Launch(0, 1, 128, 0, [0], [0]), 0, [])
+        ext.CastPlan(0, 1, True, [2, 16], [], [], None, ext.Launch(0, 1, 128, 0, [0], [0]), 0, [])
     with pytest.raises(RuntimeError, match="needs its partial sums and their colsum launch"):
-        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [0, 1]), 0, [])
-    ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), 0, [])
+        ext.CastPlan(0, 1, True, [2, 16], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [0, 1]), 0, [])
+    ext.CastPlan(0, 1, True, [2, 16], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), 0, [])
     with pytest.raises(RuntimeError, match="bad dtype code"):  # dbias dtype: float32, bf16 or fp16 only
-        ext.CastPlan(0, 1, True, [2, 16], [], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), 7, [])
+        ext.CastPlan(0, 1, True, [2, 16], [], [], partial, ext.Launch(0, 1, 128, 0, [0, 0], [-1, 0]), 7, [])
 
 
 def test_weight_recast_refuses_what_its_plan_was_not_made_for(ext):
     """The nodes' weight re-cast (csrc recast, `recast_with`) checks the weight and the
     workspace against its plan before any launch (`recast_refusal`, which recast raises
     from): here CPU tensors (the GPU tests cover each buffer's refusal and the launches)."""
-    plan = ext.CastPlan(0, 1, True, [2, 16], [], [], [], None, None, 0, [])  # bf16 (2, 16) -> e5m2
+    plan = ext.CastPlan(0, 1, True, [2, 16], [], [], None, None, 0, [])  # bf16 (2, 16) -> e5m2
     w = torch.zeros(2, 16, dtype=torch.bfloat16)
     data = torch.zeros(2, 16, dtype=torch.float8_e5m2)
     assert "weight is not of the plan's shape, dtype and device" in ext.recast_refusal(plan, w, data, None, torch.ones(1))

@@ -123,4 +123,4 @@ def test_cpp_group_checks_its_arguments():
         ext.run_group(group, [torch.zeros(4), None])
     # a per-tensor cast plan's launches index the four cast holes only (the fifth: block scales')
     with pytest.raises(RuntimeError, match="cast plan launch with hole 4"):
-        ext.CastPlan(0, 1, False, [2, 16], [], [], [ext.Launch(0, 1, 128, 0, [0], [4])], None, None, 0, [])
+        ext.CastPlan(0, 1, False, [2, 16], [], [ext.Launch(0, 1, 128, 0, [0], [4])], None, None, 0, [])

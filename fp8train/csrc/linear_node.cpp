@@ -61,6 +61,8 @@ struct Driver {
   CUresult (*primary_ctx_retain)(CUcontext*, CUdevice);
   CUresult (*error_string)(CUresult, const char**);
   CUresult (*memset_d32)(uint64_t, unsigned, size_t, CUstream);
+  CUresult (*launch_cooperative)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                 CUstream, void**);
 };
 
 const Driver& driver() {
@@ -80,6 +82,7 @@ const Driver& driver() {
     d.primary_ctx_retain = reinterpret_cast<decltype(d.primary_ctx_retain)>(sym("cuDevicePrimaryCtxRetain"));
     d.error_string = reinterpret_cast<decltype(d.error_string)>(sym("cuGetErrorString"));
     d.memset_d32 = reinterpret_cast<decltype(d.memset_d32)>(sym("cuMemsetD32Async"));
+    d.launch_cooperative = reinterpret_cast<decltype(d.launch_cooperative)>(sym("cuLaunchCooperativeKernel"));
     return d;
   }();
   return d;
@@ -135,6 +138,7 @@ struct Launch {
   std::vector<uint64_t> values;
   std::vector<int> holes;  // per slot: -1 fixed, else an index into the call's pointers
   int max_hole = -1;       // the largest index in holes: each user checks it against its table
+  bool cooperative = false;  // every program resident at once (a kernel with a grid-wide barrier)
 };
 
 void run(const Launch& l, const uint64_t* pointers, CUstream stream) {
@@ -143,6 +147,11 @@ void run(const Launch& l, const uint64_t* pointers, CUstream stream) {
   for (size_t i = 0; i < l.values.size(); ++i) {
     slots[i] = l.holes[i] < 0 ? l.values[i] : pointers[l.holes[i]];
     params[i] = &slots[i];
+  }
+  if (l.cooperative) {
+    check(driver().launch_cooperative(l.function, l.grid, 1, 1, l.block, 1, 1, l.shared, stream, params.data()),
+          "cuLaunchCooperativeKernel");
+    return;
   }
   check(driver().launch(l.function, l.grid, 1, 1, l.block, 1, 1, l.shared, stream, params.data(), nullptr),
         "cuLaunchKernel");
@@ -159,7 +168,6 @@ struct CastPlan {
   c10::ScalarType fp8_dtype = c10::ScalarType::Float8_e4m3fn;
   std::vector<int64_t> data_shape;    // x's 2-D shape (M, N)
   std::vector<int64_t> data_t_shape;  // (N, Mp) of the transposed copy; empty: none
-  std::vector<at::Tensor> zero_first;  // scratch zeroed before the launches (current scaling's amax)
   std::vector<Launch> launches;
   at::Tensor partial;                 // (row tiles, N) float32 dbias partial sums, or undefined
   std::optional<Launch> dbias_sum;    // with partial: its column sums into the call's dbias (hole 0)
@@ -262,7 +270,6 @@ CastOut cast(const CastPlan& p, const at::Tensor& x, CUstream stream, Outputs ou
       out.data_t.defined() ? reinterpret_cast<uint64_t>(out.data_t.data_ptr()) : 0,
       reinterpret_cast<uint64_t>(out.scale_inv.data_ptr())};
   ensure_context(p.device);
-  for (const auto& t : p.zero_first) zero(t, stream);
   for (const auto& l : p.launches) run(l, pointers, stream);
   FP8_STAGE_STOP(kCastLaunch, t_launch);
   FP8_STAGE_START(t_dbias);
@@ -393,7 +400,6 @@ void recast(const CastPlan& p, const at::Tensor& w, const at::Tensor& data, cons
   c10::DeviceGuard guard(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(p.device)));
   ensure_context(p.device);
   CUstream stream = current_stream(p.device);
-  for (const auto& t : p.zero_first) zero(t, stream);
   for (const auto& l : p.launches) run(l, pointers, stream);
 }
 
@@ -837,7 +843,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_high_mlp(m);
   py::class_<Launch>(m, "Launch")
       .def(py::init([](uint64_t function, unsigned grid, unsigned block, unsigned shared,
-                       std::vector<uint64_t> values, std::vector<int> holes) {
+                       std::vector<uint64_t> values, std::vector<int> holes, bool cooperative) {
         TORCH_CHECK(values.size() == holes.size() && values.size() <= kMaxParams,
                     "fp8train native: a launch takes at most ", kMaxParams, " parameters, one hole entry each");
         Launch l;
@@ -851,12 +857,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         l.shared = shared;
         l.values = std::move(values);
         l.holes = std::move(holes);
+        l.cooperative = cooperative;
         return l;
-      }));
+      }), py::arg("function"), py::arg("grid"), py::arg("block"), py::arg("shared"), py::arg("values"),
+          py::arg("holes"), py::arg("cooperative") = false);
   py::class_<CastPlan, std::shared_ptr<CastPlan>>(m, "CastPlan")
       .def(py::init([](int device, int64_t x_code, bool e5m2, std::vector<int64_t> data_shape,
                        std::vector<int64_t> data_t_shape,
-                       std::vector<at::Tensor> zero_first, std::vector<Launch> launches,
+                       std::vector<Launch> launches,
                        std::optional<at::Tensor> partial, std::optional<Launch> dbias_sum, int64_t dbias_code,
                        std::vector<at::Tensor> keep, bool block, bool block_dbias, bool tiles) {
         TORCH_CHECK(partial.has_value() == dbias_sum.has_value() && (!dbias_sum || dbias_sum->max_hole == 0),
@@ -868,7 +876,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p->fp8_dtype = e5m2 ? c10::ScalarType::Float8_e5m2 : c10::ScalarType::Float8_e4m3fn;
         p->data_shape = std::move(data_shape);
         p->data_t_shape = std::move(data_t_shape);
-        p->zero_first = std::move(zero_first);
         for (const Launch& l : launches)  // scale_inv_t: a block-scaled cast's own
           TORCH_CHECK(l.max_hole < (block ? kHoles : kScaleInvT), "fp8train native: a cast plan launch with hole ",
                       l.max_hole);
@@ -879,9 +886,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p->keep = std::move(keep);
         TORCH_CHECK(!block_dbias || (block && !partial.has_value()),
                     "fp8train native: block_dbias is a block-scaled plan's own column sum");
-        TORCH_CHECK(!block || (p->launches.size() == 1 && p->zero_first.empty() &&
+        TORCH_CHECK(!block || (p->launches.size() == 1 &&
                                (p->data_t_shape.empty() || p->data_t_shape[1] % (tiles ? 16 : 128) == 0)),
-                    "fp8train native: a block-scaled cast plan is one launch, nothing zeroed, and a transposed "
+                    "fp8train native: a block-scaled cast plan is one launch and a transposed "
                     "copy padded to whole blocks (tiles: to 16 rows)");
         TORCH_CHECK(!tiles || (block && !block_dbias), "fp8train native: a tile plan is a block-scaled plan "
                     "without dbias");
@@ -890,7 +897,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p->tiles = tiles;
         return p;
       }), py::arg("device"), py::arg("x_code"), py::arg("e5m2"), py::arg("data_shape"), py::arg("data_t_shape"),
-      py::arg("zero_first"), py::arg("launches"), py::arg("partial"), py::arg("dbias_sum"), py::arg("dbias_code"),
+      py::arg("launches"), py::arg("partial"), py::arg("dbias_sum"), py::arg("dbias_code"),
       py::arg("keep"), py::arg("block") = false, py::arg("block_dbias") = false, py::arg("tiles") = false);
   py::class_<Group, std::shared_ptr<Group>>(m, "Group")
       .def(py::init([](int device, int64_t holes, std::vector<Launch> launches,

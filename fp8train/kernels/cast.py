@@ -15,6 +15,13 @@ Two kernels serve the three wrappers:
 Every program takes part in the amax with a single `atomic_max` at its end, so a cast
 costs (programs) atomics, a small multiple of the SM count, not one per block.
 
+OWN_AMAX (current scaling in one launch, `PreparedCast(own_amax=True)`): each program first
+reduces the amax of its share of x and stores it in a partial-amax slot of its own; the
+programs meet at a grid-wide barrier (`_grid_sync`); then every program reduces the partials,
+computes the scale and casts. The launch is cooperative, so the driver guarantees that every
+program is resident at once (else it refuses the launch: no program can wait forever). It
+replaces a zero fill, an amax launch and the cast launch: two fewer host calls per cast.
+
 The cast itself (`_saturate`): y = float32(x) * scale, clamped to [-fp8_max, fp8_max] with
 NaN kept, then converted with round-to-nearest-even; on Hopper that conversion is the
 `cvt.rn.satfinite` instruction and rounds exactly like torch.
@@ -33,7 +40,7 @@ from .. import scaling
 from . import native, reference
 from .colsum import colsum_into
 from .checks import FP8_DTYPES, check_dbias, check_fp8_out, check_fp8_outputs, check_scalar, check_scales
-from .launcher import DirectKernel, LaunchOverride, hooks_installed
+from .launcher import DirectKernel, LaunchOverride, hooks_installed, resident_programs
 from .launcher import device_guard as _device_guard
 from .scale_update import _FLT_MAX, compute_scale
 from .transpose import store_transposed_tile
@@ -162,6 +169,24 @@ def _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr,
 
 
 @triton.jit
+def _grid_sync(sync_ptr):
+    """Wait until every program of the (cooperative) launch has called this: a grid-wide
+    barrier on sync_ptr (2,) int32 = (programs arrived, generation), which the last program
+    to arrive resets, so it starts every launch at (0, any). Each program's earlier writes
+    are visible to every program after it (release on arrival, acquire on leaving)."""
+    tl.debug_barrier()  # the program's threads have written what they wrote before arriving
+    gen = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")  # cannot advance before this program arrives
+    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+        tl.atomic_add(sync_ptr + 1, 1, sem="release")
+    else:
+        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") == gen:
+            pass
+    tl.debug_barrier()
+
+
+@triton.jit
 def _resolve_scale_from_rows(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr, n_rows_amax,
                              FP8_MAX: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr):
     """_resolve_scale with FROM_AMAX, the amax being the max of rows_amax (n_rows_amax >= 1
@@ -170,7 +195,8 @@ def _resolve_scale_from_rows(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr,
     offs = tl.arange(0, _ROWS_BLOCK)
     acc = tl.zeros([_ROWS_BLOCK], dtype=tl.int32)
     for start in range(0, n_rows_amax, _ROWS_BLOCK):
-        v = tl.load(rows_amax_ptr + start + offs, mask=start + offs < n_rows_amax, other=0.0)
+        # .cg (L2, not L1): under OWN_AMAX other programs of this launch wrote the vector
+        v = tl.load(rows_amax_ptr + start + offs, mask=start + offs < n_rows_amax, other=0.0, cache_modifier=".cg")
         acc = tl.maximum(acc, _abs_bits(v))
     amax = _amax_of_bits(acc)
     if tl.program_id(0) == 0:
@@ -214,6 +240,40 @@ def _scale_for(amax, scale_ptr, scale_inv_ptr, count_ptr,
 
 
 @triton.jit
+def _flat_abs_max(x_ptr, n, pid, nprog, BLOCK: tl.constexpr):
+    """reference.abs_max of this program's share of _flat_kernel's blocks (0.0 for none)."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    n_full = n // BLOCK
+    for b in range(pid, n_full, nprog):
+        x = tl.load(x_ptr + tl.cast(b, tl.int64) * BLOCK + offs).to(tl.float32)
+        acc = tl.maximum(acc, _abs_bits(x))
+    if pid == n_full % nprog:
+        start = n_full * BLOCK
+        x = tl.load(x_ptr + start + offs, mask=offs < n - start, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _abs_bits(x))
+    return _amax_of_bits(acc)
+
+
+@triton.jit
+def _tile_abs_max(x_ptr, M, N, stride_xm, pid, nprog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """reference.abs_max of this program's share of _tile_kernel's tiles of x (0.0 for none)."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for t in range(pid, num_tiles, nprog):
+        row0 = (t // tiles_n) * BLOCK_M
+        col0 = (t % tiles_n) * BLOCK_N
+        in_x = (row0 + r < M)[:, None] & (col0 + c < N)[None, :]
+        x_tile = x_ptr + tl.cast(row0, tl.int64) * stride_xm + col0
+        x = tl.load(x_tile + r[:, None] * stride_xm + c[None, :], mask=in_x, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.max(_abs_bits(x), axis=1))
+    return _amax_of_bits(acc)
+
+
+@triton.jit
 def _flat_kernel(
     x_ptr,          # (n,) bf16/fp16/fp32 input, contiguous
     out_ptr,        # (n,) fp8 output, contiguous (CAST)
@@ -224,16 +284,22 @@ def _flat_kernel(
     count_ptr,      # () int32 nonfinite count, +1 when from_amax is inf/NaN (COUNT)
     skip_ptr,       # () int32: nonzero makes the launch a no-op (SKIP; a graphed cached weight)
     n,              # number of elements
-    rows_amax_ptr,  # (n_rows_amax,) float32: from_amax <- their max first (FROM_ROWS)
+    rows_amax_ptr,  # (n_rows_amax,) float32: from_amax <- their max first (FROM_ROWS; OWN_AMAX: (programs,))
     n_rows_amax,
+    sync_ptr,       # (2,) int32 grid barrier, zeros before the first launch (OWN_AMAX)
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, AMAX: tl.constexpr, FROM_AMAX: tl.constexpr,
-    FROM_ROWS: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
+    FROM_ROWS: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, SKIP: tl.constexpr, OWN_AMAX: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     if SKIP:
         if tl.load(skip_ptr) != 0:
             return
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    if OWN_AMAX:  # (with FROM_ROWS) x's amax first, one partial per program, then the barrier
+        tl.store(rows_amax_ptr + pid, _flat_abs_max(x_ptr, n, pid, nprog, BLOCK))
+        _grid_sync(sync_ptr)
+        n_rows_amax = nprog
     if CAST:
         scale = _resolve_cast_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr, n_rows_amax,
                                     FP8_MAX, FROM_AMAX, FROM_ROWS, COUNT, POW2)
@@ -275,11 +341,12 @@ def _tile_kernel(
     partial_ptr,    # (row tiles, N) float32: row i = column sums of x's rows [i*BLOCK_M, (i+1)*BLOCK_M) (DBIAS)
     skip_ptr,       # () int32: nonzero makes the launch a no-op (SKIP; a graphed cached weight)
     M, N, Mp, stride_xm,
-    rows_amax_ptr,  # (n_rows_amax,) float32: from_amax <- their max first (FROM_ROWS)
+    rows_amax_ptr,  # (n_rows_amax,) float32: from_amax <- their max first (FROM_ROWS; OWN_AMAX: (programs,))
     n_rows_amax,
+    sync_ptr,       # (2,) int32 grid barrier, zeros before the first launch (OWN_AMAX)
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
     FROM_AMAX: tl.constexpr, FROM_ROWS: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, DBIAS: tl.constexpr,
-    SKIP: tl.constexpr,
+    SKIP: tl.constexpr, OWN_AMAX: tl.constexpr,
     FROM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     if SKIP:
@@ -287,6 +354,10 @@ def _tile_kernel(
             return
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    if OWN_AMAX:  # as in _flat_kernel
+        tl.store(rows_amax_ptr + pid, _tile_abs_max(x_ptr, M, N, stride_xm, pid, nprog, BLOCK_M, BLOCK_N))
+        _grid_sync(sync_ptr)
+        n_rows_amax = nprog
     if CAST:
         scale = _resolve_cast_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr, rows_amax_ptr, n_rows_amax,
                                     FP8_MAX, FROM_AMAX, FROM_ROWS, COUNT, POW2)
@@ -437,14 +508,16 @@ def _launch(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, nonfinite_
 
 
 def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: bool, fp8_max: float, skip=None,
-          power_of_two: bool = False, rows_amax=None):
+          power_of_two: bool = False, rows_amax=None, own_amax: bool = False):
     """(kernel, grid, make_args, partial rows) for one cast; absent optional tensors are
     flagged off (and never touched). make_args(x, out, out_t, scale_inv_out, partial) gives
     the runtime arguments, so a PreparedCast can rebuild them for fresh buffers without
     planning again; `partial` is the (partial rows, N) float32 buffer of a cast with dbias.
     `skip` (fixed for the plan) is the () int32 flag of a skippable cast, or None.
     power_of_two only specialises casts that compute their scale (from_amax given); so does
-    rows_amax (launch_cast)."""
+    rows_amax (launch_cast). own_amax (with from_amax, a cast): the launch takes x's amax
+    itself (the module docstring's OWN_AMAX), into scratch that the plan allocates and keeps;
+    it must be launched cooperatively on at most the planned grid (PreparedCast does)."""
     cast = out is not None
     dummy = amax_out if amax_out is not None else scale  # stands in for unused pointer args
     amax_p = dummy if amax_out is None else amax_out
@@ -452,37 +525,44 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
     count_p = dummy if nonfinite_count is None else nonfinite_count
     scale_p = scale if cast else dummy
     skip_p = dummy if skip is None else skip
-    from_rows = rows_amax is not None and from_amax is not None and cast
-    rows_p, n_rows = (rows_amax, rows_amax.numel()) if from_rows else (dummy, 0)
+    own_amax = bool(own_amax) and from_amax is not None and cast
+    from_rows = (rows_amax is not None or own_amax) and from_amax is not None and cast
     flags = (fp8_max, cast, amax_out is not None, from_amax is not None, from_rows,
              from_amax is not None and nonfinite_count is not None, bool(power_of_two) and from_amax is not None)
     device = x.device
     flat_cfg, tile_cfg = launch_configs(device)
-    if out_t is None and not dbias and x.is_contiguous():
+    flat = out_t is None and not dbias and x.is_contiguous()
+    if flat:
         n = x.numel()
         grid = _grid(triton.cdiv(n, flat_cfg.block), flat_cfg.programs_per_sm, device)
-
+    else:
+        m, n, row_stride = _row_layout(x)
+        mp = m if out_t is None else out_t.shape[1]
+        _check_tile_offsets(tile_cfg, row_stride, n, mp)
+        row_tiles = triton.cdiv(mp, tile_cfg.block_m)
+        grid = _grid(row_tiles * triton.cdiv(n, tile_cfg.block_n), tile_cfg.programs_per_sm, device)
+    sync_p = dummy
+    if own_amax:  # one partial amax per program, and the barrier's two counters
+        rows_amax = torch.empty(grid, dtype=torch.float32, device=device)
+        sync_p = torch.zeros(2, dtype=torch.int32, device=device)
+    rows_p, n_rows = (rows_amax, rows_amax.numel()) if from_rows else (dummy, 0)
+    if flat:
         def flat_args(x, out, out_t, scale_inv_out, partial):
             return (x, out if cast else x, scale_p, scale_inv_out if cast else dummy, amax_p, from_p, count_p, skip_p,
-                    n, rows_p, n_rows)
-        return _flat(flat_cfg, *flags, skip is not None), grid, flat_args, 0
-    m, n, row_stride = _row_layout(x)
-    mp = m if out_t is None else out_t.shape[1]
-    _check_tile_offsets(tile_cfg, row_stride, n, mp)
-    row_tiles = triton.cdiv(mp, tile_cfg.block_m)
-    grid = _grid(row_tiles * triton.cdiv(n, tile_cfg.block_n), tile_cfg.programs_per_sm, device)
+                    n, rows_p, n_rows, sync_p)
+        return _flat(flat_cfg, *flags, skip is not None, own_amax), grid, flat_args, 0
 
     def tile_args(x, out, out_t, scale_inv_out, partial):
         out_p = out if cast else x
         return (x, out_p, out_t if out_t is not None else out_p, scale_p, scale_inv_out if cast else dummy,
                 amax_p, from_p, count_p, partial if partial is not None else dummy, skip_p, m, n, mp, row_stride,
-                rows_p, n_rows)
+                rows_p, n_rows, sync_p)
     # A float32 tile's transposed copy is reloaded from out's bytes (store_transposed_tile):
     # tl.trans of the register tile wrote wrong bytes into out_t for tiles loaded as float32
     # on sm_90 with triton 3.6 (GPU tests, 2026-11-29; bf16/fp16 are exact and keep it).
     from_out = out_t is not None and x.dtype == torch.float32
-    return (_tile(tile_cfg, out_t is not None, *flags, dbias, skip is not None, from_out), grid, tile_args,
-            row_tiles)
+    return (_tile(tile_cfg, out_t is not None, *flags, dbias, skip is not None, own_amax, from_out), grid,
+            tile_args, row_tiles)
 
 
 class PreparedCast:
@@ -499,24 +579,34 @@ class PreparedCast:
            reused by every call (each call's colsum reads it right after the launch, in
            stream order)
     skip   None, or the () int32 device flag of a skippable cast (fixed for all calls)
+    own_amax  (with from_amax) current scaling's cast in one call: from_amax <- x's amax, then
+           the cast with the scale computed from it; one cooperative launch (the module
+           docstring's OWN_AMAX), else a zero fill, the amax launch and the cast launch
     """
 
     def __init__(self, x, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None, nonfinite_count=None,
-                 dbias=False, skip=None, power_of_two=False):
-        self._fixed = (scale, amax_out, from_amax, nonfinite_count, skip, power_of_two)
+                 dbias=False, skip=None, power_of_two=False, own_amax=False):
+        own_amax = bool(own_amax) and from_amax is not None and out is not None
+        self._fixed = (scale, amax_out, from_amax, nonfinite_count, skip, power_of_two, own_amax)
         self._binary = None
         self._native = None  # the C++ launch (below); none where the cast goes through launch_cast
         if x.numel() == 0:
             return
         fp8_max = _FP8_MAX[out.dtype] if out is not None else 0.0
         kernel, self._grid, self._make_args, rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
-                                                          dbias, fp8_max, skip, power_of_two)
+                                                          dbias, fp8_max, skip, power_of_two, own_amax=own_amax)
         self._partial = None
         if dbias:
             self._partial = torch.empty((rows, x.shape[-1]), dtype=torch.float32, device=x.device)
         self._device = x.device.index
         self._x_aligned = x.data_ptr() & 15 == 0
-        self._binary = kernel.binary_for(*self._make_args(x, out, out_t, scale_inv_out, self._partial))
+        binary = kernel.binary_for(*self._make_args(x, out, out_t, scale_inv_out, self._partial))
+        if binary is not None and own_amax:
+            # A cooperative launch is refused above the programs that fit at once; with fewer,
+            # each program's share grows (the loops stride by the grid).
+            self._grid = min(self._grid, resident_programs(binary, x.device))
+            binary = binary if self._grid > 0 else None
+        self._binary = binary
         self._tail = kernel.tail
         self._writes = (out is not None, out_t is not None)  # (casts, writes the transposed copy)
         self._native = native.launch_for(self)  # the same launch from C++ (None: through Triton's launcher)
@@ -553,10 +643,13 @@ class PreparedCast:
         binary = self._binary
         if (binary is None or (x.data_ptr() & 15 == 0) != self._x_aligned or torch._C._cuda_getDevice() != self._device
                 or hooks_installed()):
-            scale, amax_out, from_amax, count, skip, pow2 = self._fixed
+            scale, amax_out, from_amax, count, skip, pow2, own_amax = self._fixed
             if out is None:
                 amax(x, amax_out)
             else:
+                if own_amax:
+                    from_amax.zero_()
+                    amax(x, from_amax)
                 launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count, dbias_out, skip, pow2)
             return
         partial = self._partial
@@ -585,17 +678,19 @@ _HOLES = (_Hole("x"), _Hole("data"), _Hole("data_t"), _Hole("scale_inv"))
 
 @functools.lru_cache(maxsize=None)
 def _flat(cfg: FlatConfig, fp8_max: float, cast: bool, amax: bool, from_amax: bool, from_rows: bool, count: bool,
-          pow2: bool, skip: bool) -> DirectKernel:
-    return DirectKernel(_flat_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, AMAX=amax,
-                        FROM_AMAX=from_amax, FROM_ROWS=from_rows, COUNT=count, POW2=pow2, SKIP=skip, BLOCK=cfg.block)
+          pow2: bool, skip: bool, own_amax: bool) -> DirectKernel:
+    return DirectKernel(_flat_kernel, num_warps=cfg.num_warps, cooperative=own_amax, FP8_MAX=fp8_max, CAST=cast,
+                        AMAX=amax, FROM_AMAX=from_amax, FROM_ROWS=from_rows, COUNT=count, POW2=pow2, SKIP=skip,
+                        OWN_AMAX=own_amax, BLOCK=cfg.block)
 
 
 @functools.lru_cache(maxsize=None)
 def _tile(cfg: TileConfig, transpose: bool, fp8_max: float, cast: bool, amax: bool, from_amax: bool,
-          from_rows: bool, count: bool, pow2: bool, dbias: bool, skip: bool, from_out: bool) -> DirectKernel:
-    return DirectKernel(_tile_kernel, num_warps=cfg.num_warps, FP8_MAX=fp8_max, CAST=cast, TRANSPOSE=transpose,
-                        AMAX=amax, FROM_AMAX=from_amax, FROM_ROWS=from_rows, COUNT=count, POW2=pow2, DBIAS=dbias,
-                        SKIP=skip,
+          from_rows: bool, count: bool, pow2: bool, dbias: bool, skip: bool, own_amax: bool,
+          from_out: bool) -> DirectKernel:
+    return DirectKernel(_tile_kernel, num_warps=cfg.num_warps, cooperative=own_amax, FP8_MAX=fp8_max, CAST=cast,
+                        TRANSPOSE=transpose, AMAX=amax, FROM_AMAX=from_amax, FROM_ROWS=from_rows, COUNT=count,
+                        POW2=pow2, DBIAS=dbias, SKIP=skip, OWN_AMAX=own_amax,
                         FROM_OUT=from_out, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
 
 

@@ -77,7 +77,7 @@ class DirectKernel:
     Runtime arguments are tensors (on the current CUDA device), ints and floats.
     """
 
-    def __init__(self, fn, num_warps: int, **constexprs):
+    def __init__(self, fn, num_warps: int, cooperative: bool = False, **constexprs):
         params = inspect.signature(fn.fn).parameters
         names = list(params)
         wanted = [n for n, p in params.items() if _is_constexpr(p.annotation)]
@@ -87,6 +87,8 @@ class DirectKernel:
                              f"constexpr parameters {wanted} of {fn.fn.__name__}")
         self._fn = fn
         self._options: Dict[str, Any] = dict(constexprs, num_warps=num_warps)
+        if cooperative:  # every program resident at once (a kernel with a grid-wide barrier)
+            self._options["launch_cooperative_grid"] = True
         self._n_runtime = n_runtime
         self.tail = tuple(constexprs[name] for name in names[n_runtime:])  # appended to every launch
         self._direct = isinstance(fn, triton.runtime.jit.JITFunction)  # not under TRITON_INTERPRET
@@ -196,15 +198,15 @@ def kernel_params(binary, args) -> Optional[List[Tuple[str, Any]]]:
     The ABI (triton 3.6's generated launcher): arguments Triton specialised into constants
     (ints equal to 1, None) are not parameters; pointers are 8 bytes, i32/fp32 4, i64 8;
     every kernel then takes a global-scratch and a profile-scratch pointer, null when the
-    binary needs no such scratch. Clusters, PDL and cooperative launches need
-    cuLaunchKernelEx attributes, so those binaries are refused, as are ones with scratch.
+    binary needs no such scratch. Clusters and PDL need cuLaunchKernelEx attributes, so those
+    binaries are refused, as are ones with scratch; a cooperative binary's launch must be
+    cooperative too (`launch_spec` says so).
     """
     src, meta = getattr(binary, "src", None), binary.metadata
     signature = list(getattr(src, "signature", {}).values())
     if len(signature) < len(args) or any(t != "constexpr" for t in signature[len(args):]):
         return None  # not the layout described above (another Triton version)
-    if (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_pdl", False)
-            or getattr(meta, "launch_cooperative_grid", False)):
+    if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_pdl", False):
         return None
     params = [(t, a) for t, a in zip(signature, args) if t != "constexpr"]
     if any(t not in _PARAM_BYTES and not t.startswith("*") for t, _ in params):
@@ -215,6 +217,19 @@ def kernel_params(binary, args) -> Optional[List[Tuple[str, Any]]]:
                 return None
             params.append(("*scratch", None))
     return params
+
+
+def resident_programs(binary, device: torch.device) -> int:
+    """How many programs of `binary` fit on `device` at once (per-SM residency from its
+    registers, threads and shared memory, times the SM count): the largest grid a cooperative
+    launch of it may have."""
+    props = torch.cuda.get_device_properties(device)
+    warps = binary.metadata.num_warps
+    regs_per_warp = -(-max(binary.n_regs, 1) * 32 // 256) * 256  # allocated per warp in units of 256
+    by_regs = props.regs_per_multiprocessor // regs_per_warp // warps
+    by_threads = props.max_threads_per_multi_processor // (32 * warps)
+    by_shared = props.shared_memory_per_multiprocessor // (binary.metadata.shared + 1024)  # 1 KiB reserved a block
+    return max(0, min(by_regs, by_threads, by_shared, 32)) * props.multi_processor_count
 
 
 # Scalar parameter types a C++ launch packs, by their struct format (little-endian).
@@ -246,4 +261,4 @@ def _is_cuda(device: torch.device) -> bool:
 
 
 __all__ = ["DirectKernel", "Recording", "device_guard", "hooks_installed", "kernel_params", "pack_param", "recording",
-           "scratch"]
+           "resident_programs", "scratch"]

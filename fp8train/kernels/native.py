@@ -145,7 +145,7 @@ def failure() -> Optional[str]:
 
 
 def launch_spec(binary, grid: int, args: Sequence, holes: Sequence = ()) -> Optional[tuple]:
-    """((function, grid, block, shared, values, hole indices), fixed tensors) of a launch of
+    """((function, grid, block, shared, values, hole indices, cooperative), fixed tensors) of a launch of
     `binary` on `grid` programs with runtime `args` (DirectKernel's), for `Launch`; None where
     the C++ launcher cannot make it (launcher.kernel_params). An argument that *is* one of
     `holes` becomes a hole with that index (filled per call); other tensors are fixed
@@ -167,7 +167,8 @@ def launch_spec(binary, grid: int, args: Sequence, holes: Sequence = ()) -> Opti
         else:
             values.append(pack_param(ty, value))
     meta = binary.metadata
-    return (binary.function, grid, 32 * meta.num_warps, meta.shared, values, hole_of), fixed
+    cooperative = bool(getattr(meta, "launch_cooperative_grid", False))
+    return (binary.function, grid, 32 * meta.num_warps, meta.shared, values, hole_of, cooperative), fixed
 
 
 def launch_for(prepared):
@@ -187,10 +188,9 @@ def fixed_launch(binary, grid: int, args: Sequence):
 
 
 def cast_plan(launches: Sequence, device: int, x_dtype: torch.dtype, fp8_dtype: torch.dtype, shape, transpose: bool,
-              zero_first: Sequence[torch.Tensor] = (), partial: Optional[torch.Tensor] = None,
-              dbias_dtype: torch.dtype = torch.float32):
+              partial: Optional[torch.Tensor] = None, dbias_dtype: torch.dtype = torch.float32):
     """A C++ CastPlan running `launches` (PreparedCasts, in order) on an input of 2-D `shape`
-    and `x_dtype` (the plan refuses any other), after zeroing `zero_first`; None where a
+    and `x_dtype` (the plan refuses any other); None where a
     launch is not one the C++ launcher can make or the extension is missing. partial: the
     (row tiles, N) float32 dbias buffer of the last launch; the plan returns its column sums
     as dbias, in dbias_dtype, by the colsum launch kernels.PreparedCast makes (the same sums,
@@ -205,7 +205,7 @@ def cast_plan(launches: Sequence, device: int, x_dtype: torch.dtype, fp8_dtype: 
         if spec is None:
             return None
         dbias_sum = ext.Launch(*spec[0])
-    made, keep = [], list(zero_first)
+    made, keep = [], []
     for prepared in launches:
         spec = prepared.native_launch()
         if spec is None:
@@ -217,7 +217,7 @@ def cast_plan(launches: Sequence, device: int, x_dtype: torch.dtype, fp8_dtype: 
     if x_dtype not in DTYPE_CODES or dbias_dtype not in DTYPE_CODES:
         return None
     return ext.CastPlan(device, DTYPE_CODES[x_dtype], fp8_dtype == torch.float8_e5m2, [m, n], data_t_shape,
-                        list(zero_first), made, partial, dbias_sum, DTYPE_CODES[dbias_dtype], keep)
+                        made, partial, dbias_sum, DTYPE_CODES[dbias_dtype], keep)
 
 
 def gemm():

@@ -198,7 +198,8 @@ def build(rec, holes: Sequence[Optional[torch.Tensor]], fixed: Sequence[torch.Te
     if ext is None:
         return None
     launches = [ext.Launch(binary.function, grid, 32 * binary.metadata.num_warps, binary.metadata.shared, values,
-                           hole_of) for binary, grid, values, hole_of in spec.launches]
+                           hole_of, bool(getattr(binary.metadata, "launch_cooperative_grid", False)))
+                for binary, grid, values, hole_of in spec.launches]
     group = ext.Group(spec.device, spec.holes, launches, spec.scratch_shapes, spec.scratch_zeroed, spec.aligned,
                       spec.keep)
     return Group(group, spec.holes, spec.device)
