@@ -171,18 +171,17 @@ def _resolve_scale(scale_ptr, scale_inv_ptr, from_amax_ptr, count_ptr,
 @triton.jit
 def _grid_sync(sync_ptr):
     """Wait until every program of the (cooperative) launch has called this: a grid-wide
-    barrier on sync_ptr (2,) int32 = (programs arrived, generation), which the last program
-    to arrive resets, so it starts every launch at (0, any). Each program's earlier writes
-    are visible to every program after it (release on arrival, acquire on leaving)."""
+    barrier on sync_ptr, an int64 count of arrivals that only grows (0 before the first
+    launch). A program's ticket (the count it found) names its launch's round, and it leaves
+    once the count has reached that round's end, so no reset is needed and no arrival can
+    count for another round. Each program's earlier writes are visible to every program
+    after it (release on arrival, acquire on leaving)."""
     tl.debug_barrier()  # the program's threads have written what they wrote before arriving
-    gen = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")  # cannot advance before this program arrives
-    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) - 1:
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-        tl.atomic_add(sync_ptr + 1, 1, sem="release")
-    else:
-        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") == gen:
-            pass
+    nprog = tl.num_programs(0)
+    ticket = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+    end = (ticket // nprog + 1) * nprog
+    while tl.atomic_add(sync_ptr, 0, sem="acquire") < end:
+        pass
     tl.debug_barrier()
 
 
@@ -286,7 +285,7 @@ def _flat_kernel(
     n,              # number of elements
     rows_amax_ptr,  # (n_rows_amax,) float32: from_amax <- their max first (FROM_ROWS; OWN_AMAX: (programs,))
     n_rows_amax,
-    sync_ptr,       # (2,) int32 grid barrier, zeros before the first launch (OWN_AMAX)
+    sync_ptr,       # (1,) int64 grid barrier's arrivals, 0 before the first launch (OWN_AMAX)
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, AMAX: tl.constexpr, FROM_AMAX: tl.constexpr,
     FROM_ROWS: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, SKIP: tl.constexpr, OWN_AMAX: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -343,7 +342,7 @@ def _tile_kernel(
     M, N, Mp, stride_xm,
     rows_amax_ptr,  # (n_rows_amax,) float32: from_amax <- their max first (FROM_ROWS; OWN_AMAX: (programs,))
     n_rows_amax,
-    sync_ptr,       # (2,) int32 grid barrier, zeros before the first launch (OWN_AMAX)
+    sync_ptr,       # (1,) int64 grid barrier's arrivals, 0 before the first launch (OWN_AMAX)
     FP8_MAX: tl.constexpr, CAST: tl.constexpr, TRANSPOSE: tl.constexpr, AMAX: tl.constexpr,
     FROM_AMAX: tl.constexpr, FROM_ROWS: tl.constexpr, COUNT: tl.constexpr, POW2: tl.constexpr, DBIAS: tl.constexpr,
     SKIP: tl.constexpr, OWN_AMAX: tl.constexpr,
@@ -542,9 +541,9 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
         row_tiles = triton.cdiv(mp, tile_cfg.block_m)
         grid = _grid(row_tiles * triton.cdiv(n, tile_cfg.block_n), tile_cfg.programs_per_sm, device)
     sync_p = dummy
-    if own_amax:  # one partial amax per program, and the barrier's two counters
+    if own_amax:  # one partial amax per program, and the barrier's count of arrivals
         rows_amax = torch.empty(grid, dtype=torch.float32, device=device)
-        sync_p = torch.zeros(2, dtype=torch.int32, device=device)
+        sync_p = torch.zeros(1, dtype=torch.int64, device=device)
     rows_p, n_rows = (rows_amax, rows_amax.numel()) if from_rows else (dummy, 0)
     if flat:
         def flat_args(x, out, out_t, scale_inv_out, partial):

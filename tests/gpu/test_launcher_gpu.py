@@ -198,6 +198,8 @@ def test_one_launch_current_cast_matches_the_reference(shape, transpose, dbias, 
         if dbias:
             torch.testing.assert_close(db, want_db, rtol=1e-5, atol=1e-3, equal_nan=True)
     assert count.item() == 3  # NaN twice, -inf once
+    sync = prepared._make_args(x, out, out_t, si, prepared.partial)[-1]  # the barrier's arrivals
+    assert sync.dtype == torch.int64 and sync.item() == len(xs + xs[:2]) * prepared._grid
 
 
 def test_one_launch_current_cast_replays_in_a_cuda_graph():
