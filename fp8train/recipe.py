@@ -122,7 +122,7 @@ class DelayedScaling:
 
 @dataclasses.dataclass(frozen=True)
 class CurrentScaling:
-    """Scale from the amax of the tensor being cast (one amax pass, then the cast).
+    """Scale from the amax of the tensor being cast (an amax pass, then the cast: one launch).
 
     auto_precision, power_of_two_scales: as for DelayedScaling.
     """

@@ -80,6 +80,25 @@ def test_current_scaling_quantizer():
     assert q.nonfinite_count.item() == 1 and q.scale.item() == div(57344.0, x.abs().max())
 
 
+def test_current_scaling_takes_each_cast_own_amax_not_the_running_max():
+    """Each cast's amax replaces the last one (the amax is taken afresh, not max-accumulated),
+    down as well as up; a skipped cast (a cached weight's flag) leaves data and state alone."""
+    q = CurrentScalingQuantizer(TensorRole.WEIGHT, E4M3)
+    for peak in (100.0, 1.0, 3.0):
+        x = torch.randn(24, 32).clamp(-0.5, 0.5)
+        x[3, 5] = -peak
+        out = q.quantize(x, transpose=True)
+        assert q.amax.item() == peak and q.scale.item() == div(448.0, peak)
+        assert fp8_bytes(out.fp8_data).tolist() == fp8_bytes((x * q.scale).to(E4M3)).tolist()
+    skip = torch.ones((), dtype=torch.int32)
+    before = fp8_bytes(out.fp8_data).clone()
+    q.requantize(torch.full((24, 32), 7.0), out, transpose=True, skip=skip)
+    assert q.amax.item() == 3.0 and q.scale.item() == div(448.0, 3.0) and torch.equal(fp8_bytes(out.fp8_data), before)
+    skip.zero_()
+    q.requantize(torch.full((24, 32), 7.0), out, transpose=True, skip=skip)
+    assert q.amax.item() == 7.0 and q.scale.item() == div(448.0, 7.0)
+
+
 @pytest.mark.parametrize("make", [delayed, lambda: CurrentScalingQuantizer(TensorRole.INPUT, E4M3)],
                          ids=["delayed", "current"])
 @pytest.mark.parametrize("shape", [(5, 32), (3, 7, 48), (16, 16)], ids=str)
