@@ -35,6 +35,11 @@ class Cast(NamedTuple):
         return self.scale_inv
 
 
+def _launch_key(shape, dtype, transpose: bool, dbias: bool, skip: Optional[torch.Tensor] = None) -> tuple:
+    """Where a quantizer keeps one prepared steady-state launch (Quantizer._launch)."""
+    return shape, dtype, transpose, dbias, 0 if skip is None else skip.data_ptr()
+
+
 class Quantizer(nn.Module):
     """Base: role, FP8 dtype, and the allocation/layout side of quantization.
 
@@ -234,19 +239,17 @@ class Quantizer(nn.Module):
     def _launch(self, x, data, data_t, scale_inv, amax_out=None, from_amax=None, count=None,
                 dbias_out=None, skip=None, own_amax=False) -> None:
         """One kernel launch of this quantizer's steady state through a prepared launch
-        (kernels.prepare_cast), kept per (shape, dtype, transposed?, cast or amax only, dbias?,
-        skip flag).
+        (kernels.prepare_cast), kept per (shape, dtype, transposed?, dbias?, skip flag).
         The buffers named here must be this quantizer's own, fixed for the key (and so is
         own_amax, per quantizer class): preparations are dropped whenever the buffers may have
         moved (`_forget_prepared`)."""
-        key = (x.shape, x.dtype, data_t is not None, data is None, dbias_out is not None,
-               skip.data_ptr() if skip is not None else 0)
+        key = _launch_key(x.shape, x.dtype, data_t is not None, dbias_out is not None, skip)
         launch = self._prepared.get(key)
         if launch is None:
             if len(self._prepared) >= 64:  # many input shapes (variable lengths): start over
                 self._prepared.clear()
             launch = self._prepared[key] = kernels.prepare_cast(
-                x, data, data_t, self.scale if data is not None else None, scale_inv, amax_out, from_amax, count,
+                x, data, data_t, self.scale, scale_inv, amax_out, from_amax, count,
                 dbias=dbias_out is not None, skip=skip, power_of_two=self.power_of_two, own_amax=own_amax)
         launch(x, data, data_t, scale_inv, dbias_out)
 
@@ -403,7 +406,7 @@ class CurrentScalingQuantizer(Quantizer):
         return ops.ScalingState(self.scale, None, self.amax, self.nonfinite_count, self.power_of_two)
 
     def _steady_launches(self, shape, dtype, transpose, dbias):
-        cast = self._prepared.get((shape, dtype, transpose, False, dbias, 0))
+        cast = self._prepared.get(_launch_key(shape, dtype, transpose, dbias))
         return None if cast is None else (cast,)
 
     def produce(self, first_pass, cast, amax_hook=None) -> None:
@@ -452,7 +455,7 @@ class DelayedScalingQuantizer(Quantizer):
     def _cast(self, x, data, data_t, scale_inv, dbias_out=None, skip=None) -> None:
         if self.calibrated:
             if skip is None:
-                launch = self._prepared.get((x.shape, x.dtype, data_t is not None, False, dbias_out is not None, 0))
+                launch = self._prepared.get(_launch_key(x.shape, x.dtype, data_t is not None, dbias_out is not None))
                 if launch is not None:  # the steady state, inlined: one dict lookup and the launch
                     launch(x, data, data_t, scale_inv, dbias_out)
                     return
@@ -470,7 +473,7 @@ class DelayedScalingQuantizer(Quantizer):
     def _steady_launches(self, shape, dtype, transpose, dbias):
         if not self.calibrated:
             return None
-        cast = self._prepared.get((shape, dtype, transpose, False, dbias, 0))
+        cast = self._prepared.get(_launch_key(shape, dtype, transpose, dbias))
         return None if cast is None else (cast,)
 
     def requantize(self, x, out, *, transpose=False, skip=None) -> None:
@@ -478,7 +481,7 @@ class DelayedScalingQuantizer(Quantizer):
         # contiguous weight of a shape already prepared, the transposed buffer in place.
         if skip is None and self.calibrated and not isinstance(x, Float8Tensor) and x.is_contiguous():
             data_t = out._transpose if transpose else None
-            launch = self._prepared.get((x.shape, x.dtype, transpose, False, False, 0))
+            launch = self._prepared.get(_launch_key(x.shape, x.dtype, transpose, False))
             if launch is not None and (data_t is not None or not transpose):
                 out._mark_rewritten()
                 launch(x, out._data, data_t, out._scale_inv)

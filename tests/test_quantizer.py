@@ -101,6 +101,24 @@ def test_current_scaling_takes_each_cast_own_amax_not_the_running_max():
 
 @pytest.mark.parametrize("make", [delayed, lambda: CurrentScalingQuantizer(TensorRole.INPUT, E4M3)],
                          ids=["delayed", "current"])
+def test_steady_state_prepares_one_launch_per_case_and_its_lookups_find_it(make):
+    """Casts of one case (shape, dtype, transposed copy or not) prepare their launch once and
+    reuse it; the C++ plans' lookup (_steady_launches) finds that same launch, so a key that
+    drifted between the two would show here (the steady state would silently re-plan)."""
+    q = make()
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    for _ in range(3):
+        q.quantize(x, transpose=True)
+    (launch,) = q._prepared.values()
+    assert q._steady_launches(x.shape, x.dtype, True, False) == (launch,)
+    assert q._steady_launches(x.shape, x.dtype, False, False) is None
+    q.quantize(x)
+    q.quantize(x)
+    assert len(q._prepared) == 2 and q._prepared[next(iter(q._prepared))] is launch
+
+
+@pytest.mark.parametrize("make", [delayed, lambda: CurrentScalingQuantizer(TensorRole.INPUT, E4M3)],
+                         ids=["delayed", "current"])
 @pytest.mark.parametrize("shape", [(5, 32), (3, 7, 48), (16, 16)], ids=str)
 def test_transpose_and_workspace(make, shape):
     q = make()

@@ -130,13 +130,13 @@ def cast_trusted(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tenso
                                       amax_out, from_amax, nonfinite_count, dbias_out, power_of_two)
 
 
-def prepare_cast(x: torch.Tensor, out: Optional[torch.Tensor], out_t: Optional[torch.Tensor],
-                 scale: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor],
+def prepare_cast(x: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tensor],
+                 scale: torch.Tensor, scale_inv_out: torch.Tensor,
                  amax_out: Optional[torch.Tensor] = None, from_amax: Optional[torch.Tensor] = None,
                  nonfinite_count: Optional[torch.Tensor] = None, dbias: bool = False,
                  skip: Optional[torch.Tensor] = None, power_of_two: bool = False, own_amax: bool = False):
-    """`cast_trusted` (or, with out None, `amax`) prepared for repeated calls on tensors like
-    these with the same scale buffers: returns f(x, out, out_t, scale_inv_out, dbias_out=None)
+    """`cast_trusted` prepared for repeated calls on tensors like these with the same scale
+    buffers: returns f(x, out, out_t, scale_inv_out, dbias_out=None)
     (dbias_out only when prepared with dbias; `skip` and `power_of_two` as for cast_trusted,
     fixed). own_amax (with from_amax): each call first sets from_amax to x's own amax, so the
     scale comes from x (current scaling's cast as one call; on CUDA one launch).
@@ -146,8 +146,6 @@ def prepare_cast(x: torch.Tensor, out: Optional[torch.Tensor], out_t: Optional[t
     if x.is_cuda:
         return _triton_cast().PreparedCast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax,
                                            nonfinite_count, dbias, skip, power_of_two, own_amax)
-    if out is None:
-        return lambda x, out, out_t, scale_inv_out, dbias_out=None: reference.amax(x.detach(), amax_out)
 
     def cast(x, out, out_t, scale_inv_out, dbias_out=None):
         if own_amax and from_amax is not None and not (skip is not None and reference.skipped(skip)):

@@ -525,7 +525,7 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
     scale_p = scale if cast else dummy
     skip_p = dummy if skip is None else skip
     own_amax = bool(own_amax) and from_amax is not None and cast
-    from_rows = (rows_amax is not None or own_amax) and from_amax is not None and cast
+    from_rows = own_amax or (rows_amax is not None and from_amax is not None and cast)
     flags = (fp8_max, cast, amax_out is not None, from_amax is not None, from_rows,
              from_amax is not None and nonfinite_count is not None, bool(power_of_two) and from_amax is not None)
     device = x.device
@@ -544,7 +544,8 @@ def _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count, dbias: boo
     if own_amax:  # one partial amax per program, and the barrier's count of arrivals
         rows_amax = torch.empty(grid, dtype=torch.float32, device=device)
         sync_p = torch.zeros(1, dtype=torch.int64, device=device)
-    rows_p, n_rows = (rows_amax, rows_amax.numel()) if from_rows else (dummy, 0)
+    # OWN_AMAX: the kernel reduces one partial per program and ignores n_rows
+    rows_p, n_rows = (rows_amax, 0 if own_amax else rows_amax.numel()) if from_rows else (dummy, 0)
     if flat:
         def flat_args(x, out, out_t, scale_inv_out, partial):
             return (x, out if cast else x, scale_p, scale_inv_out if cast else dummy, amax_p, from_p, count_p, skip_p,
@@ -573,7 +574,6 @@ class PreparedCast:
     through launch_cast.
 
     scale, amax_out, from_amax, nonfinite_count, power_of_two  as for launch_cast, fixed for all calls
-    out None (and scale None): the amax kernel alone, max-accumulating x's amax into amax_out
     dbias  whether calls pass dbias_out; the partial-sum buffer is the preparation's own,
            reused by every call (each call's colsum reads it right after the launch, in
            stream order)
@@ -585,15 +585,15 @@ class PreparedCast:
 
     def __init__(self, x, out, out_t, scale, scale_inv_out, amax_out=None, from_amax=None, nonfinite_count=None,
                  dbias=False, skip=None, power_of_two=False, own_amax=False):
-        own_amax = bool(own_amax) and from_amax is not None and out is not None
+        own_amax = bool(own_amax) and from_amax is not None
         self._fixed = (scale, amax_out, from_amax, nonfinite_count, skip, power_of_two, own_amax)
         self._binary = None
         self._native = None  # the C++ launch (below); none where the cast goes through launch_cast
         if x.numel() == 0:
             return
-        fp8_max = _FP8_MAX[out.dtype] if out is not None else 0.0
         kernel, self._grid, self._make_args, rows = _plan(x, out, out_t, scale, amax_out, from_amax, nonfinite_count,
-                                                          dbias, fp8_max, skip, power_of_two, own_amax=own_amax)
+                                                          dbias, _FP8_MAX[out.dtype], skip, power_of_two,
+                                                          own_amax=own_amax)
         self._partial = None
         if dbias:
             self._partial = torch.empty((rows, x.shape[-1]), dtype=torch.float32, device=x.device)
@@ -607,7 +607,7 @@ class PreparedCast:
             binary = binary if self._grid > 0 else None
         self._binary = binary
         self._tail = kernel.tail
-        self._writes = (out is not None, out_t is not None)  # (casts, writes the transposed copy)
+        self._transposes = out_t is not None
         self._native = native.launch_for(self)  # the same launch from C++ (None: through Triton's launcher)
 
     @property
@@ -623,10 +623,8 @@ class PreparedCast:
         preparation's scale, amax and partial-sum buffers, the sizes) is fixed."""
         if self._binary is None:
             return None
-        casts, transposes = self._writes
         x, data, data_t, scale_inv = _HOLES
-        args = self._make_args(x, data if casts else None, data_t if transposes else None,
-                               scale_inv if casts else None, self._partial)
+        args = self._make_args(x, data, data_t if self._transposes else None, scale_inv, self._partial)
         return native.launch_spec(self._binary, self._grid, args, _HOLES)
 
     def native_for(self, x):
@@ -643,13 +641,10 @@ class PreparedCast:
         if (binary is None or (x.data_ptr() & 15 == 0) != self._x_aligned or torch._C._cuda_getDevice() != self._device
                 or hooks_installed()):
             scale, amax_out, from_amax, count, skip, pow2, own_amax = self._fixed
-            if out is None:
-                amax(x, amax_out)
-            else:
-                if own_amax:
-                    from_amax.zero_()
-                    amax(x, from_amax)
-                launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count, dbias_out, skip, pow2)
+            if own_amax:
+                from_amax.zero_()
+                amax(x, from_amax)
+            launch_cast(x, out, out_t, scale, scale_inv_out, amax_out, from_amax, count, dbias_out, skip, pow2)
             return
         partial = self._partial
         if self._native is not None and native.ENABLED:
