@@ -196,6 +196,11 @@ def norm_fwd_fp8(x, weight, bias, eps, mean_out, rstd_out, out, out_t, scale, sc
                                     amax_out, from_amax, nonfinite_count, y_out, stats_ready, power_of_two)
 
 
+def norm_fwd(x, weight, bias, eps, mean_out, rstd_out, y_out) -> None:
+    """Normalization in high precision alone: statistics and y, no cast (norm_reference.norm_fwd)."""
+    _family(x, "norm").norm_fwd(x, weight, bias, eps, mean_out, rstd_out, y_out)
+
+
 def norm_bwd(dy, x, weight, mean, rstd, dx_out, dweight_out, dbias_out=None) -> None:
     _family(x, "norm").norm_bwd(dy, x, weight, mean, rstd, dx_out, dweight_out, dbias_out)
 

@@ -430,6 +430,19 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     _launch_fwd(*args, out_t, *scalars, stats_ready=stats_ready, power_of_two=power_of_two)
 
 
+def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+             mean_out: Optional[torch.Tensor], rstd_out: torch.Tensor, y_out: torch.Tensor) -> None:
+    """norm_reference.norm_fwd on the GPU (same contract; see there): norm_fwd_fp8's kernel
+    without the cast, with the row-major launch shape of norm_stats."""
+    norm_reference.check_stats_args("norm_fwd", x, weight, bias, eps, mean_out, rstd_out, None)
+    norm_reference.check_y_out("norm_fwd", x, y_out)
+    if x.shape[0] == 0:
+        norm_reference.norm_fwd(x, weight, bias, eps, mean_out, rstd_out, y_out)
+        return
+    _launch_fwd(x, weight, bias, eps, mean_out, rstd_out, None, None, None, None, None, None, None, y_out,
+                stats_ready=False, power_of_two=False)
+
+
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Optional[torch.Tensor],
              rstd: torch.Tensor, dx_out: torch.Tensor, dweight_out: torch.Tensor,
              dbias_out: Optional[torch.Tensor] = None) -> None:

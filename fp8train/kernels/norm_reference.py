@@ -128,6 +128,23 @@ def norm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         y_out.copy_(y)
 
 
+def norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+             mean_out: Optional[torch.Tensor], rstd_out: torch.Tensor, y_out: torch.Tensor) -> None:
+    """LayerNorm / RMSNorm forward in high precision alone: norm_fwd_fp8's statistics and y
+    without the cast (a norm whose output no FP8 layer reads through it yet).
+
+    x, weight, bias, eps, mean_out, rstd_out as in `norm_stats` (statistics written);
+    y_out (M, K) in x.dtype: y rounded to x.dtype.
+    """
+    check_stats_args("norm_fwd", x, weight, bias, eps, mean_out, rstd_out, None)
+    check_y_out("norm_fwd", x, y_out)
+    mean, rstd = row_stats(x, eps, layer=mean_out is not None)
+    if mean_out is not None:
+        mean_out.copy_(mean)
+    rstd_out.copy_(rstd)
+    y_out.copy_(normalize(x, weight, bias, mean, rstd))
+
+
 def norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: Optional[torch.Tensor],
              rstd: torch.Tensor, dx_out: torch.Tensor, dweight_out: torch.Tensor,
              dbias_out: Optional[torch.Tensor] = None) -> None:
@@ -195,6 +212,10 @@ def check_fwd_args(fn, x, weight, bias, eps, mean_out, rstd_out, out, out_t, sca
     if y_out is not None:
         _check_matrix(fn, "y_out", y_out, (m, k), (x.dtype,), dev)
     check_scales(fn, dev, scale, scale_inv_out, amax_out, from_amax, nonfinite_count)
+
+
+def check_y_out(fn, x, y_out) -> None:
+    _check_matrix(fn, "y_out", y_out, tuple(x.shape), (x.dtype,), x.device)
 
 
 def check_bwd_args(fn, dy, x, weight, mean, rstd, dx_out, dweight_out, dbias_out) -> None:

@@ -242,6 +242,37 @@ def test_fwd_computes_stats(shape, layer, x_dtype, transposed):
         check_transposed_copy(got, m)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layer", KINDS)
+@pytest.mark.parametrize("x_dtype", INPUTS)
+def test_fwd_without_cast(shape, layer, x_dtype):
+    """norm_fwd (fp8train.RMSNorm with no FP8 reader): statistics and y alone, against the
+    twin, into outputs poisoned two ways (every element written, the same bits both times);
+    y and rstd are the bits norm_stats and a norm_fwd_fp8 on those statistics write."""
+    m, k = shape
+    x = make_x(shape, x_dtype, specials=True)
+    weight, bias = make_params(k, layer, x_dtype)
+    runs = []
+    for impl, byte in ((norm, POISONS[0]), (norm, POISONS[1]), (ref, POISONS[0])):
+        mean = poisoned((m,), torch.float32, byte) if layer else None
+        rstd, y = poisoned((m,), torch.float32, byte), poisoned((m, k), x_dtype, byte)
+        impl.norm_fwd(x, weight, bias, EPS, mean, rstd, y)
+        runs.append((mean, rstd, y))
+    (mean, rstd, y), again, (want_mean, want_rstd, want_y) = runs
+    for name, a, b in zip(("mean", "rstd", "y"), (mean, rstd, y), again):
+        if a is not None:
+            assert_bitwise(a, b, f"{name}: two runs")
+    if layer:
+        assert_rows_close(mean, want_mean, 1e-5, "mean", scale=row_max_abs(x))
+    assert_rows_close(rstd, want_rstd, 1e-5, "rstd")
+    assert_rows_close(y, want_y, 1e-5 + ROUNDING[x_dtype], "y")
+    stats = Fwd(x, E4M3, layer, 0)
+    norm.norm_stats(x, weight, bias, EPS, stats.mean, stats.rstd)
+    stats.run(norm, x, weight, bias, stats_ready=True)
+    assert_bitwise(rstd, stats.rstd, "rstd vs norm_stats")
+    assert_bitwise(y, stats.y, "y vs norm_fwd_fp8 from norm_stats' statistics")
+
+
 @pytest.mark.parametrize("shape", SHAPES[1:])
 @pytest.mark.parametrize("layer", KINDS)
 @pytest.mark.parametrize("fp8", FP8)

@@ -179,6 +179,31 @@ def test_norm_stats(shape, layer, config):
     assert_bits_equal(rstd_only, got[1], "rstd without amax")
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layer", KINDS)
+@pytest.mark.parametrize("x_dtype", X_DTYPES)
+def test_fwd_without_cast(shape, layer, x_dtype, config):
+    """norm_fwd (no cast): statistics within float32 tolerance of the twin's, and y the bits
+    of norm_stats' statistics followed by a stats_ready norm_fwd_fp8's y."""
+    m, k = shape
+    x = make_x(shape, x_dtype)
+    weight, bias = make_params(k, layer, x_dtype)
+    got, want = stats_buffers(m, layer), stats_buffers(m, layer)
+    y, y_want = torch.full((m, k), math.nan).to(x_dtype), torch.full((m, k), math.nan).to(x_dtype)
+    norm.norm_fwd(x, weight, bias, EPS, *got, y)
+    ref.norm_fwd(x, weight, bias, EPS, *want, y_want)
+    if layer:
+        assert_rows_close(got[0], want[0], 1e-5, "mean")
+    assert_rows_close(got[1], want[1], 1e-5, "rstd")
+    stats = stats_buffers(m, layer)
+    norm.norm_stats(x, weight, bias, EPS, *stats)
+    y_two = torch.full((m, k), math.nan).to(x_dtype)
+    norm.norm_fwd_fp8(x, weight, bias, EPS, *stats, torch.empty(m, k, dtype=E4M3), None, torch.tensor(1.0),
+                      torch.tensor(0.0), y_out=y_two, stats_ready=True)
+    assert_bits_equal(got[1], stats[1], "rstd vs norm_stats")
+    assert_bits_equal(y, y_two, "y vs norm_stats then norm_fwd_fp8")
+
+
 @pytest.mark.sweep
 @pytest.mark.parametrize("shape", SHAPES[:2])
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
