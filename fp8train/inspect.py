@@ -43,6 +43,7 @@ from .modules.base import QUANTIZER_NAMES, FP8Module
 from .modules.layernorm_linear import LayerNormLinear
 from .modules.layernorm_mlp import LayerNormMLP, activation_high_precision
 from .modules.linear import Linear
+from .modules.rms_norm import RMSNorm
 from .modules.norm import norm_high_precision
 from .quantizer import CurrentScalingQuantizer, Quantizer
 from .roles import TensorRole
@@ -320,6 +321,14 @@ def execution_paths(model: nn.Module) -> Dict[str, str]:
     return {name: m._path[0] or "no eager FP8 call yet" for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
+def norm_paths(model: nn.Module) -> Dict[str, str]:
+    """How each fp8train.RMSNorm of `model` (fp8train.convert's fuse_norms) ran its last eager
+    call inside fp8train.autocast: "kernel: normalizes and casts its output for its readers"
+    (the sibling Linears that read it cast nothing), "kernel: ..." without the cast and why, or
+    "formula: <why>" (HF's torch ops); "no eager FP8 call yet" before one. By module name."""
+    return {name: m._path[0] or "no eager FP8 call yet" for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+
+
 def shared_input_casts(model: nn.Module) -> List[List[str]]:
     """The groups of fp8train.Linear layers of `model` that share one input quantizer (sibling
     layers that read the same tensor, tied on their first FP8 call: their input is cast once
@@ -338,4 +347,4 @@ def load(path) -> List[dict]:
 
 
 __all__ = ["FIELDS", "Inspector", "quantization_stats", "applied_scale", "activation_grad", "execution_paths",
-           "shared_input_casts", "load"]
+           "norm_paths", "shared_input_casts", "load"]

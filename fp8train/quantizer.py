@@ -139,9 +139,7 @@ class Quantizer(nn.Module):
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
         if torch.compiler.is_compiling():
             return self._traced_cast_shared(x, rows, transpose)
-        epoch = self._scale_epoch()
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            epoch = (epoch, "captured")  # a memo serves within a CUDA graph capture, or outside, not across
+        epoch = self._memo_epoch(x)
         memo = self._memo
         if memo is not None:
             ref, version, shape, memo_epoch, left, cast = memo
@@ -152,6 +150,18 @@ class Quantizer(nn.Module):
         cast = self.cast(rows, transpose=transpose)
         self._memo = (weakref.ref(x), version_of(x), x.shape, epoch, self.sharing - 1, cast)
         return cast
+
+    def offer_shared(self, x: torch.Tensor, cast: "Cast") -> None:
+        """A producer's cast of x for the `sharing` sibling layers that read x (an RMSNorm
+        whose kernel cast what it computed, with this quantizer: modules/rms_norm.py): their
+        cast_shared calls get it back, as if the first of them had made it."""
+        self._memo = (weakref.ref(x), version_of(x), x.shape, self._memo_epoch(x), self.sharing, cast)
+
+    def _memo_epoch(self, x: torch.Tensor):
+        epoch = self._scale_epoch()
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            epoch = (epoch, "captured")  # a memo serves within a CUDA graph capture, or outside, not across
+        return epoch
 
     def _traced_cast_shared(self, x: torch.Tensor, rows: torch.Tensor, transpose: bool) -> "Cast":
         """cast_shared in a torch.compile trace: one cast op in the graph for all the siblings.

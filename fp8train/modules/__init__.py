@@ -1,5 +1,6 @@
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
+from .rms_norm import RMSNorm
 
-__all__ = ["Linear", "LayerNormLinear", "LayerNormMLP"]
+__all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "RMSNorm"]

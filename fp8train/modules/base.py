@@ -17,6 +17,7 @@ from ..quantizer_factory import make_quantizer, quantizer_from_state
 from ..recipe import BlockScaling, Format, Recipe
 from ..roles import TensorRole
 from ..tensor import Float8Tensor, version_of
+from .rms_norm import note_reader
 
 # Submodule name of each role's quantizer, after the GEMM's prefix; these names appear in
 # state_dict keys ("input_quantizer" for Linear, "fc1_input_quantizer" in LayerNormMLP).
@@ -166,6 +167,7 @@ class FP8Module(nn.Module):
                 other.sharing += 1
                 setattr(self, name, other)
                 q = other
+        note_reader(x, q)  # x an RMSNorm's output: q is what its fused path casts for
         _last_input[0] = (weakref.ref(x), version_of(x), x.shape, recipe, region(), weakref.ref(q))
         return q
 
