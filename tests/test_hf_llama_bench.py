@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
+from fp8train.modules import rms_norm  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all
 
@@ -44,6 +45,10 @@ def test_hf_llama_benchmark_runs_on_cpu(tmp_path, capsys):
     # which node the eager FP8 variants' Linears ran (on the CPU: the Python node, and why)
     assert rows[0]["linear_paths"] == {}
     assert rows[1]["linear_paths"] == {"Python node: the C++ node runs on CUDA tensors only": 14}
+    # fp8train.RMSNorm (convert's fuse_norms): the 4 decoder norms cast for their tied readers, the
+    # final one (lm_head's, high precision) has none; without ties no norm has readers
+    assert rows[1]["norm_paths"] == {rms_norm.FUSED: 4, rms_norm._NO_READER: 1}
+    assert rows[2]["norm_paths"] == {rms_norm._NO_READER: 5}
     assert "path fp8 eager delayed" in printed
 
 
