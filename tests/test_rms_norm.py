@@ -10,6 +10,7 @@ from torch import nn
 
 import fp8train
 from fp8train import quantizer as quantizer_module
+from fp8train import scaling
 from fp8train.modules import rms_norm
 from fp8train.modules.rms_norm import RMSNorm, rms_norm_formula
 
@@ -175,10 +176,12 @@ def _steps(models, x, recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_norm_casts_for_its_sibling_readers(recipe, monkeypatch):
-    """The first FP8 step notes gate/up (tied) as the norm's readers; from the next, the norm
-    kernel casts its output for them and the Linears cast nothing of it. Outputs, gradients
-    and the readers' scaling state follow a model with HF's norm (float32: the twins' sums are
-    torch's, so within 1e-6)."""
+    """The first FP8 step notes gate/up (tied) as the norm's readers; from the next, under
+    delayed scaling the norm kernel casts its output for them and the Linears cast nothing of
+    it; under current scaling they cast it once for both, as with HF's norm. Outputs,
+    gradients and the readers' scaling state follow a model with HF's norm (float32: the
+    twins' sums are torch's, so within 1e-6)."""
+    fused = isinstance(recipe, fp8train.DelayedScaling)
     torch.manual_seed(2)
     model = Block()
     twin = copy.deepcopy(model)
@@ -203,14 +206,33 @@ def test_the_norm_casts_for_its_sibling_readers(recipe, monkeypatch):
         model.zero_grad()
         twin.zero_grad()
         # step 0: gate and up each cast the norm's output (they tie on it); then the twin casts it
-        # once for both (shared), and the model's norm casts it itself
+        # once for both (shared), and the model's norm casts it itself (delayed scaling)
         assert forward_calls.count(outputs["twin"].data_ptr()) == (2 if i == 0 else 1), i
-        assert forward_calls.count(outputs["model"].data_ptr()) == (2 if i == 0 else 0), i
-    assert fp8train.inspect.norm_paths(model)["norm"] == rms_norm.FUSED
+        assert forward_calls.count(outputs["model"].data_ptr()) == (2 if i == 0 else 0 if fused else 1), i
+    assert fp8train.inspect.norm_paths(model)["norm"] == (rms_norm.FUSED if fused else rms_norm._READERS_CAST)
     q = model.gate.input_quantizer
-    assert q is model.up.input_quantizer and q.sharing == 2 and model.norm._reader[0]() is q
+    assert q is model.up.input_quantizer and q.sharing == 2 and model.norm._reader[0] is q
     for a, b in zip(q.state_dict().values(), twin.gate.input_quantizer.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_a_copy_casts_for_its_own_readers():
+    """copy.deepcopy of a model whose norm has readers: the copy's norm casts for the copy's
+    tied quantizer, and stepping the copy leaves the original's scaling state alone."""
+    torch.manual_seed(4)
+    recipe = fp8train.DelayedScaling()
+    model = fp8train.convert(Block(), recipe)
+    x = torch.randn(2, 16, 64)
+    for _ in range(2):
+        _step(model, x, recipe)
+    twin = copy.deepcopy(model)
+    assert twin.norm._reader[0] is twin.gate.input_quantizer is not model.gate.input_quantizer
+    before = {k: v.clone() for k, v in model.gate.input_quantizer.state_dict().items()}
+    _step(twin, x * 3, recipe)
+    assert fp8train.inspect.norm_paths(twin)["norm"] == rms_norm.FUSED
+    history = model.gate.input_quantizer.amax_history
+    # the original's history only rolled (the update on entering the region), nothing recorded
+    assert torch.equal(history[1:], before["amax_history"][:-1]) and history[0].item() == scaling.UNRECORDED
 
 
 def test_a_recipe_change_finds_the_readers_again():
@@ -223,7 +245,7 @@ def test_a_recipe_change_finds_the_readers_again():
     assert fp8train.inspect.norm_paths(model)["norm"].startswith("kernel: its readers' quantizer")
     _step(model, x, fp8train.DelayedScaling())
     assert fp8train.inspect.norm_paths(model)["norm"] == rms_norm.FUSED
-    assert model.norm._reader[0]() is model.gate.input_quantizer
+    assert model.norm._reader[0] is model.gate.input_quantizer
 
 
 class _nothing:

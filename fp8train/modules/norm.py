@@ -100,6 +100,18 @@ def norm_fp8(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return out, mean, rstd, y
 
 
+def norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(rstd (M,) float32, y (M, K) in x2's dtype) of an RMSNorm without a cast
+    (kernels.norm_fwd), replayed from C++ in the steady state like norm_backward."""
+    m = x2.shape[0]
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    y = torch.empty_like(x2)
+    key = ("norm_fwd_y", x2.shape, x2.stride(), x2.dtype, weight.dtype, eps, x2.device.index)
+    replay.run(_FWD_GROUPS, key, (x2, weight, rstd, y), (),
+               lambda: kernels.norm_fwd(x2, weight, None, eps, None, rstd, y))
+    return rstd, y
+
+
 def norm_backward(d_norm: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   mean: Optional[torch.Tensor], rstd: torch.Tensor, need_dx: bool,
                   param_grad_dtype: Optional[torch.dtype] = None, found: Optional[list] = None
@@ -125,11 +137,12 @@ def norm_backward(d_norm: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
     return (dx if need_dx else None), dweight, dbias
 
 
-# The norm backward's launch groups (kernels/replay.py); they point at no fixed buffer, so
-# they outlive any layer. A few entries per model (one per shape and dtype combination).
+# The norm backward's and the uncast forward's launch groups (kernels/replay.py); they point
+# at no fixed buffer, so they outlive any layer. A few entries per model (one per shape and
+# dtype combination).
 _BWD_GROUPS: dict = {}
+_FWD_GROUPS: dict = {}
 
 
 __all__ = ["NORMALIZATIONS", "check_norm_args", "make_norm_params", "norm_high_precision", "norm_high_precision_in",
-           "norm_fp8",
-           "norm_backward"]
+           "norm_fp8", "norm_forward", "norm_backward"]

@@ -10,12 +10,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import kernels
 from ..autocast import active_recipe
 from ..quantizer import Quantizer
 from ..roles import TensorRole
 from ..tensor import version_of
-from .norm import norm_backward, norm_fp8
+from .norm import norm_backward, norm_forward, norm_fp8
 
 # The output of the last RMSNorm forward that ran the formula inside fp8train.autocast:
 # (weakref to y, y's version, weakref to the norm). The first FP8 Linear that checks its
@@ -25,6 +24,10 @@ _last_output: list = [None]
 # How an eager forward inside fp8train.autocast ran (RMSNorm._path, fp8train.inspect.execution_paths)
 FUSED = "kernel: normalizes and casts its output for its readers"
 _NO_READER = "kernel: normalizes; no sibling FP8 Linears read its output through one shared input quantizer (yet)"
+# A cast that a launch group cannot replay (current scaling: an amax pass, then the cast; delayed
+# scaling's calibration) would be Python launches, more host time than the readers' own cast
+# (one launch from C++): measured on HF Llama h1024 eager, 2026-12-04.
+_READERS_CAST = "kernel: normalizes; its readers cast its output (their cast is one launch, the norm's would not be)"
 
 
 def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,14 +49,14 @@ class RMSNorm(nn.Module):
     The formula runs outside fp8train.autocast, in traced code (torch.compile: Inductor fuses
     it), and wherever the fused path below does not apply.
 
-    The fused path runs eagerly inside fp8train.autocast. It needs readers: sibling FP8
-    Linears that read this norm's output through one shared input quantizer (attention's
-    q, k, v; an MLP's gate and up). They are noted on their first FP8 call. The path is one
-    of fp8train's norm kernels:
-    - it reads x once and writes y, y's FP8 cast and the cast's transposed copy (for the
-      wgrad GEMMs), and hands the cast to the readers' quantizer (Quantizer.offer_shared),
-      so the Linears cast nothing;
-    - its backward is one kernel (and the weight gradient's column sum).
+    Eagerly inside fp8train.autocast it runs fp8train's norm kernels, replayed from C++: one
+    launch forward, one backward (and the weight gradient's column sum). Where sibling FP8
+    Linears read its output through one shared input quantizer (attention's q, k, v; an
+    MLP's gate and up; noted on their first FP8 call) and that quantizer's cast is one
+    replayable launch (delayed scaling, calibrated), the forward kernel also writes y's FP8
+    cast and its transposed copy (for the wgrad GEMMs) and hands it to the quantizer
+    (Quantizer.offer_shared): the Linears cast nothing. Under current scaling the readers
+    cast y themselves (one launch; the norm's would be an amax pass and a cast, from Python).
 
     The fused y is computed in float32 and rounded once to x's dtype. With float32 inputs
     that is the formula's arithmetic, with rstd summed in another order. With bf16 / fp16
@@ -72,7 +75,10 @@ class RMSNorm(nn.Module):
         self.eps = float(eps)
         self.name: Optional[str] = None  # set by fp8train.convert for messages
         # Lists: an item store is cheaper than a Module attribute store on this per-call path.
-        self._reader = [None]  # weakref to the readers' shared input quantizer
+        # The readers' shared input quantizer itself, not a weak reference: copy.deepcopy of the
+        # model then maps it to the copy's quantizer (a weakref would be shared with the original).
+        self._reader = [None]
+        self._forward_reader = [None]  # what the last forward outside a backward pass cast for
         self._path = [None]
         self._forward_recipe = None
 
@@ -124,7 +130,10 @@ class RMSNorm(nn.Module):
             self._path[0] = why
             y = rms_norm_formula(x, weight, self.eps)
         else:
-            q = self._reader_for(recipe)
+            if torch._C._current_graph_task_id() == -1:
+                q = self._forward_reader[0] = self._reader_for(recipe)
+            else:  # a recomputation (checkpointing) casts as its forward did, also on the step readers were noted
+                q = self._forward_reader[0]
             found = []
             y = _FusedRMSNormFn.apply(x, weight, self.eps, q, torch.is_grad_enabled(), found)
             if q is not None:
@@ -147,13 +156,15 @@ class RMSNorm(nn.Module):
     def _reader_for(self, recipe) -> Optional[Quantizer]:
         """The readers' shared input quantizer where the kernel casts for them, else None
         (noting which in _path)."""
-        ref = self._reader[0]
-        q = None if ref is None else ref()
+        q = self._reader[0]
         if q is None or q.sharing < 2:
             self._path[0] = _NO_READER
             return None
         if q.blockwise or not q.matches(recipe, TensorRole.INPUT):
             self._path[0] = f"kernel: its readers' quantizer does not cast per tensor for {type(recipe).__name__}"
+            return None
+        if q.replay_fixed() is None:
+            self._path[0] = _READERS_CAST
             return None
         self._path[0] = FUSED
         return q
@@ -181,7 +192,7 @@ def note_reader(x: torch.Tensor, q: Quantizer) -> None:
     if ref() is x and version == version_of(x):
         norm = norm_ref()
         if norm is not None:
-            norm._reader[0] = weakref.ref(q)
+            norm._reader[0] = q
         _last_output[0] = None
 
 
@@ -221,9 +232,7 @@ class _FusedRMSNormFn(torch.autograd.Function):
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         if q is None:  # no reader: the same statistics and y, no cast
-            rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x2.device)
-            y = torch.empty_like(x2)
-            kernels.norm_fwd(x2, weight, None, eps, None, rstd, y)
+            rstd, y = norm_forward(x2, weight, eps)
         else:
             cast, _, rstd, y = norm_fp8(x2, weight, None, False, eps, q, transpose, want_y=True)
             found.append(cast)

@@ -53,7 +53,8 @@ def test_the_norms_cast_is_the_cast_of_its_output(recipe, shape):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_converted_llama_trains_with_fused_norms_as_with_hfs(recipe):
-    """Every Linear on the C++ node, the four decoder norms casting for q/k/v and gate/up, the
+    """Every Linear on the C++ node, the four decoder norms casting for q/k/v and gate/up
+    (delayed scaling; current: q/k/v and gate/up cast the norms' outputs themselves), the
     final norm (lm_head's, high precision) normalizing alone; losses within 1e-3 of the
     model with HF's norms at every step, gradients of the norms' weights within 2e-2."""
     models = []
@@ -81,16 +82,18 @@ def test_converted_llama_trains_with_fused_norms_as_with_hfs(recipe):
     assert set(fp8train.inspect.execution_paths(models[0]).values()) == {"C++ node"}
     norms = fp8train.inspect.norm_paths(models[0])
     assert norms.pop("model.norm") == rms_norm._NO_READER
-    assert set(norms.values()) == {rms_norm.FUSED} and len(norms) == 4
+    fused = rms_norm.FUSED if isinstance(recipe, fp8train.DelayedScaling) else rms_norm._READERS_CAST
+    assert set(norms.values()) == {fused} and len(norms) == 4
 
 
 def test_first_step_and_steady_state_normalize_alike():
     """A norm with no reader yet (a fresh or resumed model's first step: kernels.norm_fwd) and
     the same norm casting for its readers write the same y. Bit for bit where both take the
-    row statistics in the row-major launch shape: current scaling (norm_stats first), delayed
-    scaling's calibration, and bf16 (the row-major kernel, then the byte transpose). Delayed
-    scaling's one launch into a float32 input's transposed copy sums rows in tiles, another
-    order: there rstd, and y with it, may differ in the last float32 bit (rel 2^-22)."""
+    row statistics from norm_stats' launch: current scaling (norm_stats first) and delayed
+    scaling's calibration. Delayed scaling's steady state is one launch that sums the rows in
+    its own kernel (and in tiles for a float32 input's transposed copy): rstd may differ in
+    the last float32 bit there (seen on the H200 for bf16 inputs, 2026-12-04), and y, rounded
+    after it, by up to two ulps."""
     g = torch.Generator(device=CUDA).manual_seed(7)
     for recipe in (fp8train.CurrentScaling(), fp8train.DelayedScaling()):
         for dtype in (torch.float32, torch.bfloat16):
@@ -101,9 +104,11 @@ def test_first_step_and_steady_state_normalize_alike():
             q = make_quantizer(recipe, TensorRole.INPUT, device=CUDA)
             for call in range(2):  # delayed: calibration (two passes), then one launch
                 _, _, rstd_fused, y_fused = norm_fp8(x, weight, None, False, 1e-6, q, True, True)
-                tiles = isinstance(recipe, fp8train.DelayedScaling) and dtype == torch.float32 and call == 1
-                if not tiles:
+                one_launch = isinstance(recipe, fp8train.DelayedScaling) and call == 1
+                if not one_launch:
                     assert torch.equal(y_fused, y) and torch.equal(rstd_fused, rstd), (recipe, dtype, call)
                 else:
                     torch.testing.assert_close(rstd_fused, rstd, rtol=2.0**-22, atol=0)
-                    torch.testing.assert_close(y_fused, y, rtol=2.0**-21, atol=0)
+                    # rstd's last bit, then y's own rounding: up to two float32 ulps of y
+                    ulp = 2.0**-21 if dtype == torch.float32 else 2.0**-7
+                    torch.testing.assert_close(y_fused, y, rtol=ulp, atol=0)
