@@ -149,12 +149,12 @@ def test_inside_autocast_the_kernels_match_float64(dtype):
 
 
 def _count_casts(monkeypatch) -> list:
-    """The data pointers of every tensor a quantizer casts from now on."""
+    """Every tensor a quantizer casts from now on (by identity: addresses get reused)."""
     calls = []
     original = quantizer_module.Quantizer.cast
 
     def cast(self, x, *args, **kwargs):
-        calls.append(x.data_ptr())
+        calls.append(x)
         return original(self, x, *args, **kwargs)
     monkeypatch.setattr(quantizer_module.Quantizer, "cast", cast)
     return calls
@@ -207,8 +207,9 @@ def test_the_norm_casts_for_its_sibling_readers(recipe, monkeypatch):
         twin.zero_grad()
         # step 0: gate and up each cast the norm's output (they tie on it); then the twin casts it
         # once for both (shared), and the model's norm casts it itself (delayed scaling)
-        assert forward_calls.count(outputs["twin"].data_ptr()) == (2 if i == 0 else 1), i
-        assert forward_calls.count(outputs["model"].data_ptr()) == (2 if i == 0 else 0 if fused else 1), i
+        of = lambda y: sum(1 for c in forward_calls if c is y or c._base is y)  # noqa: E731 (rows: a view of y)
+        assert of(outputs["twin"]) == (2 if i == 0 else 1), i
+        assert of(outputs["model"]) == (2 if i == 0 else 0 if fused else 1), (i, fp8train.inspect.norm_paths(model))
     assert fp8train.inspect.norm_paths(model)["norm"] == (rms_norm.FUSED if fused else rms_norm._READERS_CAST)
     q = model.gate.input_quantizer
     assert q is model.up.input_quantizer and q.sharing == 2 and model.norm._reader[0] is q
