@@ -78,6 +78,7 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
         assert torch.equal(a, want_state[name]), name
 
 
+@pytest.mark.slow  # Dynamo traces the model: ~20 s on a slow 2-core machine; make test keeps test_hf_llama_compile's case
 def test_trainer_with_torch_compile_trains_as_eager(tmp_path):
     """TrainingArguments(torch_compile=True): the Trainer compiles the converted model (no eager
     step first: convert's first-call pass makes the quantizers). The first step's loss is the
