@@ -92,6 +92,27 @@ def test_convert_leaves_other_formulas_and_modules_alone():
         assert RMSNorm.from_module(module) is None, type(module).__name__
 
 
+# transformers' own classes (the user guide names Llama, Mistral and Qwen2 as replaced, Gemma as kept)
+HF_NORMS = [("llama", "LlamaRMSNorm", True), ("mistral", "MistralRMSNorm", True), ("qwen2", "Qwen2RMSNorm", True),
+            ("qwen3", "Qwen3RMSNorm", True), ("gemma", "GemmaRMSNorm", False)]
+
+
+@pytest.mark.parametrize("family, cls, replaced", HF_NORMS, ids=[n[1] for n in HF_NORMS])
+def test_transformers_norms_are_replaced_by_their_formula(family, cls, replaced):
+    pytest.importorskip("transformers")
+    import importlib
+    hf = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), cls)(48, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.normal_()
+    norm = RMSNorm.from_module(hf)
+    if not replaced:
+        assert norm is None
+        return
+    assert norm.weight is hf.weight and norm.eps == 1e-5
+    x = torch.randn(2, 7, 48, dtype=torch.bfloat16) * 3
+    assert torch.equal(norm(x), hf(x))
+
+
 def test_convert_checks_a_module_built_on_meta():
     with torch.device("meta"):
         model = Block()

@@ -16,12 +16,12 @@ from ..roles import TensorRole
 from ..tensor import version_of
 from .norm import norm_backward, norm_forward, norm_fp8
 
-# The output of the last RMSNorm forward that ran the formula inside fp8train.autocast:
-# (weakref to y, y's version, weakref to the norm). The first FP8 Linear that checks its
+# The output of the last RMSNorm forward inside fp8train.autocast that cast nothing for
+# readers: (weakref to y, y's version, weakref to the norm). The first FP8 Linear that checks its
 # quantizers on that same y (FP8Module._share_input) becomes the norm's reader (note_reader).
 _last_output: list = [None]
 
-# How an eager forward inside fp8train.autocast ran (RMSNorm._path, fp8train.inspect.execution_paths)
+# How an eager forward inside fp8train.autocast ran (RMSNorm._path, fp8train.inspect.norm_paths)
 FUSED = "kernel: normalizes and casts its output for its readers"
 _NO_READER = "kernel: normalizes; no sibling FP8 Linears read its output through one shared input quantizer (yet)"
 # A cast that a launch group cannot replay (current scaling: an amax pass, then the cast; delayed
