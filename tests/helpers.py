@@ -294,6 +294,29 @@ def converted_llama(recipe, device, shape: str = "tiny"):
     return fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
 
 
+# transformers decoder families beside Llama: (config overrides, fp8train.Linear count,
+# fp8train.RMSNorm count after convert) at 2 layers (tests/test_hf_families.py)
+HF_FAMILIES = {
+    "mistral": ({}, 14, 5),
+    "qwen2": ({}, 14, 5),
+    "qwen3": ({"head_dim": 16}, 14, 9),  # q_norm and k_norm over head_dim, after the projections
+    "phi3": ({"pad_token_id": 0}, 8, 5),  # fused qkv_proj and gate_up_proj
+    "gemma": ({"head_dim": 16}, 14, 0),  # y * (1 + weight): another formula, its norms stay
+    "olmo2": ({}, 14, 0),  # weight * x rounded after the product: another formula
+}
+
+
+def hf_family_model(family: str, device="cpu", dtype=torch.float32, seed: int = 0):
+    """A tiny causal LM of `family` (HF_FAMILIES; random init, vocab 256, hidden 64, 2 layers,
+    GQA 4/2) with parameters in `dtype`."""
+    import transformers
+    config = transformers.AutoConfig.for_model(
+        family, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, **HF_FAMILIES[family][0])
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+
+
 def llama_steps_side_by_side(models, recipe, steps, device, shape=(2, 64), lengths=None):
     """`steps` AdamW steps of HF causal LMs on the same random byte batches (`shape`, or
     sequence lengths `lengths`, one step each, batch shape[0]), each step's forwards in one

@@ -7,28 +7,10 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 import fp8train  # noqa: E402
-
-# family: (config overrides, fp8train.Linear count, fp8train.RMSNorm count) for 2 layers
-FAMILIES = {
-    "mistral": ({}, 14, 5),
-    "qwen2": ({}, 14, 5),
-    "qwen3": ({"head_dim": 16}, 14, 9),  # q_norm and k_norm over head_dim, after the projections
-    "phi3": ({"pad_token_id": 0}, 8, 5),  # fused qkv_proj and gate_up_proj
-    "gemma": ({"head_dim": 16}, 14, 0),  # y * (1 + weight): another formula, its norms stay
-    "olmo2": ({}, 14, 0),  # weight * x rounded after the product: another formula
-}
-
-
-def _build(family: str):
-    overrides = FAMILIES[family][0]
-    config = transformers.AutoConfig.for_model(
-        family, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, **overrides)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+from helpers import HF_FAMILIES, hf_family_model  # noqa: E402
 
 
 def _train(model, x, fp8: bool, steps: int = 3):
@@ -44,13 +26,13 @@ def _train(model, x, fp8: bool, steps: int = 3):
     return torch.tensor(losses)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
 def test_convert_replaces_the_linears_and_llama_form_norms_and_trains_like_bf16(family):
     """Losses within 0.5% of BF16's at each of 3 steps (measured: up to 0.1%); a wrong
     conversion or cast moves them by more. Every converted Linear ran in FP8 (its input
     quantizer saw a nonzero amax) and every replaced norm ran a path it names."""
-    _, n_linear, n_norm = FAMILIES[family]
-    base = _build(family)
+    _, n_linear, n_norm = HF_FAMILIES[family]
+    base = hf_family_model(family)
     model = copy.deepcopy(base)
     fp8train.convert(model, filter_fn=lambda name, *_: name != "lm_head")
     linears = [m for m in model.modules() if isinstance(m, fp8train.Linear)]
@@ -72,7 +54,7 @@ def test_converted_model_compiles_fullgraph_and_trains_as_eager(family):
     """torch.compile(fullgraph=True) of the converted model (aot_eager: the traced ops as
     they are) trains as its eager twin: losses within 1e-5 relative over 3 steps (the eager
     norms run fp8train's kernels, the traced ones HF's formula: float32 rounding apart)."""
-    model = _build(family)
+    model = hf_family_model(family)
     fp8train.convert(model, filter_fn=lambda name, *_: name != "lm_head")
     twin = copy.deepcopy(model)
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
