@@ -582,6 +582,47 @@ def case_meta_init_trains_like_built_on_device(ctx, recipe: str, fp8_gather: boo
             opt.zero_grad(set_to_none=True)
 
 
+def case_hf_llama_trains_like_unsharded(ctx, recipe: str):
+    """A converted Hugging Face Llama as users shard one (HF's tiny shape, FP32 master weights
+    under torch.autocast(bfloat16), fp8train.RMSNorm in place of HF's norms, each decoder layer
+    then the root fully_shard-ed) trains as its unsharded twin on the whole batch; inside the
+    shards the norms run their kernels and q/k/v and gate/up keep their shared input casts."""
+    import sys
+    from pathlib import Path
+    from torch.distributed.fsdp import fully_shard
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import hf_llama
+    torch.manual_seed(ctx.seed)
+    model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], ctx.device)
+    fp8train.convert(model, filter_fn=hf_llama.not_lm_head)
+    twin = copy.deepcopy(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin)]
+    r = RECIPES[recipe]()
+    g = torch.Generator().manual_seed(ctx.seed)
+    for step in range(4):
+        x = torch.randint(0, 256, (2 * ctx.world, 64), generator=g).to(ctx.device)
+        if recipe == "delayed":
+            reduce_delayed_amaxes(delayed_quantizers(model), dist.group.WORLD)
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16), fp8train.autocast(recipe=r):
+            mine = x.chunk(ctx.world)[ctx.rank]
+            loss = model(input_ids=mine, labels=mine).loss
+            want = twin(input_ids=x, labels=x).loss
+        for lo, opt in zip((loss, want), opts):
+            lo.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        got = loss.detach().clone()
+        dist.all_reduce(got)
+        got = float(got) / ctx.world
+        assert abs(got - float(want)) <= LOSS_RTOL * float(want), f"step {step}: FSDP loss {got} vs unsharded {float(want)}"
+    paths = fp8train.inspect.norm_paths(model)
+    assert len(paths) == 5 and all(p.startswith("kernel") for p in paths.values()), paths
+    assert len(fp8train.inspect.shared_input_casts(model)) == 4  # 2 layers x (q/k/v, gate/up)
+
+
 # World 1 (NCCL on one GPU, tests/gpu/test_fsdp_gpu.py; the CPU suite runs worlds 2-4 only):
 # FSDP2 still runs the FP8 pre/post all-gather hooks there, and the weight-amax all-reduces.
 # Not at 1: the cases that need 4 ranks (a 2-rank sub-mesh, a 2 x 2 grid).
@@ -613,6 +654,8 @@ def _cases():
     for recipe in RECIPES:
         out.append(gloo_harness.case(case_weights_cast_once_per_step, (1, 2), recipe=recipe))
     out.append(gloo_harness.case(case_fp8_all_gather_leaves_tp_layers_alone, (2,)))
+    for recipe in RECIPES:
+        out.append(gloo_harness.case(case_hf_llama_trains_like_unsharded, (1, 2), recipe=recipe))
     for recipe in RECIPES:  # at 3 ranks, in the slow tier: two Dynamo traces cost ~15 s of the 2-rank launch
         out.append(gloo_harness.case(case_compiled_matches_eager, (1, 3), recipe=recipe))
         out.append(gloo_harness.case(case_compiled_matches_eager, (1, 3), recipe=recipe, eager_first=False))
