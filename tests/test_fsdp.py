@@ -82,6 +82,19 @@ def _same_everywhere(t: torch.Tensor) -> bool:
     return all(torch.equal(flat, g) for g in gathered)
 
 
+def _step_and_compare(loss, want, opts, step: int, rtol: float) -> None:
+    """One optimizer step of the sharded model (this rank's loss) and of its twin (the whole
+    batch's), then the ranks' mean loss against the twin's within rtol."""
+    for lo, opt in zip((loss, want), opts):
+        lo.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got = loss.detach().clone()
+    dist.all_reduce(got)
+    got = float(got) / dist.get_world_size()
+    assert abs(got - float(want)) <= rtol * float(want), f"step {step}: FSDP loss {got} vs unsharded {float(want)}"
+
+
 def case_trains_like_unsharded(ctx, kind: str, recipe: str, reshard: bool, mixed: bool = False,
                                fp8_gather: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -109,15 +122,8 @@ def case_trains_like_unsharded(ctx, kind: str, recipe: str, reshard: bool, mixed
             loss = (model(mine).float() - y.chunk(ctx.world)[ctx.rank]).square().mean()
             with twin_precision:
                 want = (twin(x).float() - y).square().mean()
-        for lo, opt in zip((loss, want), opts):
-            lo.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        got = loss.detach().clone()
-        dist.all_reduce(got)
-        got = float(got) / ctx.world
-        rtol = LOSS_RTOL if not mixed else 2e-2  # bf16 weights against the twin's per-op autocast casts
-        assert abs(got - float(want)) <= rtol * float(want), f"step {step}: FSDP loss {got} vs unsharded {float(want)}"
+        # bf16 weights against the twin's per-op autocast casts: 2e-2
+        _step_and_compare(loss, want, opts, step, LOSS_RTOL if not mixed else 2e-2)
         if recipe == "delayed" and step > 0:  # the scales this step cast with, and the past amaxes
             for i, q in enumerate(delayed_quantizers(model)):  # (entry 0 is this step's own, not yet reduced)
                 assert _same_everywhere(q.scale) and _same_everywhere(q.amax_history[1:]), f"quantizer {i} differs"
@@ -610,14 +616,7 @@ def case_hf_llama_trains_like_unsharded(ctx, recipe: str):
             mine = x.chunk(ctx.world)[ctx.rank]
             loss = model(input_ids=mine, labels=mine).loss
             want = twin(input_ids=x, labels=x).loss
-        for lo, opt in zip((loss, want), opts):
-            lo.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        got = loss.detach().clone()
-        dist.all_reduce(got)
-        got = float(got) / ctx.world
-        assert abs(got - float(want)) <= LOSS_RTOL * float(want), f"step {step}: FSDP loss {got} vs unsharded {float(want)}"
+        _step_and_compare(loss, want, opts, step, LOSS_RTOL)
     paths = fp8train.inspect.norm_paths(model)
     assert len(paths) == 5 and all(p.startswith("kernel") for p in paths.values()), paths
     assert len(fp8train.inspect.shared_input_casts(model)) == 4  # 2 layers x (q/k/v, gate/up)
