@@ -30,7 +30,7 @@ import fp8train
 from fp8train.distributed import delayed_quantizers, reduce_delayed_amaxes
 
 import gloo_harness
-from test_fsdp import LOSS_RTOL, STEPS, _batch, _model, _same_everywhere
+from test_fsdp import LOSS_RTOL, STEPS, _batch, _model, _same_everywhere, _step_and_compare
 
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 
@@ -54,15 +54,7 @@ def case_trains_like_one_process(ctx, kind: str, recipe: str):
         with fp8train.autocast(recipe=r):
             loss = (ddp(x.chunk(ctx.world)[ctx.rank]).float() - y.chunk(ctx.world)[ctx.rank]).square().mean()
             want = (twin(x).float() - y).square().mean()
-        for lo, opt in zip((loss, want), opts):
-            lo.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        got = loss.detach().clone()
-        dist.all_reduce(got)
-        got = float(got) / ctx.world
-        assert abs(got - float(want)) <= LOSS_RTOL * float(want), \
-            f"step {step}: DDP loss {got} vs one process {float(want)}"
+        _step_and_compare(loss, want, opts, step, LOSS_RTOL, "DDP")
         for name, p in model.named_parameters():
             assert _same_everywhere(p), f"step {step}: {name} differs between ranks"
         if recipe == "delayed" and step > 0:  # the first step calibrates each rank's scales on its own rows

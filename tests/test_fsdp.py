@@ -82,9 +82,9 @@ def _same_everywhere(t: torch.Tensor) -> bool:
     return all(torch.equal(flat, g) for g in gathered)
 
 
-def _step_and_compare(loss, want, opts, step: int, rtol: float) -> None:
-    """One optimizer step of the sharded model (this rank's loss) and of its twin (the whole
-    batch's), then the ranks' mean loss against the twin's within rtol."""
+def _step_and_compare(loss, want, opts, step: int, rtol: float, what: str = "FSDP") -> None:
+    """One optimizer step of the wrapped model (this rank's loss) and of its one-process twin
+    (the whole batch's), then the ranks' mean loss against the twin's within rtol."""
     for lo, opt in zip((loss, want), opts):
         lo.backward()
         opt.step()
@@ -92,7 +92,7 @@ def _step_and_compare(loss, want, opts, step: int, rtol: float) -> None:
     got = loss.detach().clone()
     dist.all_reduce(got)
     got = float(got) / dist.get_world_size()
-    assert abs(got - float(want)) <= rtol * float(want), f"step {step}: FSDP loss {got} vs unsharded {float(want)}"
+    assert abs(got - float(want)) <= rtol * float(want), f"step {step}: {what} loss {got} vs one process {float(want)}"
 
 
 def case_trains_like_unsharded(ctx, kind: str, recipe: str, reshard: bool, mixed: bool = False,
