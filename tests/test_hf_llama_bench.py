@@ -50,6 +50,19 @@ def test_hf_llama_benchmark_runs_on_cpu(tmp_path, capsys):
     assert rows[1]["norm_paths"] == {rms_norm.FUSED: 4, rms_norm._NO_READER: 1}
     assert rows[2]["norm_paths"] == {rms_norm._NO_READER: 5}
     assert "path fp8 eager delayed" in printed
+    # the rounds each FP8 variant beat BF16 eager in, out of the rounds run (none for BF16 itself)
+    assert rows[0]["rounds_faster_than_bf16_eager"] == 0
+    assert all(r["rounds_faster_than_bf16_eager"] in (0, 1, 2) for r in rows[1:]), rows
+
+
+def test_within_rounds_pairs_each_round_with_its_own_base():
+    # rounds drift 2x; within each round the variant takes 0.9x, 1.1x, 0.8x the base's time
+    times, base = [9.0, 22.0, 8.0], [10.0, 20.0, 10.0]
+    ratio, wins = hf_llama.within_rounds(times, base)
+    assert ratio == pytest.approx(0.9) and wins == 2
+    assert hf_llama._faster({"variant": "fp8 eager current", "rounds_ms": times,
+                             "rounds_faster_than_bf16_eager": wins}) == "2/3"
+    assert hf_llama._faster({"variant": "bf16 eager", "rounds_ms": base, "rounds_faster_than_bf16_eager": 0}) == ""
 
 
 def test_combo_variant_compiles_with_combo_kernels_on_cpu(tmp_path, monkeypatch):
