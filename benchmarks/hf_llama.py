@@ -410,12 +410,13 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
         # each round as it ends: a run stopped by a time limit keeps what it timed (in its log)
         print(f"  round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.2f}" for v in runners), flush=True)
 
-    def paired(v: str, base: str) -> Optional[float]:
-        return within_rounds(times[v], times[base])[0] if base in times else None
+    def paired(v: str, base: str) -> Tuple[Optional[float], Optional[int]]:
+        return within_rounds(times[v], times[base]) if base in times else (None, None)
 
     rows = []
     for v, run in runners.items():
         wall = statistics.median(times[v])
+        vs_bf16, wins = paired(v, "bf16 eager")
         try:  # the timings stand without the profile: a profiler failure must not lose them
             prof = run.profile(profile_steps, host_top, device_top, idle_top)
         except Exception as e:
@@ -431,9 +432,8 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
                      "kernels_per_step": prof["kernels_per_step"], "host_top": prof["host_top"],
                      "device_kinds": prof["device_kinds"], "device_top": prof["device_top"], "idle_top": prof["idle_top"],
                      "python_top": python,
-                     "vs_bf16_eager": paired(v, "bf16 eager"), "vs_torchao": paired(v, "torchao compile"),
-                     "rounds_faster_than_bf16_eager": (within_rounds(times[v], times["bf16 eager"])[1]
-                                                       if "bf16 eager" in times else None),
+                     "vs_bf16_eager": vs_bf16, "rounds_faster_than_bf16_eager": wins,
+                     "vs_torchao": paired(v, "torchao compile")[0],
                      "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
                      "shared_input_groups": run.shared_groups, "linear_paths": run.paths,
                      "norm_paths": run.norm_paths})
