@@ -33,6 +33,8 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                are built; an A/B of it)
   fp8 eager {current,delayed} unfused          without fp8train's RMSNorm (convert's fuse_norms=False: HF's
                                                norm as it is, the Linears cast its output; an A/B of it)
+  fp8 eager {current,delayed} unfused-mlp      without fp8train's GatedMLP (convert's fuse_mlps=False:
+                                               HF's silu(gate) * up as torch ops; an A/B of it)
   bf16 compile combo, fp8 compile {delayed,current} combo, torchao compile combo
                                                the same compiled with Inductor's combo kernels
                                                (options={"combo_kernels": True}: independent
@@ -115,7 +117,8 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile-ro current",
             "fp8 compile delayed aten-mm",
             "fp8 eager delayed unshared", "fp8 compile delayed unshared", "fp8 eager current unfused",
-            "fp8 eager delayed unfused", "fp8 eager block", "fp8 compile block",
+            "fp8 eager delayed unfused", "fp8 eager current unfused-mlp", "fp8 eager delayed unfused-mlp",
+            "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
@@ -177,7 +180,8 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
         checkpointing(model)
     if kind == "fp8":
         recipe = RECIPES[rest[0]]()
-        fp8train.convert(model, recipe, filter_fn=not_lm_head, fuse_norms="unfused" not in rest)
+        fp8train.convert(model, recipe, filter_fn=not_lm_head, fuse_norms="unfused" not in rest,
+                         fuse_mlps="unfused-mlp" not in rest)
     elif kind == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
@@ -238,6 +242,7 @@ class Runner:
         eager = variant.split()[:2] == ["fp8", "eager"]
         self.paths = dict(collections.Counter(fp8train.inspect.execution_paths(self.model).values())) if eager else {}
         self.norm_paths = dict(collections.Counter(fp8train.inspect.norm_paths(self.model).values())) if eager else {}
+        self.mlp_paths = dict(collections.Counter(fp8train.inspect.mlp_paths(self.model).values())) if eager else {}
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -436,7 +441,7 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
                      "vs_torchao": paired(v, "torchao compile")[0],
                      "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
                      "shared_input_groups": run.shared_groups, "linear_paths": run.paths,
-                     "norm_paths": run.norm_paths})
+                     "norm_paths": run.norm_paths, "mlp_paths": run.mlp_paths})
     return rows
 
 
@@ -469,6 +474,8 @@ def print_table(name: str, rows: List[Dict]) -> None:
             print(f"  path {r['variant']:<34}{count:3d} Linears  {path[:100]}")
         for path, count in r.get("norm_paths", {}).items():
             print(f"  path {r['variant']:<34}{count:3d} norms    {path[:100]}")
+        for path, count in r.get("mlp_paths", {}).items():
+            print(f"  path {r['variant']:<34}{count:3d} MLPs     {path[:100]}")
     for r in rows:
         for key, ms, count in r.get("host_top", []):
             print(f"  host {r['variant']:<34}{ms:8.3f} ms{count:7.0f}x  {key[:90]}")

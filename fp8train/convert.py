@@ -11,6 +11,7 @@ from . import gemm
 from .coverage import not_linear_summary
 from .autocast import active_recipe
 from .modules.linear import Linear
+from .modules.gated_mlp import GatedMLP
 from .modules.rms_norm import RMSNorm
 from .recipe import Recipe, check_recipe
 
@@ -18,7 +19,7 @@ FilterFn = Callable[[str, nn.Module], bool]
 
 
 def convert(model: nn.Module, recipe: Optional[Recipe] = None, filter_fn: Optional[FilterFn] = None, *,
-            fuse_norms: bool = True) -> nn.Module:
+            fuse_norms: bool = True, fuse_mlps: bool = True) -> nn.Module:
     """Replace every torch.nn.Linear of `model` whose in/out features are multiples of 16
     (what FP8 GEMMs need) and that `filter_fn(qualified_name, module)` accepts by an
     fp8train.Linear holding the *same* Parameter objects (an optimizer built before the
@@ -38,6 +39,12 @@ def convert(model: nn.Module, recipe: Optional[Recipe] = None, filter_fn: Option
     the module did. Eagerly inside, where sibling FP8 Linears read its output (q/k/v,
     gate/up), one fused kernel normalizes and casts for them (modules/rms_norm.py).
     `filter_fn` is not asked about norms.
+
+    fuse_mlps: also replace each MLP of the Hugging Face Llama form, down(silu(gate(x)) *
+    up(x)) (checked likewise, with small random projections), by an fp8train.GatedMLP holding
+    the same three projections (converted or not, as filter_fn decided) and activation
+    module. Outside fp8train.autocast and compiled it computes what the module did; eagerly
+    inside, silu(gate) * up runs as one fused kernel each way (modules/gated_mlp.py).
 
     `torch.compile(model)` needs no eager step first: the first compiled call inside
     fp8train.autocast runs the model's forward once eagerly without gradients before it
@@ -59,7 +66,9 @@ def convert(model: nn.Module, recipe: Optional[Recipe] = None, filter_fn: Option
                 continue
             setattr(parent, child_name, _from_linear(child, qualified, recipe))
     if fuse_norms:
-        _replace_norms(model)
+        _replace(model, RMSNorm)
+    if fuse_mlps:
+        _replace(model, GatedMLP)
     summary = not_linear_summary(model)
     if summary:
         warnings.warn(f"convert: {summary}", stacklevel=2)
@@ -89,13 +98,14 @@ def _first_compiled_call(model: nn.Module, args: tuple, kwargs: Optional[dict] =
     del model._initialize_hook, model._infer_parameters
 
 
-def _replace_norms(model: nn.Module) -> None:
+def _replace(model: nn.Module, kind) -> None:
+    """Put a `kind` (RMSNorm, GatedMLP) in place of every child module that kind.from_module accepts."""
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            norm = RMSNorm.from_module(child)
-            if norm is not None:
-                norm.name = f"{name}.{child_name}" if name else child_name
-                setattr(parent, child_name, norm)
+            fused = kind.from_module(child)
+            if fused is not None:
+                fused.name = f"{name}.{child_name}" if name else child_name
+                setattr(parent, child_name, fused)
 
 
 def _from_linear(src: nn.Linear, name: str, recipe: Optional[Recipe]) -> Linear:

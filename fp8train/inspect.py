@@ -43,6 +43,7 @@ from .modules.base import QUANTIZER_NAMES, FP8Module
 from .modules.layernorm_linear import LayerNormLinear
 from .modules.layernorm_mlp import LayerNormMLP, activation_high_precision
 from .modules.linear import Linear
+from .modules.gated_mlp import GatedMLP
 from .modules.rms_norm import RMSNorm
 from .modules.norm import norm_high_precision
 from .quantizer import CurrentScalingQuantizer, Quantizer
@@ -329,6 +330,14 @@ def norm_paths(model: nn.Module) -> Dict[str, str]:
     return {name: m._path[0] or "no eager FP8 call yet" for name, m in model.named_modules() if isinstance(m, RMSNorm)}
 
 
+def mlp_paths(model: nn.Module) -> Dict[str, str]:
+    """How each fp8train.GatedMLP of `model` (fp8train.convert's fuse_mlps) ran silu(gate) * up
+    in its last eager call inside fp8train.autocast: "kernel: ..." (one fused launch each way)
+    or "formula: <why>" (torch's ops); "no eager FP8 call yet" before one. By module name."""
+    return {name: m._path[0] or "no eager FP8 call yet" for name, m in model.named_modules()
+            if isinstance(m, GatedMLP)}
+
+
 def shared_input_casts(model: nn.Module) -> List[List[str]]:
     """The groups of fp8train.Linear layers of `model` that share one input quantizer (sibling
     layers that read the same tensor, tied on their first FP8 call: their input is cast once
@@ -347,4 +356,4 @@ def load(path) -> List[dict]:
 
 
 __all__ = ["FIELDS", "Inspector", "quantization_stats", "applied_scale", "activation_grad", "execution_paths",
-           "norm_paths", "shared_input_casts", "load"]
+           "norm_paths", "mlp_paths", "shared_input_casts", "load"]

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
-from fp8train.modules import rms_norm  # noqa: E402
+from fp8train.modules import gated_mlp, rms_norm  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all
 
@@ -49,6 +49,8 @@ def test_hf_llama_benchmark_runs_on_cpu(tmp_path, capsys):
     # final one (lm_head's, high precision) has none; without ties no norm has readers
     assert rows[1]["norm_paths"] == {rms_norm.FUSED: 4, rms_norm._NO_READER: 1}
     assert rows[2]["norm_paths"] == {rms_norm._NO_READER: 5}
+    # fp8train.GatedMLP (convert's fuse_mlps): both layers' silu(gate) * up in the fused kernels
+    assert rows[1]["mlp_paths"] == rows[2]["mlp_paths"] == {gated_mlp.FUSED: 2} and rows[0]["mlp_paths"] == {}
     assert "path fp8 eager delayed" in printed
     # the rounds each FP8 variant beat BF16 eager in, out of the rounds run (none for BF16 itself)
     assert rows[0]["rounds_faster_than_bf16_eager"] == 0

@@ -227,6 +227,16 @@ def act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out=None, fro
                                          nonfinite_count, dbias_out, power_of_two)
 
 
+def swiglu_fwd(g, u, out) -> None:
+    """out <- silu(g) * u, float32 math rounded once (swiglu_reference.swiglu_fwd: the contract)."""
+    _family(g, "swiglu").swiglu_fwd(g, u, out)
+
+
+def swiglu_bwd(da, g, u, dg_out, du_out) -> None:
+    """dg_out, du_out <- the gradients of silu(g) * u (swiglu_reference.swiglu_bwd: the contract)."""
+    _family(g, "swiglu").swiglu_bwd(da, g, u, dg_out, du_out)
+
+
 def _checked_twin(name: str):
     """The twin of a public cast with the GPU wrapper's dbias check (the twins check nothing else)."""
     twin = getattr(reference, name)

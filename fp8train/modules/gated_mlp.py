@@ -1,0 +1,221 @@
+"""fp8train.GatedMLP: a model's SwiGLU MLP that fp8train.convert checked and replaced. Its
+eager forward inside fp8train.autocast runs silu(g) * u as one fused kernel each way."""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from ..autocast import active_recipe
+from ..kernels import replay
+from .linear import Linear
+
+# How an eager forward inside fp8train.autocast ran (GatedMLP._path, fp8train.inspect.mlp_paths)
+FUSED = "kernel: silu(gate) * up in one launch, its backward in one"
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# Plain attributes of Hugging Face's MLPs that code may read from the replaced module.
+_KEPT_ATTRIBUTES = ("config", "hidden_size", "intermediate_size")
+
+
+def gated_mlp_formula(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> torch.Tensor:
+    """Hugging Face's LlamaMLP (hidden_act "silu"), op for op: down(silu(gate(x)) * up(x))."""
+    return down_proj(F.silu(gate_proj(x)) * up_proj(x))
+
+
+class GatedMLP(nn.Module):
+    """y = down_proj(silu(gate_proj(x)) * up_proj(x)), as `gated_mlp_formula`.
+
+    fp8train.convert puts one in place of a model's MLP of this form (Llama, Mistral, Qwen2
+    and their copies) after checking that the two give the same bits on random inputs
+    (`from_module`). It holds the same three projection modules (fp8train.Linear once
+    converted) and the same activation module, so parameter and state_dict names do not change.
+
+    The formula runs outside fp8train.autocast and where the kernels do not take the inputs.
+    Traced inside fp8train.autocast (torch.compile), it runs as torch ops in float32 rounded
+    once, the kernels' arithmetic, which Inductor fuses into one kernel. Eagerly inside
+    fp8train.autocast, silu(g) * u is one kernel launch (replayed from C++), computed in
+    float32 and rounded once; its backward is one launch writing both gradients, and it saves
+    g and u only (the formula also keeps silu(g) for the product's backward). With bf16
+    activations the formula rounds silu(g) to bf16 before the product, so the two differ in
+    the last bit of some elements (kernels/swiglu_reference.py).
+    """
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
+                 act_fn: Optional[nn.Module] = None):
+        super().__init__()
+        for what, m in zip(_PROJECTIONS, (gate_proj, up_proj, down_proj)):
+            if not isinstance(m, (nn.Linear, Linear)):
+                raise TypeError(f"GatedMLP: {what} must be a torch.nn.Linear or fp8train.Linear, got {type(m).__name__}")
+        if not (gate_proj.in_features == up_proj.in_features and gate_proj.out_features == up_proj.out_features
+                == down_proj.in_features):
+            raise ValueError(f"GatedMLP: gate_proj ({gate_proj.in_features} -> {gate_proj.out_features}), up_proj "
+                             f"({up_proj.in_features} -> {up_proj.out_features}) and down_proj "
+                             f"({down_proj.in_features} -> {down_proj.out_features}) do not chain")
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.act_fn = act_fn if act_fn is not None else nn.SiLU()
+        self.name: Optional[str] = None  # set by fp8train.convert for messages
+        self._path = [None]  # a list: an item store is cheaper than a Module attribute store per call
+        self._forward_recipe = None
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> Optional["GatedMLP"]:
+        """A GatedMLP holding `module`'s projections and activation, or None, when `module`
+        is not an MLP of this formula.
+
+        It must be named like one (its class name ends in "MLP"), have exactly the children
+        gate_proj, up_proj, down_proj (torch.nn.Linear or fp8train.Linear, of chaining
+        dims) and act_fn, and no parameters, buffers or hooks of its own. A copy of it with
+        small random projections must give `gated_mlp_formula`'s bits and dtype on random
+        CPU inputs, for float32 and bf16: this turns away other activations (Gemma's
+        gelu_tanh) and other compositions. The check does not touch the model's weights."""
+        if type(module) is cls or not type(module).__name__.endswith("MLP"):
+            return None
+        children = dict(module.named_children())
+        if set(children) != {*_PROJECTIONS, "act_fn"}:
+            return None
+        if (next(module.parameters(recurse=False), None) is not None
+                or next(module.buffers(recurse=False), None) is not None or module._forward_hooks
+                or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks):
+            return None
+        projections = [children[name] for name in _PROJECTIONS]
+        act_fn = children["act_fn"]
+        if (any(not isinstance(m, (nn.Linear, Linear)) or _has_hooks(m) for m in projections) or _has_hooks(act_fn)
+                or next(act_fn.parameters(), None) is not None or next(act_fn.buffers(), None) is not None):
+            return None
+        gate, up, down = projections
+        if not (gate.in_features == up.in_features and gate.out_features == up.out_features == down.in_features):
+            return None
+        if not _computes_formula(module, [m.bias is not None for m in projections]):
+            return None
+        mlp = cls(gate, up, down, act_fn)
+        for attr in _KEPT_ATTRIBUTES:
+            if attr in module.__dict__:
+                setattr(mlp, attr, module.__dict__[attr])
+        mlp.train(module.training)
+        return mlp
+
+    def extra_repr(self) -> str:
+        return f"{self.gate_proj.in_features} -> {self.gate_proj.out_features} -> {self.down_proj.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)
+        u = self.up_proj(x)
+        if torch.compiler.is_compiling():
+            # Inside fp8train.autocast, the eager kernel's arithmetic (float32, one rounding),
+            # which Inductor fuses into one kernel likewise: compiled and eager steps then
+            # differ by float32 rounding only, not by a bf16 rounding of silu(g).
+            if active_recipe() is None or _kernel_refusal(g, u) is not None:
+                return self.down_proj(F.silu(g) * u)
+            return self.down_proj((F.silu(g.float()) * u.float()).to(g.dtype))
+        if self._recipe() is None:
+            return self.down_proj(F.silu(g) * u)
+        why = _kernel_refusal(g, u)
+        if why is not None:
+            self._path[0] = why
+            return self.down_proj(F.silu(g) * u)
+        self._path[0] = FUSED
+        return self.down_proj(_SwigluFn.apply(g, u))
+
+    def _recipe(self):
+        """The recipe this forward runs by: the active one, or in a recomputation inside a
+        backward pass (activation checkpointing), the one of this MLP's last forward outside
+        it (FP8Module.call_recipe explains why)."""
+        if torch._C._current_graph_task_id() != -1:
+            return self._forward_recipe
+        recipe = active_recipe()
+        if recipe is not self._forward_recipe:
+            self._forward_recipe = recipe
+        return recipe
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def _kernel_refusal(g: torch.Tensor, u: torch.Tensor) -> Optional[str]:
+    """Why the kernels cannot take this call (the formula runs), or None."""
+    if type(g) is not torch.Tensor or type(u) is not torch.Tensor:
+        return "formula: a projection's output is a tensor subclass"
+    if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device:
+        return (f"formula: gate {g.dtype} {tuple(g.shape)} and up {u.dtype} {tuple(u.shape)} differ "
+                "(the kernels take one dtype and shape)")
+    if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"formula: a {g.dtype} activation"
+    return None
+
+
+def _computes_formula(module: nn.Module, biases) -> bool:
+    """Whether a shallow copy of `module` whose projections are small random CPU Linears gives
+    gated_mlp_formula's bits and dtype (see from_module)."""
+    probe = copy.copy(module)
+    probe._modules = dict(module._modules)  # the copy's own child table: the original keeps its children
+    g = torch.Generator().manual_seed(0)
+    hidden, inner = 24, 40
+    try:
+        with torch.no_grad():
+            for dtype in (torch.float32, torch.bfloat16):
+                dims = ((hidden, inner), (hidden, inner), (inner, hidden))
+                for name, (fan_in, fan_out), bias in zip(_PROJECTIONS, dims, biases):
+                    lin = nn.Linear(fan_in, fan_out, bias=bias, dtype=dtype)
+                    lin.weight.copy_(torch.randn(fan_out, fan_in, generator=g) / fan_in ** 0.5)
+                    if bias:
+                        lin.bias.copy_(torch.randn(fan_out, generator=g))
+                    probe._modules[name] = lin
+                x = (torch.randn(2, 3, hidden, generator=g) * 3).to(dtype)
+                got = probe(x)
+                want = gated_mlp_formula(x, *(probe._modules[name] for name in _PROJECTIONS))
+                if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not torch.equal(got, want):
+                    return False
+    except Exception:  # a module that cannot run this way is not one to replace
+        return False
+    return True
+
+
+def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u (kernels.swiglu_fwd), replayed from C++ in the steady state."""
+    out = torch.empty_like(g)
+    key = ("swiglu_fwd", g.shape, g.dtype, u.dtype, g.device.index)
+    replay.run(_FWD_GROUPS, key, (g, u, out), (), lambda: kernels.swiglu_fwd(g, u, out))
+    return out
+
+
+def swiglu_backward(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
+    """(dg, du) of silu(g) * u (kernels.swiglu_bwd), replayed from C++ in the steady state."""
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    key = ("swiglu_bwd", g.shape, da.dtype, g.dtype, u.dtype, g.device.index)
+    replay.run(_BWD_GROUPS, key, (da, g, u, dg, du), (), lambda: kernels.swiglu_bwd(da, g, u, dg, du))
+    return dg, du
+
+
+# Launch groups (kernels/replay.py) of the two kernels; they point at no fixed buffer, so they
+# outlive any module. One entry per shape and dtype combination.
+_FWD_GROUPS: dict = {}
+_BWD_GROUPS: dict = {}
+
+
+class _SwigluFn(torch.autograd.Function):
+    """Forward: silu(g) * u. Backward: dg and du in one launch. Saved: g and u."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        g = g if g.is_contiguous() else g.contiguous()
+        u = u if u.is_contiguous() else u.contiguous()
+        ctx.save_for_backward(g, u)
+        return swiglu_forward(g, u)
+
+    @staticmethod
+    def backward(ctx, da):
+        g, u = ctx.saved_tensors
+        if da.dtype != g.dtype:
+            da = da.to(g.dtype)
+        if not da.is_contiguous():
+            da = da.contiguous()
+        dg, du = swiglu_backward(da, g, u)
+        return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None)
+
+
+__all__ = ["GatedMLP", "gated_mlp_formula", "swiglu_forward", "swiglu_backward"]
