@@ -12,6 +12,8 @@ import contextlib
 import threading
 from typing import Iterator, Optional
 
+import torch
+
 from .quantizer import _REGISTRY, update_delayed_scales
 from .recipe import Recipe, check_recipe, default_recipe
 
@@ -92,3 +94,25 @@ def active_recipe() -> Optional[Recipe]:
         return None
     enabled, recipe = stack[-1]
     return recipe if enabled else None
+
+
+def call_recipe(module) -> Optional[Recipe]:
+    """The recipe `module`'s forward runs by (None: high precision): the active one, noted in
+    module._forward_recipe; in a forward that runs inside a backward pass, the one noted by
+    the module's last forward outside it. Such a forward is activation checkpointing's
+    recomputation (torch.utils.checkpoint, reentrant or not; HF's
+    gradient_checkpointing_enable): it runs after fp8train.autocast has exited, and on the GPU
+    in the autograd engine's thread, which sees no region, so the active recipe would be none
+    and the recomputation would run in high precision where the forward ran in FP8
+    (non-reentrant checkpointing then refuses the saved tensors; reentrant would silently run
+    the backward in high precision). The recomputation casts what the forward cast with the
+    same scales: delayed scales update on the next autocast entry only, current ones follow
+    from x. Traced code: the active recipe."""
+    if torch.compiler.is_compiling():
+        return active_recipe()
+    if torch._C._current_graph_task_id() != -1:
+        return module._forward_recipe
+    recipe = active_recipe()
+    if recipe is not module._forward_recipe:  # nn.Module.__setattr__ costs host time: only on a change
+        module._forward_recipe = recipe
+    return recipe

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import gemm, precision
-from ..autocast import active_recipe, region
+from ..autocast import active_recipe, call_recipe, region
 from ..kernels import native
 from ..quantizer import Quantizer
 from ..quantizer_factory import make_quantizer, quantizer_from_state
@@ -206,24 +206,9 @@ class FP8Module(nn.Module):
         return recipe, act_dtype
 
     def call_recipe(self) -> Optional[Recipe]:
-        """The recipe this forward runs by (None: high precision): the active one, noted; in a
-        forward that runs inside a backward pass, the one noted by this layer's last forward
-        outside it. Such a forward is activation checkpointing's recomputation
-        (torch.utils.checkpoint, reentrant or not; HF's gradient_checkpointing_enable): it runs
-        after fp8train.autocast has exited, and on the GPU in the autograd engine's thread,
-        which sees no region, so the active recipe would be none and the recomputation would run
-        in high precision where the forward ran in FP8 (non-reentrant checkpointing then
-        refuses the saved tensors; reentrant would silently run the backward in high
-        precision). The recomputation casts what the forward cast with the same scales:
-        delayed scales update on the next autocast entry only, current ones follow from x."""
-        if torch.compiler.is_compiling():
-            return active_recipe()
-        if torch._C._current_graph_task_id() != -1:
-            return self._forward_recipe
-        recipe = active_recipe()
-        if recipe is not self._forward_recipe:  # nn.Module.__setattr__ costs host time: only on a change
-            self._forward_recipe = recipe
-        return recipe
+        """The recipe this forward runs by (None: high precision); autocast.call_recipe says
+        why a recomputation inside a backward pass runs by its forward's."""
+        return call_recipe(self)
 
     # ------------------------------------------------------------------ auto precision
     def runs_fp8(self, x: torch.Tensor, recipe: Recipe, act_dtype: torch.dtype) -> bool:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..autocast import active_recipe
+from ..autocast import active_recipe, call_recipe
 from ..kernels import replay
 from .linear import Linear
 
@@ -111,7 +111,7 @@ class GatedMLP(nn.Module):
             if active_recipe() is None or _kernel_refusal(g, u) is not None:
                 return self.down_proj(F.silu(g) * u)
             return self.down_proj((F.silu(g.float()) * u.float()).to(g.dtype))
-        if self._recipe() is None:
+        if call_recipe(self) is None:
             return self.down_proj(F.silu(g) * u)
         why = _kernel_refusal(g, u)
         if why is not None:
@@ -119,18 +119,6 @@ class GatedMLP(nn.Module):
             return self.down_proj(F.silu(g) * u)
         self._path[0] = FUSED
         return self.down_proj(_SwigluFn.apply(g, u))
-
-    def _recipe(self):
-        """The recipe this forward runs by: the active one, or in a recomputation inside a
-        backward pass (activation checkpointing), the one of this MLP's last forward outside
-        it (FP8Module.call_recipe explains why)."""
-        if torch._C._current_graph_task_id() != -1:
-            return self._forward_recipe
-        recipe = active_recipe()
-        if recipe is not self._forward_recipe:
-            self._forward_recipe = recipe
-        return recipe
-
 
 def _has_hooks(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..autocast import active_recipe
+from ..autocast import call_recipe
 from ..quantizer import Quantizer
 from ..roles import TensorRole
 from ..tensor import version_of
@@ -122,7 +122,7 @@ class RMSNorm(nn.Module):
         weight = self.weight  # read once: each read of a parameter is a Module.__getattr__ call
         if torch.compiler.is_compiling():
             return rms_norm_formula(x, weight, self.eps)
-        recipe = self._recipe()
+        recipe = call_recipe(self)
         if recipe is None:
             return rms_norm_formula(x, weight, self.eps)
         why = _kernel_refusal(x, weight)
@@ -141,17 +141,6 @@ class RMSNorm(nn.Module):
                 return y
         _last_output[0] = (weakref.ref(y), version_of(y), weakref.ref(self))
         return y
-
-    def _recipe(self):
-        """The recipe this forward runs by: the active one, or in a recomputation inside a
-        backward pass (activation checkpointing), the one of this norm's last forward
-        outside it (FP8Module.call_recipe explains why)."""
-        if torch._C._current_graph_task_id() != -1:
-            return self._forward_recipe
-        recipe = active_recipe()
-        if recipe is not self._forward_recipe:
-            self._forward_recipe = recipe
-        return recipe
 
     def _reader_for(self, recipe) -> Optional[Quantizer]:
         """The readers' shared input quantizer where the kernel casts for them, else None
