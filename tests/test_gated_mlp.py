@@ -509,6 +509,16 @@ def test_bwd_argument_checks(fn, args, match):
         fn(*args)
 
 
+@pytest.mark.parametrize("fn, args", [(kernels.swiglu_fwd, (1.0, torch.randn(4, 8), torch.empty(4, 8))),
+                                      (kernels.swiglu_bwd, (torch.randn(4, 8), [0.0], torch.randn(4, 8),
+                                                            torch.empty(4, 8), torch.empty(4, 8)))],
+                         ids=["fwd", "bwd"])
+def test_dispatch_names_a_g_that_is_no_tensor(fn, args):
+    """The family is chosen by g's device, before the twin's own checks could name it."""
+    with pytest.raises(TypeError, match=r"swiglu family\): expected a tensor .*got (float|list)"):
+        fn(*args)
+
+
 # --------------------------------------------------------------------------- the module inside fp8train.autocast
 
 

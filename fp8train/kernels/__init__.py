@@ -250,6 +250,8 @@ def _checked_twin(name: str):
 
 def _family(x: torch.Tensor, name: str):
     """The Triton module of a kernel family on CUDA, its pure-torch twin module elsewhere."""
+    if not isinstance(x, torch.Tensor):  # the argument whose device picks the family; the families check the rest
+        raise TypeError(f"fp8train.kernels ({name} family): expected a tensor to pick the device by, got {type(x).__name__}")
     return _family_module(name, x.is_cuda)
 
 

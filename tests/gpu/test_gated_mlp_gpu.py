@@ -28,6 +28,7 @@ import fp8train
 from fp8train import kernels
 from fp8train.kernels import swiglu_reference as ref
 from fp8train.modules import gated_mlp
+from tests.helpers import llama_steps_side_by_side
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -237,19 +238,9 @@ def test_converted_llama_trains_with_fused_mlps_as_with_hfs(recipe):
         fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head, fuse_mlps=fuse)
         models.append(model)
     assert [type(layer.mlp) for layer in models[0].model.layers] == [gated_mlp.GatedMLP] * 2
-    g = torch.Generator().manual_seed(0)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
-    for step in range(6):
-        x = torch.randint(0, 256, (2, 64), generator=g).to(CUDA)
-        with torch.autocast("cuda", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
-            losses = [m(input_ids=x, labels=x).loss for m in models]  # one region: delayed updates roll all alike
-        for loss in losses:
-            loss.backward()
-        assert all(loss.isfinite() for loss in losses), step
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=0, msg=f"step {step}")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    fused, hfs = llama_steps_side_by_side(models, recipe, 6, CUDA)
+    assert fused.isfinite().all() and hfs.isfinite().all(), (fused, hfs)
+    torch.testing.assert_close(fused, hfs, rtol=1e-3, atol=0)
     for model in models:
         assert set(fp8train.inspect.execution_paths(model).values()) == {"C++ node"}
     assert fp8train.inspect.mlp_paths(models[0]) == {f"model.layers.{i}.mlp": gated_mlp.FUSED for i in range(2)}
