@@ -40,11 +40,12 @@ def convert(model: nn.Module, recipe: Optional[Recipe] = None, filter_fn: Option
     gate/up), one fused kernel normalizes and casts for them (modules/rms_norm.py).
     `filter_fn` is not asked about norms.
 
-    fuse_mlps: also replace each MLP of the Hugging Face Llama form, down(silu(gate(x)) *
-    up(x)) (checked likewise, with small random projections), by an fp8train.GatedMLP holding
-    the same three projections (converted or not, as filter_fn decided) and activation
-    module. Outside fp8train.autocast and compiled it computes what the module did; eagerly
-    inside, silu(gate) * up runs as one fused kernel each way (modules/gated_mlp.py).
+    fuse_mlps: also replace each MLP of the Hugging Face Llama form, down(act(gate(x)) *
+    up(x)) with act silu (Llama, Mistral, Qwen2) or gelu's tanh form (Gemma) (checked
+    likewise, with small random projections), by an fp8train.GatedMLP holding the same three
+    projections (converted or not, as filter_fn decided) and activation module. Outside
+    fp8train.autocast and compiled it computes what the module did; eagerly inside,
+    act(gate) * up runs as one fused kernel each way (modules/gated_mlp.py).
 
     `torch.compile(model)` needs no eager step first: the first compiled call inside
     fp8train.autocast runs the model's forward once eagerly without gradients before it

@@ -331,7 +331,7 @@ def norm_paths(model: nn.Module) -> Dict[str, str]:
 
 
 def mlp_paths(model: nn.Module) -> Dict[str, str]:
-    """How each fp8train.GatedMLP of `model` (fp8train.convert's fuse_mlps) ran silu(gate) * up
+    """How each fp8train.GatedMLP of `model` (fp8train.convert's fuse_mlps) ran act(gate) * up
     in its last eager call inside fp8train.autocast: "kernel: ..." (one fused launch each way)
     or "formula: <why>" (torch's ops); "no eager FP8 call yet" before one. By module name."""
     return {name: m._path[0] or "no eager FP8 call yet" for name, m in model.named_modules()

@@ -295,14 +295,14 @@ def converted_llama(recipe, device, shape: str = "tiny"):
 
 
 # transformers decoder families beside Llama: (config overrides, fp8train.Linear count,
-# fp8train.RMSNorm count after convert) at 2 layers (tests/test_hf_families.py)
+# fp8train.RMSNorm count, fp8train.GatedMLP count after convert) at 2 layers (tests/test_hf_families.py)
 HF_FAMILIES = {
-    "mistral": ({}, 14, 5),
-    "qwen2": ({}, 14, 5),
-    "qwen3": ({"head_dim": 16}, 14, 9),  # q_norm and k_norm over head_dim, after the projections
-    "phi3": ({"pad_token_id": 0}, 8, 5),  # fused qkv_proj and gate_up_proj
-    "gemma": ({"head_dim": 16}, 14, 0),  # y * (1 + weight): another formula, its norms stay
-    "olmo2": ({}, 14, 0),  # weight * x rounded after the product: another formula
+    "mistral": ({}, 14, 5, 2),
+    "qwen2": ({}, 14, 5, 2),
+    "qwen3": ({"head_dim": 16}, 14, 9, 2),  # q_norm and k_norm over head_dim, after the projections
+    "phi3": ({"pad_token_id": 0}, 8, 5, 0),  # fused qkv_proj and gate_up_proj: its MLPs stay
+    "gemma": ({"head_dim": 16}, 14, 0, 2),  # norms y * (1 + weight): another formula, they stay; GeGLU MLPs
+    "olmo2": ({}, 14, 0, 2),  # weight * x rounded after the product: another formula
 }
 
 

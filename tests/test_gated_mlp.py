@@ -1,9 +1,9 @@
-"""fp8train.GatedMLP on the CPU (the SwiGLU kernels' twins): what convert replaces and what it
+"""fp8train.GatedMLP on the CPU (the gated kernels' twins): what convert replaces and what it
 leaves, the formula outside fp8train.autocast (a converted HF Llama's logits bit for bit),
 the twins' float32 math against float64 with its special values and argument checks, the
 fused path inside fp8train.autocast against float64, the formula where the kernels refuse,
-activation checkpointing and torch.compile (modules/gated_mlp.py, kernels/swiglu_reference.py).
-The kernels under the Triton interpreter: tests/interpret/test_swiglu_interpret.py; on the
+activation checkpointing and torch.compile (modules/gated_mlp.py, kernels/gated_reference.py).
+The kernels under the Triton interpreter: tests/interpret/test_gated_interpret.py; on the
 GPU: tests/gpu/test_gated_mlp_gpu.py."""
 import copy
 import importlib
@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fp8train
 from fp8train import kernels
-from fp8train.kernels import swiglu_reference as ref
+from fp8train.kernels import gated_reference as ref
 from fp8train.modules import gated_mlp
 from fp8train.modules.gated_mlp import GatedMLP, gated_mlp_formula
 from helpers import assert_bitwise, sqnr_db
@@ -108,11 +108,34 @@ def test_convert_checks_a_module_built_on_meta():
 
 
 class GeluTanhMLP(LlamaStyleMLP):
-    """Gemma's: gelu_pytorch_tanh in place of silu."""
+    """Gemma's: gelu_pytorch_tanh in place of silu (GeGLU: replaced, activation gelu_tanh)."""
+
+    def __init__(self, hidden=64, inner=160, bias=False):
+        super().__init__(hidden, inner, bias)
+        self.act_fn = nn.GELU(approximate="tanh")
+
+
+class GeluErfMLP(LlamaStyleMLP):
+    """gelu's erf form: no activation of GatedMLP's."""
 
     def __init__(self):
         super().__init__()
-        self.act_fn = nn.GELU(approximate="tanh")
+        self.act_fn = nn.GELU()
+
+
+class NewGelu(nn.Module):
+    """transformers' NewGELUActivation ("gelu_new"): the tanh form in Python ops."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class GeluTanhPythonMLP(LlamaStyleMLP):
+    """gelu_new: the same function as F.gelu's tanh form, other bits: not replaced."""
+
+    def __init__(self):
+        super().__init__()
+        self.act_fn = NewGelu()
 
 
 class SwappedMLP(LlamaStyleMLP):
@@ -185,7 +208,7 @@ def _hooked(where):
 
 
 LEFT_ALONE = {
-    "gelu-tanh": GeluTanhMLP, "swapped": SwappedMLP, "sum": SumMLP, "scaled": ScaledMLP,
+    "gelu-erf": GeluErfMLP, "gelu-tanh-python": GeluTanhPythonMLP, "swapped": SwappedMLP, "sum": SumMLP, "scaled": ScaledMLP,
     "act-after-down": ActAfterMLP, "extra-parameter": ExtraParamMLP, "extra-buffer": ExtraBufferMLP,
     "renamed-children": RenamedMLP, "not-named-mlp": FeedForward, "extra-child": ExtraChildMLP,
     "forward-hook": lambda: _hooked("forward"), "pre-hook": lambda: _hooked("pre"),
@@ -222,25 +245,28 @@ def test_constructor_checks():
         GatedMLP(lin(16, 32), lin(16, 32), lin(48, 16))
 
 
-# transformers' own classes: LlamaMLP and its copies are replaced (with and without biases);
-# Gemma's gelu_pytorch_tanh stays
-HF_MLPS = [("llama", "LlamaMLP", {}, True), ("llama", "LlamaMLP", {"mlp_bias": True}, True),
-           ("mistral", "MistralMLP", {}, True), ("qwen2", "Qwen2MLP", {}, True), ("qwen3", "Qwen3MLP", {}, True),
-           ("gemma", "GemmaMLP", {}, False)]
+# transformers' own classes: LlamaMLP and its copies are replaced (with and without biases),
+# and Gemma's with its gelu_pytorch_tanh; one with hidden_act "gelu" (the erf form) or "gelu_new"
+# (the tanh form in Python ops, other bits than F.gelu's) stays
+HF_MLPS = [("llama", "LlamaMLP", {}, "silu"), ("llama", "LlamaMLP", {"mlp_bias": True}, "silu"),
+           ("mistral", "MistralMLP", {}, "silu"), ("qwen2", "Qwen2MLP", {}, "silu"), ("qwen3", "Qwen3MLP", {}, "silu"),
+           ("gemma", "GemmaMLP", {}, "gelu_tanh"), ("gemma2", "Gemma2MLP", {}, "gelu_tanh"),
+           ("llama", "LlamaMLP", {"hidden_act": "gelu"}, None), ("llama", "LlamaMLP", {"hidden_act": "gelu_new"}, None)]
 
 
-@pytest.mark.parametrize("family, cls, overrides, replaced", HF_MLPS,
-                         ids=["llama", "llama-bias", "mistral", "qwen2", "qwen3", "gemma"])
-def test_transformers_mlps_are_replaced_by_their_formula(family, cls, overrides, replaced):
+@pytest.mark.parametrize("family, cls, overrides, activation", HF_MLPS,
+                         ids=["llama", "llama-bias", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gelu-erf", "gelu-new"])
+def test_transformers_mlps_are_replaced_by_their_formula(family, cls, overrides, activation):
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(family, hidden_size=48, intermediate_size=80, num_attention_heads=4,
                                                num_key_value_heads=2, head_dim=12, **overrides)
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     hf = getattr(module, cls)(config)
     mlp = GatedMLP.from_module(hf)
-    if not replaced:
+    if activation is None:
         assert mlp is None
         return
+    assert mlp.activation == activation and mlp.act_fn is hf.act_fn
     assert mlp.gate_proj is hf.gate_proj and mlp.config is config
     assert (mlp.hidden_size, mlp.intermediate_size) == (48, 80)
     x = torch.randn(2, 7, 48, dtype=torch.bfloat16) * 3
@@ -343,7 +369,7 @@ SHAPES = [pytest.param((3, 5, 7), id="3x5x7"), pytest.param((1, 1), id="1x1"), p
 @pytest.mark.parametrize("shape", SHAPES)
 def test_twin_math_against_float64(shape):
     """Float32 inputs, so the float64 reference sees the twin's exact inputs. The bounds
-    follow the twin's operations (kernels/swiglu_reference.py), with e = 2^-24 float32's unit
+    follow the twin's operations (kernels/gated_reference.py), with e = 2^-24 float32's unit
     roundoff: exp(-g) is exp2(g * NEG_LOG2E), whose product (and the float32 constant) errs
     by up to 2e relative, which moves exp2's result by |g| 2e relative (d exp2(t) / exp2(t)
     = ln 2 dt with t = -g log2 e); exp2 itself adds an ulp (2e), and 1 + exp(-g), the
@@ -355,7 +381,7 @@ def test_twin_math_against_float64(shape):
     g = torch.randn(shape) * 5
     u = torch.randn(shape) * 2
     da = torch.randn(shape)
-    a, (dg, du) = ref.swiglu_forward(g, u), ref.swiglu_grads(da, g, u)
+    a, (dg, du) = ref.gated_forward(g, u, "silu"), ref.gated_grads(da, g, u, "silu")
     assert a.dtype == dg.dtype == du.dtype == torch.float32 and a.shape == dg.shape == du.shape == g.shape
     a64, dg64, du64 = _reference(g, u, da)
     g_abs = g.double().abs()
@@ -375,12 +401,12 @@ def test_twin_tails_keep_relative_precision():
     da = torch.full_like(g, -0.75)
     a64, dg64, du64 = _reference(g, u, da)
     rel = (2 * g.double().abs() + 6) * EPS32
-    _assert_within(ref.swiglu_forward(g, u), a64, rel * a64.abs(), "a")
-    dg, du = ref.swiglu_grads(da, g, u)
+    _assert_within(ref.gated_forward(g, u, "silu"), a64, rel * a64.abs(), "a")
+    dg, du = ref.gated_grads(da, g, u, "silu")
     _assert_within(du, du64, rel * du64.abs(), "du")
     scale = (da.double() * u.double() * torch.sigmoid(g.double())).abs()
     _assert_within(dg, dg64, 8 * (1 + g.double().abs()) ** 2 * EPS32 * scale, "dg")
-    assert (ref.swiglu_forward(g, u)[:4] < 0).all()  # not flushed to -0.0
+    assert (ref.gated_forward(g, u, "silu")[:4] < 0).all()  # not flushed to -0.0
 
 
 INF, NAN = math.inf, math.nan
@@ -405,8 +431,8 @@ SPECIALS = [
 @pytest.mark.parametrize("case, want", SPECIALS, ids=[str(c) for c, _ in SPECIALS])
 def test_twin_special_values(case, want):
     g, u, da = (torch.tensor([v], dtype=torch.float32) for v in case)
-    a = ref.swiglu_forward(g, u)
-    dg, du = ref.swiglu_grads(da, g, u)
+    a = ref.gated_forward(g, u, "silu")
+    dg, du = ref.gated_grads(da, g, u, "silu")
     a64, dg64, du64 = _reference(g, u, da)
     for name, got, expected, exact in (("a", a, want[0], a64), ("dg", dg, want[1], dg64), ("du", du, want[2], du64)):
         if expected is None:  # a finite value: within the relative bound of the float64 one
@@ -423,8 +449,61 @@ def test_twin_special_values(case, want):
 def test_twin_dg_at_minus_one_is_positive_for_positive_u():
     # silu'(-1) = s (1 + (-1)(1 - s)) = s^2 > 0 with s = sigmoid(-1): the sign used in SPECIALS
     s = 1 / (1 + math.exp(1))
-    dg = ref.swiglu_grads(torch.ones(1), torch.tensor([-1.0]), torch.ones(1))[0].item()
+    dg = ref.gated_grads(torch.ones(1), torch.tensor([-1.0]), torch.ones(1), "silu")[0].item()
     assert math.isclose(dg, s * s, rel_tol=16 * EPS32)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gelu_tanh_twin_against_float64(shape):
+    """GeGLU: act(g) = g sigmoid(2 k (g + c g^3)), the tanh form of gelu that F.gelu(approximate=
+    "tanh") computes, by float64 autograd. The twin is activation_reference's gelu_tanh, held
+    to 1e-5 relative of float64 there (tests/test_activation_kernels.py), times u or da (one
+    rounding more): a and du within 1e-5 relative, atol 1e-6 of the largest |u| or |da|
+    (outputs near gelu's zero at g = 0); dg = act'(g) da u within 1e-5 relative, atol 1e-5 of
+    the largest |da u| (act' crosses zero near g = -0.75)."""
+    g, u, da = torch.randn(shape) * 4, torch.randn(shape) * 2, torch.randn(shape)
+    a, (dg, du) = ref.gated_forward(g, u, "gelu_tanh"), ref.gated_grads(da, g, u, "gelu_tanh")
+    assert a.dtype == dg.dtype == du.dtype == torch.float32 and a.shape == dg.shape == du.shape == g.shape
+    g64, u64 = g.double().requires_grad_(), u.double().requires_grad_()
+    a64 = F.gelu(g64, approximate="tanh") * u64
+    a64.backward(da.double())
+    top = lambda t: t.abs().max().item() if t.numel() else 0.0  # noqa: E731
+    torch.testing.assert_close(a.double(), a64.detach(), rtol=1e-5, atol=1e-6 * top(u), msg="a")
+    torch.testing.assert_close(du.double(), u64.grad, rtol=1e-5, atol=1e-6 * top(da), msg="du")
+    torch.testing.assert_close(dg.double(), g64.grad, rtol=1e-5, atol=1e-5 * top(da * u), msg="dg")
+
+
+# (g) -> (a, dg, du) for u = 2, da = 1: the IEEE values of g sigmoid(z) * u, z = 2 k (g + c g^3),
+# and its gradients; sigmoid(+inf) = 1, sigmoid(-inf) = 0; act'(+-inf) = s + g s (1 - s) z' = NaN
+GELU_TANH_SPECIALS = [(INF, (INF, NAN, INF)), (-INF, (NAN, NAN, NAN)), (NAN, (NAN, NAN, NAN)),
+                      (0.0, (0.0, 1.0, 0.0)), (-0.0, (-0.0, 1.0, -0.0))]
+
+
+@pytest.mark.parametrize("g_value, want", GELU_TANH_SPECIALS, ids=[str(v) for v, _ in GELU_TANH_SPECIALS])
+def test_gelu_tanh_twin_special_values(g_value, want):
+    """act'(0) = 1/2, so dg = 1/2 * da * u = 1 at g = +-0; a and du keep g's zero sign."""
+    g, u, da = torch.tensor([g_value]), torch.tensor([2.0]), torch.tensor([1.0])
+    got = [ref.gated_forward(g, u, "gelu_tanh").item(), *(t.item() for t in ref.gated_grads(da, g, u, "gelu_tanh"))]
+    for name, value, expected in zip(("a", "dg", "du"), got, want):
+        if math.isnan(expected):
+            assert math.isnan(value), (name, value)
+        else:
+            assert value == expected and math.copysign(1, value) == math.copysign(1, expected), (name, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_gelu_tanh_in_place_twins_round_once(dtype):
+    """gated_fwd / gated_bwd with act gelu_tanh write the float32 results rounded once to their
+    output dtypes, bit for bit."""
+    shape = (3, 5, 41)
+    g, u, da = ((torch.randn(shape) * s).to(dtype) for s in (4, 2, 1))
+    out, dg_out, du_out = (torch.full(shape, NAN, dtype=dtype) for _ in range(3))
+    kernels.gated_fwd(g, u, "gelu_tanh", out)
+    kernels.gated_bwd(da, g, u, "gelu_tanh", dg_out, du_out)
+    assert_bitwise(out, ref.gated_forward(g, u, "gelu_tanh").to(dtype), "out")
+    dg, du = ref.gated_grads(da, g, u, "gelu_tanh")
+    assert_bitwise(dg_out, dg.to(dtype), "dg_out")
+    assert_bitwise(du_out, du.to(dtype), "du_out")
 
 
 OUT_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
@@ -434,7 +513,7 @@ OUT_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float1
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
 @pytest.mark.parametrize("u_dtype", [pytest.param(None, id="u-same"), pytest.param(torch.float32, id="u-fp32")])
 def test_in_place_twins_round_once_to_the_output_dtype(dtype, u_dtype):
-    """swiglu_fwd / swiglu_bwd write the float32 results rounded once (to nearest even) to
+    """gated_fwd / gated_bwd write the float32 results rounded once (to nearest even) to
     their output dtypes, bit for bit; and those are within half an ulp of the output dtype
     (2^-8 relative in bf16, 2^-11 in fp16: the unit roundoff) plus the float32 bound of the
     exact value."""
@@ -445,10 +524,10 @@ def test_in_place_twins_round_once_to_the_output_dtype(dtype, u_dtype):
     out = torch.full(shape, NAN, dtype=dtype)
     dg_out = torch.full(shape, NAN, dtype=dtype)
     du_out = torch.full(shape, NAN, dtype=u.dtype)
-    kernels.swiglu_fwd(g, u, out)
-    kernels.swiglu_bwd(da, g, u, dg_out, du_out)
-    assert_bitwise(out, ref.swiglu_forward(g, u).to(dtype), "out")
-    dg, du = ref.swiglu_grads(da, g, u)
+    kernels.gated_fwd(g, u, "silu", out)
+    kernels.gated_bwd(da, g, u, "silu", dg_out, du_out)
+    assert_bitwise(out, ref.gated_forward(g, u, "silu").to(dtype), "out")
+    dg, du = ref.gated_grads(da, g, u, "silu")
     assert_bitwise(dg_out, dg.to(dtype), "dg_out")
     assert_bitwise(du_out, du.to(u.dtype), "du_out")
     a64, _, du64 = _reference(g, u, da)
@@ -462,8 +541,8 @@ def test_in_place_twins_round_once_to_the_output_dtype(dtype, u_dtype):
 def test_zero_size_calls_write_nothing_and_pass():
     g = torch.empty(0, 16)
     out = torch.empty(0, 16)
-    kernels.swiglu_fwd(g, g, out)
-    kernels.swiglu_bwd(g, g, g, torch.empty(0, 16), torch.empty(0, 16))
+    kernels.gated_fwd(g, g, "silu", out)
+    kernels.gated_bwd(g, g, g, "silu", torch.empty(0, 16), torch.empty(0, 16))
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -471,71 +550,77 @@ def test_zero_size_calls_write_nothing_and_pass():
 
 def _bad_fwd_calls():
     ok = torch.randn(4, 8)
-    yield "shape", (ok, torch.randn(4, 9), torch.empty(4, 8)), "one shape"
-    yield "out-shape", (ok, ok, torch.empty(8, 4)), "one shape"
-    yield "out-dtype", (ok, ok, torch.empty(4, 8, dtype=torch.bfloat16)), "out must have g's dtype"
-    yield "non-contiguous", (torch.randn(8, 4).t(), ok, torch.empty(4, 8)), "contiguous"
-    yield "out-non-contiguous", (ok, ok, torch.empty(8, 4).t()), "contiguous"
-    yield "int", (torch.ones(4, 8, dtype=torch.int32), ok, torch.empty(4, 8, dtype=torch.int32)), "bfloat16"
-    yield "float64", (ok.double(), ok, torch.empty(4, 8, dtype=torch.float64)), "bfloat16"
-    yield "not-a-tensor", (ok, 1.0, torch.empty(4, 8)), "must be a tensor"
+    yield "shape", (ok, torch.randn(4, 9), "silu", torch.empty(4, 8)), "one shape"
+    yield "out-shape", (ok, ok, "silu", torch.empty(8, 4)), "one shape"
+    yield "out-dtype", (ok, ok, "silu", torch.empty(4, 8, dtype=torch.bfloat16)), "out must have g's dtype"
+    yield "non-contiguous", (torch.randn(8, 4).t(), ok, "silu", torch.empty(4, 8)), "contiguous"
+    yield "out-non-contiguous", (ok, ok, "silu", torch.empty(8, 4).t()), "contiguous"
+    yield "int", (torch.ones(4, 8, dtype=torch.int32), ok, "silu", torch.empty(4, 8, dtype=torch.int32)), "bfloat16"
+    yield "float64", (ok.double(), ok, "silu", torch.empty(4, 8, dtype=torch.float64)), "bfloat16"
+    yield "not-a-tensor", (ok, 1.0, "silu", torch.empty(4, 8)), "must be a tensor"
+    yield "act", (ok, ok, "gelu", torch.empty(4, 8)), r"act must be one of \('silu', 'gelu_tanh'\), got 'gelu'"
 
 
 def _bad_bwd_calls():
     ok = torch.randn(4, 8)
     out = lambda dtype=torch.float32: torch.empty(4, 8, dtype=dtype)  # noqa: E731
-    yield "shape", (torch.randn(4, 9), ok, ok, out(), out()), "one shape"
-    yield "dg-dtype", (ok, ok, ok, out(torch.bfloat16), out()), "dg_out must have g's dtype"
-    yield "du-dtype", (ok, ok, ok.bfloat16(), out(), out()), "du_out must have u's dtype"
-    yield "non-contiguous", (torch.randn(8, 4).t(), ok, ok, out(), out()), "da must be contiguous"
-    yield "int", (ok, ok, torch.ones(4, 8, dtype=torch.int64), out(), out(torch.int64)), "bfloat16"
+    yield "shape", (torch.randn(4, 9), ok, ok, "silu", out(), out()), "one shape"
+    yield "dg-dtype", (ok, ok, ok, "gelu_tanh", out(torch.bfloat16), out()), "dg_out must have g's dtype"
+    yield "du-dtype", (ok, ok, ok.bfloat16(), "silu", out(), out()), "du_out must have u's dtype"
+    yield "non-contiguous", (torch.randn(8, 4).t(), ok, ok, "silu", out(), out()), "da must be contiguous"
+    yield "int", (ok, ok, torch.ones(4, 8, dtype=torch.int64), "silu", out(), out(torch.int64)), "bfloat16"
+    yield "act", (ok, ok, ok, None, out(), out()), "act must be one of"
 
 
 BAD_FWD = list(_bad_fwd_calls())
 BAD_BWD = list(_bad_bwd_calls())
 
 
-@pytest.mark.parametrize("fn", [kernels.swiglu_fwd, ref.swiglu_fwd], ids=["kernels", "twin"])
+@pytest.mark.parametrize("fn", [kernels.gated_fwd, ref.gated_fwd], ids=["kernels", "twin"])
 @pytest.mark.parametrize("args, match", [c[1:] for c in BAD_FWD], ids=[c[0] for c in BAD_FWD])
 def test_fwd_argument_checks(fn, args, match):
-    with pytest.raises(ValueError, match=f"^swiglu_fwd: .*{match}"):
+    with pytest.raises(ValueError, match=f"^gated_fwd: .*{match}"):
         fn(*args)
 
 
-@pytest.mark.parametrize("fn", [kernels.swiglu_bwd, ref.swiglu_bwd], ids=["kernels", "twin"])
+@pytest.mark.parametrize("fn", [kernels.gated_bwd, ref.gated_bwd], ids=["kernels", "twin"])
 @pytest.mark.parametrize("args, match", [c[1:] for c in BAD_BWD], ids=[c[0] for c in BAD_BWD])
 def test_bwd_argument_checks(fn, args, match):
-    with pytest.raises(ValueError, match=f"^swiglu_bwd: .*{match}"):
+    with pytest.raises(ValueError, match=f"^gated_bwd: .*{match}"):
         fn(*args)
 
 
-@pytest.mark.parametrize("fn, args", [(kernels.swiglu_fwd, (1.0, torch.randn(4, 8), torch.empty(4, 8))),
-                                      (kernels.swiglu_bwd, (torch.randn(4, 8), [0.0], torch.randn(4, 8),
-                                                            torch.empty(4, 8), torch.empty(4, 8)))],
+@pytest.mark.parametrize("fn, args", [(kernels.gated_fwd, (1.0, torch.randn(4, 8), "silu", torch.empty(4, 8))),
+                                      (kernels.gated_bwd, (torch.randn(4, 8), [0.0], torch.randn(4, 8), "silu",
+                                                           torch.empty(4, 8), torch.empty(4, 8)))],
                          ids=["fwd", "bwd"])
 def test_dispatch_names_a_g_that_is_no_tensor(fn, args):
     """The family is chosen by g's device, before the twin's own checks could name it."""
-    with pytest.raises(TypeError, match=r"swiglu family\): expected a tensor .*got (float|list)"):
+    with pytest.raises(TypeError, match=r"gated family\): expected a tensor .*got (float|list)"):
         fn(*args)
 
 
 # --------------------------------------------------------------------------- the module inside fp8train.autocast
 
 
-def _mlp(hidden=64, inner=160, bias=False, high_precision=True, recipe=None):
+ACT_MLPS = {"silu": LlamaStyleMLP, "gelu_tanh": GeluTanhMLP}
+ACTS = [pytest.param(act, id=act) for act in ACT_MLPS]
+
+
+def _mlp(hidden=64, inner=160, bias=False, high_precision=True, recipe=None, activation="silu"):
     """A converted Block's GatedMLP (projections kept as nn.Linear where high_precision) with
     weights of unit-scale outputs, and the float64 copy of its projections."""
-    block = Block(LlamaStyleMLP(hidden, inner, bias))
+    block = Block(ACT_MLPS[activation](hidden, inner, bias))
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]))
     fp8train.convert(block, recipe, **(HIGH_PRECISION if high_precision else {}))
-    assert type(block.mlp) is GatedMLP
+    assert type(block.mlp) is GatedMLP and block.mlp.activation == activation
     return block.mlp
 
 
 def _float64_twin(mlp):
-    twin = LlamaStyleMLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features, mlp.gate_proj.bias is not None)
+    twin = ACT_MLPS[mlp.activation](mlp.gate_proj.in_features, mlp.gate_proj.out_features, mlp.gate_proj.bias is not None)
     with torch.no_grad():
         for name in ("gate_proj", "up_proj", "down_proj"):
             for p, q in zip(getattr(twin, name).parameters(), getattr(mlp, name).parameters()):
@@ -568,13 +653,14 @@ def _run64(twin, x, dy):
 GRAD_NAMES = ("dx", "dgate_proj.weight", "dup_proj.weight", "ddown_proj.weight")
 
 
+@pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_fused_path_float32_matches_float64(bias):
+def test_fused_path_float32_matches_float64(bias, activation):
     """float32 activations, nn.Linear projections: the fused kernels' twins between float32
     GEMMs. Float32's sums over 64 / 160 terms and the twins' few-ulp results keep every
     output and gradient within 1e-5 relative of float64 (absolute: 1e-5 of the largest
     element, for elements that cancel)."""
-    mlp = _mlp(bias=bias)
+    mlp = _mlp(bias=bias, activation=activation)
     twin = _float64_twin(mlp)
     x, dy = torch.randn(3, 17, 64) * 2, torch.randn(3, 17, 64)
     y, grads = _run(mlp, x, dy)
@@ -585,14 +671,15 @@ def test_fused_path_float32_matches_float64(bias):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=name)
 
 
-def test_fused_path_bf16_matches_float64_to_bf16_roundings():
+@pytest.mark.parametrize("activation", ACTS)
+def test_fused_path_bf16_matches_float64_to_bf16_roundings(activation):
     """Under torch.autocast(bfloat16) the projections read x and their weights rounded to bf16
     (2^-8 relative each, bf16's unit roundoff) and write bf16, and the kernel rounds
     silu(g) * u once: y and the gradients are a handful of bf16 roundings from float64, whose
     errors add up over the GEMMs' sums like random ones (1.2 to 1.5 x 2^-8 normwise, seen over
     20 seeds): normwise within 4 x 2^-8; elementwise, where the reference is not small (the
     larger half: no cancellation), within 2^-3 (seen: up to 0.06)."""
-    mlp = _mlp(hidden=96, inner=224)
+    mlp = _mlp(hidden=96, inner=224, activation=activation)
     twin = _float64_twin(mlp)
     x, dy = torch.randn(2, 21, 96) * 2, torch.randn(2, 21, 96)
     y, grads = _run(mlp, x, dy, bf16=True)
@@ -607,10 +694,11 @@ def test_fused_path_bf16_matches_float64_to_bf16_roundings():
         assert rel.max() < 2.0**-3, (name, rel.max().item())
 
 
-def test_fused_path_bf16_is_one_rounding_of_the_kernel_inputs():
+@pytest.mark.parametrize("activation", ACTS)
+def test_fused_path_bf16_is_one_rounding_of_the_kernel_inputs(activation):
     """What the fused step itself adds under torch.autocast(bfloat16): the product handed to
-    down_proj is swiglu_fwd of the bf16 g and u (one rounding), not F.silu(g) * u in bf16."""
-    mlp = _mlp()
+    down_proj is gated_fwd of the bf16 g and u (one rounding), not act(g) * u in bf16."""
+    mlp = _mlp(activation=activation)
     seen = {}
     mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.__setitem__("a", args[0]))
     x = torch.randn(4, 9, 64)
@@ -618,18 +706,20 @@ def test_fused_path_bf16_is_one_rounding_of_the_kernel_inputs():
         mlp(x)
         g, u = mlp.gate_proj(x), mlp.up_proj(x)
     assert g.dtype == torch.bfloat16
-    assert_bitwise(seen["a"], ref.swiglu_forward(g, u).to(torch.bfloat16), "silu(g) * u")
+    assert_bitwise(seen["a"], ref.gated_forward(g, u, activation).to(torch.bfloat16), "act(g) * u")
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(fp8train.CurrentScaling(), id="current"),
-                                    pytest.param(fp8train.DelayedScaling(), id="delayed")])
-def test_fused_path_with_fp8_projections_trains(recipe):
+@pytest.mark.parametrize("recipe, activation", [
+    pytest.param(fp8train.CurrentScaling(), "silu", id="current"),
+    pytest.param(fp8train.DelayedScaling(), "silu", id="delayed"),
+    pytest.param(fp8train.CurrentScaling(), "gelu_tanh", id="current-gelu_tanh")])
+def test_fused_path_with_fp8_projections_trains(recipe, activation):
     """fp8train.Linear projections (the recipes' HYBRID format: e4m3 forward, unit roundoff
     2^-4, about 29 dB per cast; e5m2 gradients, 2^-3, about 23 dB): outputs and gradients
     finite, of their shapes, and above 15 dB SQNR against float64 (seen over 20 seeds: y
     23-25 dB, the gradients 20-22 dB, two or three casts in series; a wrong term or sign in
     a gradient gives 0 dB or less)."""
-    mlp = _mlp(high_precision=False, recipe=recipe)
+    mlp = _mlp(high_precision=False, recipe=recipe, activation=activation)
     assert type(mlp.gate_proj) is fp8train.Linear
     twin = _float64_twin(mlp)
     x, dy = torch.randn(2, 16, 64) * 2, torch.randn(2, 16, 64)
@@ -642,23 +732,23 @@ def test_fused_path_with_fp8_projections_trains(recipe):
         assert sqnr_db(got, want) > 15, (name, sqnr_db(got, want))
 
 
-def test_swiglu_function_takes_non_contiguous_inputs():
-    """_SwigluFn makes its inputs contiguous: forward and backward are the twins' bits for
+def test_gated_function_takes_non_contiguous_inputs():
+    """_GatedFn makes its inputs contiguous: forward and backward are the twins' bits for
     contiguous copies (the twin itself is not layout-blind on the CPU: torch's exp2 takes a
     vectorized path for contiguous runs and a scalar one otherwise, which can differ in the
     last float32 bit)."""
     g = torch.randn(13, 6).t().requires_grad_()
     u = (torch.randn(13, 6) * 2).t().requires_grad_()
-    a = gated_mlp._SwigluFn.apply(g, u)
+    a = gated_mlp._GatedFn.apply(g, u, "silu")
     assert a.is_contiguous() and a.shape == (6, 13)
     g_c, u_c = g.detach().contiguous(), u.detach().contiguous()
-    assert_bitwise(a.detach(), ref.swiglu_forward(g_c, u_c), "a")
+    assert_bitwise(a.detach(), ref.gated_forward(g_c, u_c, "silu"), "a")
     da = torch.randn(13, 6).t()
     a.backward(da)
-    dg, du = ref.swiglu_grads(da.contiguous(), g_c, u_c)
+    dg, du = ref.gated_grads(da.contiguous(), g_c, u_c, "silu")
     assert_bitwise(g.grad, dg, "dg")
     assert_bitwise(u.grad, du, "du")
-    only_g = gated_mlp._SwigluFn.apply(g.detach().requires_grad_(), u.detach())
+    only_g = gated_mlp._GatedFn.apply(g.detach().requires_grad_(), u.detach(), "silu")
     only_g.sum().backward()  # no gradient asked for u: none computed into it
 
 
@@ -728,12 +818,14 @@ def test_checkpointing_gives_the_same_gradients(reentrant, high_precision):
             assert_bitwise(a, b, f"{name} bf16={bf16}")
 
 
-def test_compiled_fullgraph_runs_the_float32_formula(fresh_dynamo):
+@pytest.mark.parametrize("activation", ACTS)
+def test_compiled_fullgraph_runs_the_float32_formula(fresh_dynamo, activation):
     """Traced inside fp8train.autocast (backend "eager": the traced ops as they are), the
-    MLP computes F.silu(g) * u in float32, rounded once to g's dtype: float32 activations give
+    MLP computes act(g) * u in float32, rounded once to g's dtype: float32 activations give
     the formula's bits, bf16 ones (g, u) its float32 form rounded once; gradients likewise,
     by autograd through those ops. No graph break (fullgraph=True)."""
-    mlp = _mlp()
+    mlp = _mlp(activation=activation)
+    act = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation]
     compiled = torch.compile(Block(mlp), fullgraph=True, backend="eager")
     recipe = fp8train.CurrentScaling()
     for bf16 in (False, True):
@@ -744,9 +836,9 @@ def test_compiled_fullgraph_runs_the_float32_formula(fresh_dynamo):
             if bf16:
                 g, u = mlp.gate_proj(x2), mlp.up_proj(x2)
                 assert g.dtype == torch.bfloat16
-                want = x2 + mlp.down_proj((F.silu(g.float()) * u.float()).to(torch.bfloat16))
+                want = x2 + mlp.down_proj((act(g.float()) * u.float()).to(torch.bfloat16))
             else:
-                want = x2 + gated_mlp_formula(x2, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+                want = x2 + mlp.down_proj(act(mlp.gate_proj(x2)) * mlp.up_proj(x2))
         assert_bitwise(y, want, f"y bf16={bf16}")
         dy = torch.randn_like(y)
         y.backward(dy)

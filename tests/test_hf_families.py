@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 import fp8train  # noqa: E402
+from fp8train.modules import gated_mlp  # noqa: E402
 from helpers import HF_FAMILIES, hf_family_model  # noqa: E402
 
 
@@ -30,14 +31,16 @@ def _train(model, x, fp8: bool, steps: int = 3):
 def test_convert_replaces_the_linears_and_llama_form_norms_and_trains_like_bf16(family):
     """Losses within 0.5% of BF16's at each of 3 steps (measured: up to 0.1%); a wrong
     conversion or cast moves them by more. Every converted Linear ran in FP8 (its input
-    quantizer saw a nonzero amax) and every replaced norm ran a path it names."""
-    _, n_linear, n_norm = HF_FAMILIES[family]
+    quantizer saw a nonzero amax), every replaced norm ran a path it names and every replaced
+    MLP the fused kernels."""
+    _, n_linear, n_norm, n_mlp = HF_FAMILIES[family]
     base = hf_family_model(family)
     model = copy.deepcopy(base)
     fp8train.convert(model, filter_fn=lambda name, *_: name != "lm_head")
     linears = [m for m in model.modules() if isinstance(m, fp8train.Linear)]
     assert len(linears) == n_linear
     assert sum(isinstance(m, fp8train.RMSNorm) for m in model.modules()) == n_norm
+    assert sum(isinstance(m, fp8train.GatedMLP) for m in model.modules()) == n_mlp
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(model(input_ids=x).logits, base(input_ids=x).logits)  # outside fp8train.autocast
@@ -46,6 +49,8 @@ def test_convert_replaces_the_linears_and_llama_form_norms_and_trains_like_bf16(
     assert all(m.input_quantizer is not None and float(m.input_quantizer.amax) > 0 for m in linears)
     paths = fp8train.inspect.norm_paths(model)
     assert len(paths) == n_norm and all(p.startswith(("kernel", "formula")) for p in paths.values())
+    mlps = fp8train.inspect.mlp_paths(model)
+    assert len(mlps) == n_mlp and set(mlps.values()) <= {gated_mlp.FUSED}
 
 
 @pytest.mark.slow  # Dynamo traces each model: ~20 s a family on a slow 2-core machine

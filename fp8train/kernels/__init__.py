@@ -227,14 +227,15 @@ def act_bwd_fp8(da, h, act, out, out_t, scale, scale_inv_out, amax_out=None, fro
                                          nonfinite_count, dbias_out, power_of_two)
 
 
-def swiglu_fwd(g, u, out) -> None:
-    """out <- silu(g) * u, float32 math rounded once (swiglu_reference.swiglu_fwd: the contract)."""
-    _family(g, "swiglu").swiglu_fwd(g, u, out)
+def gated_fwd(g, u, act, out) -> None:
+    """out <- act(g) * u, act "silu" or "gelu_tanh", float32 math rounded once
+    (gated_reference.gated_fwd: the contract)."""
+    _family(g, "gated").gated_fwd(g, u, act, out)
 
 
-def swiglu_bwd(da, g, u, dg_out, du_out) -> None:
-    """dg_out, du_out <- the gradients of silu(g) * u (swiglu_reference.swiglu_bwd: the contract)."""
-    _family(g, "swiglu").swiglu_bwd(da, g, u, dg_out, du_out)
+def gated_bwd(da, g, u, act, dg_out, du_out) -> None:
+    """dg_out, du_out <- the gradients of act(g) * u (gated_reference.gated_bwd: the contract)."""
+    _family(g, "gated").gated_bwd(da, g, u, act, dg_out, du_out)
 
 
 def _checked_twin(name: str):

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 import fp8train  # noqa: E402
+from fp8train.modules import gated_mlp  # noqa: E402
 from tests.helpers import HF_FAMILIES, hf_family_model  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
@@ -55,6 +56,8 @@ def test_eager_takes_the_cpp_node_and_the_norm_kernels(family, dtype):
         head_norm = name.endswith(("q_norm", "k_norm"))
         want = "formula" if head_norm and dtype == torch.float32 else "kernel"  # bf16 q/k with float32 weights
         assert path.startswith(want), (name, path)
+    mlps = fp8train.inspect.mlp_paths(model)  # gemma: GeGLU (gelu_tanh) on the gated kernels
+    assert len(mlps) == HF_FAMILIES[family][3] and set(mlps.values()) <= {gated_mlp.FUSED}
 
 
 @pytest.mark.parametrize("family, dtype", CASES)
