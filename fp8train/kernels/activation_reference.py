@@ -56,6 +56,10 @@ F.gelu is no specification: on some machines it returns NaN for +inf inside a ro
   x = -inf          gelu, gelu_tanh, silu: NaN (-inf * 0); their derivatives NaN
   x = -0.0          act -0.0 (relu, gelu, gelu_tanh)
   da = +-inf        dh = da * act'(x): +-inf where act'(x) != 0, NaN where it is 0
+  |x| > 1.8e19      (gelu_tanh) x^2 overflows in z and z': act is still x s (x, or -0.0
+                    for negative x), but act' is NaN (inf * 0) where the exact derivative
+                    is 1 or 0; torch's float32 F.gelu(approximate="tanh") backward gives NaN
+                    there too
   x < -12 (gelu)    act -0.0 and act' = 0, so dh = da * 0 (NaN for da = +-inf). The
                     exception: torch's float32 gelu' is a tiny nonzero number down to
                     x = -14.3 (then dh = +-inf for da = +-inf).
