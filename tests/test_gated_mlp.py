@@ -235,6 +235,37 @@ def test_the_probe_leaves_the_module_as_it_was():
         assert torch.equal(v, state[k]), k
 
 
+def test_constructor_takes_the_activation_its_act_fn_computes():
+    lin = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
+    assert GatedMLP(lin(16, 32), lin(16, 32), lin(32, 16)).activation == "silu"
+    assert isinstance(GatedMLP(lin(16, 32), lin(16, 32), lin(32, 16)).act_fn, nn.SiLU)
+    geglu = GatedMLP(lin(16, 32), lin(16, 32), lin(32, 16), nn.GELU(approximate="tanh"))
+    assert geglu.activation == "gelu_tanh"
+    assert GatedMLP(lin(16, 32), lin(16, 32), lin(32, 16), activation="gelu_tanh").act_fn.approximate == "tanh"
+    with pytest.raises(ValueError, match="computes gelu_tanh, not activation='silu'"):
+        GatedMLP(lin(16, 32), lin(16, 32), lin(32, 16), nn.GELU(approximate="tanh"), activation="silu")
+    with pytest.raises(ValueError, match="computes none of"):
+        GatedMLP(lin(16, 32), lin(16, 32), lin(32, 16), nn.GELU())  # the erf form
+    with pytest.raises(ValueError, match="activation must be one of"):
+        GatedMLP(lin(16, 32), lin(16, 32), lin(32, 16), activation="relu")
+
+
+class UnusedActMLP(LlamaStyleMLP):
+    """Computes silu(gate) * up with F.silu, holding an act_fn it does not call."""
+
+    def __init__(self):
+        super().__init__()
+        self.act_fn = nn.Identity()
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_an_act_fn_the_forward_does_not_use_is_left_alone():
+    mlp = UnusedActMLP()
+    assert GatedMLP.from_module(mlp) is None  # not an error: convert leaves it
+
+
 def test_constructor_checks():
     lin = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
     with pytest.raises(TypeError, match="up_proj"):

@@ -54,13 +54,23 @@ class GatedMLP(nn.Module):
 
     act_fn: the module the replaced MLP held (kept for its state_dict and for code that reads
     it; the forward computes `activation` itself); by default one computing `activation`.
+    activation: "silu" or "gelu_tanh" (ACTIVATIONS); by default the one act_fn computes (its
+    bits on a probe), silu without an act_fn. An act_fn that computes neither, or another
+    than `activation`, is an error: the forward would not compute what it holds.
     """
 
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module,
-                 act_fn: Optional[nn.Module] = None, activation: str = "silu"):
+                 act_fn: Optional[nn.Module] = None, activation: Optional[str] = None):
         super().__init__()
-        if activation not in ACTIVATIONS:
+        if activation is not None and activation not in ACTIVATIONS:
             raise ValueError(f"GatedMLP: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+        if act_fn is not None:
+            computed = _activation_of(act_fn)
+            if computed is None or activation not in (None, computed):
+                raise ValueError(f"GatedMLP: act_fn {act_fn!r} computes {computed or 'none of ' + str(tuple(ACTIVATIONS))}"
+                                 + (f", not activation={activation!r}" if computed else ""))
+            activation = computed
+        activation = activation or "silu"
         for what, m in zip(_PROJECTIONS, (gate_proj, up_proj, down_proj)):
             if not isinstance(m, (nn.Linear, Linear)):
                 raise TypeError(f"GatedMLP: {what} must be a torch.nn.Linear or fp8train.Linear, got {type(m).__name__}")
@@ -107,7 +117,7 @@ class GatedMLP(nn.Module):
             return None
         biases = [m.bias is not None for m in projections]
         activation = next((act for act in ACTIVATIONS if _computes_formula(module, biases, act)), None)
-        if activation is None:
+        if activation is None or _activation_of(act_fn) != activation:  # an act_fn its forward does not use
             return None
         mlp = cls(gate, up, down, act_fn, activation)
         for attr in _KEPT_ATTRIBUTES:
@@ -139,6 +149,24 @@ class GatedMLP(nn.Module):
             return self.down_proj(act(g) * u)
         self._path[0] = FUSED
         return self.down_proj(_GatedFn.apply(g, u, self.activation))
+
+def _activation_of(act_fn: nn.Module) -> Optional[str]:
+    """The one of ACTIVATIONS whose bits act_fn gives on float32 and bf16 probes (both signs,
+    the tails, zeros), or None."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(64, generator=g) * 4, torch.tensor([0.0, -0.0, 30.0, -30.0, 1e-3, -1e-3])])
+    probes = (x, x.bfloat16())
+    try:
+        with torch.no_grad():
+            outs = [act_fn(p) for p in probes]
+    except Exception:
+        return None
+    for name, fn in ACTIVATIONS.items():
+        if all(isinstance(o, torch.Tensor) and o.dtype == p.dtype and torch.equal(o, fn(p))
+               for o, p in zip(outs, probes)):
+            return name
+    return None
+
 
 def _has_hooks(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
