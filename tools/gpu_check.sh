@@ -37,7 +37,9 @@
 #          cosine: warm-up then cosine), INSPECT_EVERY (fp8train.inspect's period in steps, default
 #          250); into $OUT: the seeds' merge (numerics_<shape>.json: gaps paired only within a
 #          seed's own run, each holds its own bf16) and their JSON and logs in one archive (~1 minute
-#          per recipe at h1024; at h2048 three seeds of four recipes side by side ~6.5 minutes)
+#          per recipe at h1024; at h2048 three seeds of four recipes side by side ~6.5 minutes; seeds run
+#          side by side as far as GPU memory allows: 9 at h1024 and 5 at h2048 on an 80 GB H100, the rest
+#          start as others end)
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, the weight's one-launch
 #          cast, both GEMM paths, the compiled Linear, the C++ node's block path), then
 #          benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled
@@ -125,11 +127,18 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       grep -c "def call(" "$OUT/hf_code.log"; grep -oE "^  (round|h1024).*" "$OUT/hf_code.log" | tail -3 ;;
     numerics-h1024|numerics-h2048)
       shape=${step#numerics-}
+      # as many seeds at once as GPU memory holds: an h2048 seed's process peaks at ~14.2 GiB
+      # (six of them ran out of memory on an 80 GB H100, 2026-12-06), an h1024 one at well under 8
+      per_seed=$([[ $shape == h2048 ]] && echo 15 || echo 8)
+      gib=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
+      at_once=$(( gib / per_seed > 0 ? gib / per_seed : 1 )); running=0
       for seed in ${SEEDS:-0}; do
+        if (( running >= at_once )); then wait -n; running=$((running - 1)); fi
         timeout 570 python3 benchmarks/numerics.py --shapes "$shape" --seeds 1 --first-seed "$seed" \
           ${RECIPES:+--recipes "$RECIPES"} ${SCHEDULE:+--schedule "$SCHEDULE"} \
           ${INSPECT_EVERY:+--inspect-every "$INSPECT_EVERY"} --json "$OUT/numerics_${shape}_s$seed.json" \
           > "$OUT/numerics_${shape}_s$seed.log" 2>&1 &
+        running=$((running + 1))
       done
       wait
       for seed in ${SEEDS:-0}; do grep -v "Warn\|warn\|append" "$OUT/numerics_${shape}_s$seed.log" | tail -8; done
