@@ -1,7 +1,13 @@
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
+
+# The benchmark scripts are importable by name (`import hf_llama`): tests build the models they
+# time and run their entry points on CPU.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 pytest_plugins = ["tiers"]  # the make test / make test-all tiers
 

@@ -289,7 +289,7 @@ def converted_llama(recipe, device, shape: str = "tiny"):
     """benchmarks/hf_llama.py's LlamaForCausalLM at `shape` (FP32 parameters), converted with
     `recipe` (None: the quantizers come at the first FP8 call), the LM head left out."""
     import fp8train
-    import hf_llama  # benchmarks/ on sys.path (the HF test files put it there)
+    import hf_llama  # benchmarks/ is on sys.path (conftest.py)
     model = hf_llama.build_llama(hf_llama.SHAPES[shape], device)
     return fp8train.convert(model, recipe, filter_fn=hf_llama.not_lm_head)
 

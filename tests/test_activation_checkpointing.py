@@ -8,8 +8,6 @@ checkpointing refused the saved tensors (their dtypes differ), reentrant checkpo
 backward in high precision without a word. The GPU side (the C++ nodes' saved tensors through
 saved-tensor hooks, the memory freed) is tests/gpu/test_activation_checkpointing_gpu.py."""
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -156,7 +154,6 @@ def test_a_forward_inside_backward_runs_by_the_last_forwards_recipe():
 
 # ---------------------------------------------------------------- a model users bring
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 

@@ -8,8 +8,6 @@ GPU: tests/gpu/test_gated_mlp_gpu.py."""
 import copy
 import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -307,9 +305,6 @@ def test_transformers_mlps_are_replaced_by_their_formula(family, cls, overrides,
 
 def _llama():
     pytest.importorskip("transformers")
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)
     import hf_llama
     return hf_llama
 

@@ -2,13 +2,10 @@
 multiply out to x @ w^T, and its problems are a Llama layer's GEMMs (it times on the GPU only)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gemm as gemm_bench  # noqa: E402
 
 from fp8train import gemm  # noqa: E402

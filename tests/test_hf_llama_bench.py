@@ -2,14 +2,11 @@
 the Llama's projections (not lm_head) and writes one row per variant. Times on the CPU mean
 nothing and are not checked (the benchmark runs on the GPU machine)."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
 from fp8train.modules import gated_mlp, rms_norm  # noqa: E402
 

@@ -2,15 +2,12 @@
 weights through `from_pretrained`, the FP8 scaling state through `load_state_dict` of the
 saved file after `convert`. The sibling ties (q/k/v, gate/up share one input quantizer) used
 to stop the save: safetensors refuses one storage under several names."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402

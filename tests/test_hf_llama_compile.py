@@ -6,14 +6,11 @@ kernels eagerly and HF's formula when traced, so with it on the two agree to flo
 rounding). The GPU side (Inductor, reduce-overhead, the C++ node for every
 Linear) is tests/gpu/test_hf_llama_gpu.py."""
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402

@@ -5,14 +5,11 @@ in-place writes outside inference mode: the sibling ties and the shared-cast mem
 version, and what layers keep between steps (quantizers, FP8 weight workspaces) must stay
 ordinary tensors that a training step may rewrite."""
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402

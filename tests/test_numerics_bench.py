@@ -4,13 +4,10 @@ run, fp8train runs carry inspect statistics per role. Losses on the CPU after a 
 nothing about FP8 numerics and are not checked beyond being finite and close."""
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import numerics  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all

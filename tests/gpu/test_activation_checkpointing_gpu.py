@@ -10,8 +10,6 @@ tests/test_activation_checkpointing.py).
   more memory between forward and backward than the BF16 model with checkpointing.
 """
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -87,7 +85,6 @@ def test_high_node_saves_its_activations_through_saved_tensor_hooks():
 
 # ---------------------------------------------------------------- a model users bring
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 

@@ -30,8 +30,6 @@ out's bound, FLT_MIN (1 + |g da|) to du's and FLT_MIN (1 + |da u| (1 + |g| z')) 
 Not covered: silu's g in (-88.7, -87.3), where its s is a float32 subnormal (silu(g) ~ 1e-36
 there), out of reach of the inputs' spread.
 """
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -57,9 +55,6 @@ FLT_MIN = 2.0**-126  # float32's smallest normal: a subnormal the GPU may flush 
 
 def _llama():
     pytest.importorskip("transformers")
-    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)
     import hf_llama
     return hf_llama
 

@@ -11,14 +11,11 @@ GEMMs (it keeps float32 where eager rounds intermediates to bf16), so the compil
 compared with eager's within 1% per step over 8 steps from the same weights and batches.
 """
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402

@@ -11,8 +11,6 @@
   model whose parameters alone were converted.
 """
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ import torch._functorch.config
 import torch._inductor.config
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402

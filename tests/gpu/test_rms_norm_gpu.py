@@ -7,14 +7,11 @@ y and the gradients differ from HF's formula in their last float32 bits, and the
 the two models by a few 1e-4 of their value over 6 steps (the FP8 casts can flip a byte).
 """
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import hf_llama  # noqa: E402
 
 import fp8train  # noqa: E402

@@ -8,8 +8,6 @@ Run with `TRITON_INTERPRET=1 python -m pytest tests/interpret` (skipped otherwis
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +16,6 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
     pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import cast as cast_bench  # noqa: E402
 
 from fp8train.kernels import block_kernel, block_reference  # noqa: E402
