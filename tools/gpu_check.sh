@@ -29,6 +29,13 @@
 #   hf-code  Inductor's generated code (TORCH_LOGS=output_code) of one h1024 step of each
 #          VARIANTS (default: fp8 compile current) into $OUT/hf_code.log: which kernels a
 #          compiled step launches and what its Python wrapper does between them
+#   hf-static  Inductor's static launcher for fp8train's Triton kernels (the casts are user-defined
+#          kernels, which Inductor launches through Triton's own launcher unless
+#          static_launch_user_defined_triton_kernels is set: torch's env TORCHINDUCTOR_STATIC_LAUNCH_
+#          USER_DEFINED_TRITON_KERNELS, read at import), A/B in alternating processes: PAIRS (default 2)
+#          pairs of benchmarks/hf_llama.py at h1024, without then with it, each timing VARIANTS (default
+#          fp8 compile current, torchao compile; ROUNDS default 5), printing each run's ratio to torchao
+#          (a host that drifts between processes cancels in it); ~2.5 minutes a run where it compiles
 #   gemm   benchmarks/gemm.py: a Llama layer's GEMMs per tensor and block-scaled (cuBLASLt) at
 #          GEMM_SHAPES (default h1024,h2048)
 #   numerics-h1024, numerics-h2048  benchmarks/numerics.py at that shape: seeds SEEDS (default
@@ -52,7 +59,7 @@
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h1024] [hf-h2048] [hf-h4096] [hf-block4096] [gemm] [hf-code] [numerics-h1024] [numerics-h2048] [block] [blockcast] [fsdp]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h1024] [hf-h2048] [hf-h4096] [hf-block4096] [gemm] [hf-code] [hf-static] [numerics-h1024] [numerics-h2048] [block] [blockcast] [fsdp]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -125,6 +132,19 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
       TORCH_LOGS=output_code timeout 300 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 1 --steps 2 \
         --profile-steps 0 --variants "${VARIANTS:-fp8 compile current}" --json "$OUT/hf_code.json" > "$OUT/hf_code.log" 2>&1
       grep -c "def call(" "$OUT/hf_code.log"; grep -oE "^  (round|h1024).*" "$OUT/hf_code.log" | tail -3 ;;
+    hf-static)
+      for pair in $(seq "${PAIRS:-2}"); do
+        for static in 0 1; do
+          TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=$static timeout 290 python3 benchmarks/hf_llama.py \
+            --shapes h1024 --rounds "${ROUNDS:-5}" --variants "${VARIANTS:-fp8 compile current,torchao compile}" \
+            --json "$OUT/hf_static${static}_$pair.json" > "$OUT/hf_static${static}_$pair.log" 2>&1
+          python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
+    print(f\"  pair $pair static $static {r['variant']:24s} wall {r['wall_ms']:6.2f} device {r['device_ms']:6.2f} \"
+          f\"vs torchao {r['vs_torchao'] or float('nan'):.3f} loss {r['loss']:.3f}\")" "$OUT/hf_static${static}_$pair.json" \
+            || tail -5 "$OUT/hf_static${static}_$pair.log"
+        done
+      done ;;
     numerics-h1024|numerics-h2048)
       shape=${step#numerics-}
       # as many seeds at once as GPU memory holds: an h2048 seed's process peaks at ~14.2 GiB
