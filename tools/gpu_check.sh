@@ -162,6 +162,9 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
       done
       wait
       for seed in ${SEEDS:-0}; do grep -v "Warn\|warn\|append" "$OUT/numerics_${shape}_s$seed.log" | tail -8; done
+      for seed in ${SEEDS:-0}; do  # the merge below counts only the seeds that wrote their JSON
+        [[ -s "$OUT/numerics_${shape}_s$seed.json" ]] || echo "seed $seed: NO RESULT (its log is in the archive)"
+      done
       # the device returns only a few files: the seeds' JSON and logs travel as one archive, with
       # their merge (pairs within each seed's file) beside it
       python3 benchmarks/numerics.py --merge "$OUT"/numerics_${shape}_s*.json --json "$OUT/numerics_${shape}.json" \
