@@ -65,12 +65,33 @@ class BlockScalingQuantizer(Quantizer):
         x = self._checked(x)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (M, K)
         traced = torch.compiler.is_compiling()
+        if self.block == ROW_BLOCKS and not traced and rows.is_cuda:
+            made = self._native_cast(rows, transpose, dbias)
+            if made is not None:
+                data, data_t, scale_inv, db, scale_inv_cols = made
+                return BlockCast(data.view(x.shape), data_t, scale_inv, db,
+                                 None if scale_inv_cols is None else scale_inv_cols.t())
         if self.block == TILE_BLOCKS:
             data, scale_inv, data_t, scale_inv_t = _tiles(rows, self.dtype, transpose, self.power_of_two, traced)
         else:
             data, scale_inv, data_t, scale_inv_t = _rows(rows, self.dtype, transpose, self.power_of_two, traced)
         db = rows.sum(0, dtype=torch.float32) if dbias else None
         return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
+
+    def _native_cast(self, rows: torch.Tensor, transpose: bool, dbias: bool):
+        """rows (M, K) cast by the C++ launcher through native_plan's plan (ext.cast_with: the
+        outputs in one allocation, one launch, no Python launch path; the bytes and layouts of
+        _new_cast's; sibling layers' shared cast takes it every step); or None where Python
+        launches: the C++ node off, launch hooks (a profiler), rows not contiguous and 16-byte
+        aligned on the current device, no plan."""
+        from .kernels import native
+        if (not native.ENABLED or not rows.is_contiguous() or rows.data_ptr() & 15 or rows.numel() == 0
+                or rows.get_device() != torch._C._cuda_getDevice() or native.hooks_installed()):
+            return None
+        plan = self.native_plan(tuple(rows.shape), rows.dtype, transpose, torch.float32 if dbias else None)
+        if plan is None:
+            return None
+        return native.extension().cast_with(plan, rows, False)
 
     def quantize(self, x, *, transpose=False, out=None):
         raise NotImplementedError(f"{self.role.name} quantizer: a block-scaled cast has no Float8Tensor form "

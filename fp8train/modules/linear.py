@@ -318,16 +318,15 @@ def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: 
     path[0] = CPP_NODE
     # the kept cast re-cast by the node (a tile plan), or cast or kept here
     w, w_plan = workspace.for_native(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad)
-    w_data, w_scale_inv = weight_operands(w)
-    w_t, w_t_scale_inv = weight_transposed(w) if need_dgrad else (None, None)
+    w_scales, w_t_scales = workspace.block_gemm_scales(w, need_dgrad)  # the GEMMs' layouts, kept with w
     xc = (None, None, None, None)
     if shared:
         cast = q_input.cast_shared(x, transpose=need_wgrad)
         xc = (cast.data.view(m, k), cast.data_t, cast.scale_inv,
               None if cast.scale_inv_t is None else cast.scale_inv_t.t())  # (Mb, K) as the C++ cast writes it
     return native.extension().linear_forward(
-        x, weight, bias, w_data, gemm.tile_scales(w_scale_inv), w_t, x_plan, grad_plan, False, False, False, code,
-        need_wgrad, w_plan, *xc, None if w_t is None else gemm.tile_scales(w_t_scale_inv))
+        x, weight, bias, w.data, w_scales, w.data_t if need_dgrad else None, x_plan, grad_plan, False, False, False,
+        code, need_wgrad, w_plan, *xc, w_t_scales)
 
 
 def _native_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,

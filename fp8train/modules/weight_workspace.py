@@ -6,6 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from .. import gemm
 from ..block_quantizer import BlockCast, transpose_tiles
 from ..quantizer import Cast, Quantizer
 from ..tensor import Float8Tensor, version_of
@@ -46,6 +47,7 @@ class WeightWorkspace:
         self.compiled: Optional[Cast] = None  # the kept cast of compiled calls (data, data_t, scale_inv)
         self.block: Optional[BlockCast] = None  # the kept block cast (BlockScaling)
         self.source: Optional[tuple] = None  # (storage pointer, version, quantizer) of the weight eager casts last read
+        self._gemm_scales: Optional[tuple] = None  # (block, its fprop and dgrad tile scales' views): block_gemm_scales
 
     def _cast_from(self, weight: torch.Tensor, quantizer: Quantizer) -> None:
         """Note that the kept cast is (about to be) rewritten from `weight` by `quantizer`."""
@@ -107,6 +109,7 @@ class WeightWorkspace:
                 if plan is not None:
                     if not need_transpose and kept.data_t is not None:  # not rewritten: no longer kept
                         self.block = kept = kept._replace(data_t=None, scale_inv_t=None)
+                        self._gemm_scales = None
                     self._cast_from(weight, quantizer)
                     return kept, plan
         elif is_first_microbatch is not False and skip is None and self.fits(weight, quantizer):
@@ -123,7 +126,7 @@ class WeightWorkspace:
                 and ws.dtype == weight.dtype and ws.fp8_dtype == quantizer.dtype)
 
     def _get_traced(self, weight, quantizer, is_first_microbatch, need_transpose) -> Cast:
-        self.fp8 = self.block = None  # stores only (no guard); Dynamo replays them after the graph
+        self.fp8 = self.block = self._gemm_scales = None  # stores only (no guard); Dynamo replays them after the graph
         if is_first_microbatch is None:  # cast on every call; `compiled` not read: no guard on it
             return quantizer.cast(weight, transpose=need_transpose)
         kept = self.compiled
@@ -143,12 +146,28 @@ class WeightWorkspace:
         if is_first_microbatch is False and kept is not None and kept.data.shape == weight.shape \
                 and kept.data.dtype == quantizer.dtype and kept.data.device == weight.device:
             with _kept():
-                self.block = kept = transpose_tiles(kept) if need_transpose else kept
+                if need_transpose and kept.data_t is None:
+                    self.block = kept = transpose_tiles(kept)
+                    self._gemm_scales = None
             return kept
         self._cast_from(weight, quantizer)
         with _kept():
             self.block = quantizer.cast(weight, transpose=need_transpose)
+        self._gemm_scales = None
         return self.block
+
+    def block_gemm_scales(self, w: BlockCast, transposed: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The block cast w's tile scales as the block GEMMs' B operands (gemm.tile_scales):
+        fprop's, and with `transposed` dgrad's, else None. Views of the kept cast (`block`,
+        re-cast in place by the C++ node) are made once and kept with it; those of any other
+        cast are made here."""
+        memo = self._gemm_scales
+        if memo is not None and memo[0] is w and (memo[2] is not None or not transposed):
+            return memo[1], memo[2] if transposed else None
+        scales = (gemm.tile_scales(w.scale_inv), gemm.tile_scales(w.scale_inv_t) if transposed else None)
+        if w is self.block:
+            self._gemm_scales = (w, *scales)
+        return scales
 
 
 def _kept():

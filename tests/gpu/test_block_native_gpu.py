@@ -32,14 +32,16 @@ NATIVE_NODE = "fp8train::LinearBackward"
     ((64, 300), torch.bfloat16, False, None),            # a column tail block
     ((1000, 2048), torch.float32, False, torch.float32),
 ], ids=str)
-def test_block_cast_plan_matches_the_python_cast(role, shape, dtype, transpose, dbias):
+def test_block_cast_plan_matches_the_python_cast(role, shape, dtype, transpose, dbias, monkeypatch):
     q = make_quantizer(BlockScaling(), role, device=CUDA)
     x = torch.randn(shape, device=CUDA) * torch.logspace(-3, 3, shape[1], device=CUDA)
     x[0, 0] = float("nan")
     x = x.to(dtype)
     plan = q.native_plan(shape, dtype, transpose, dbias)
     assert plan is not None
-    want = q.cast(x, transpose=transpose, dbias=dbias is not None)
+    with monkeypatch.context() as m:
+        m.setattr(native, "ENABLED", False)  # the Python (Triton) launch: the reference
+        want = q.cast(x, transpose=transpose, dbias=dbias is not None)
     for together in (False, True):  # a forward input's outputs, then a grad output's one buffer
         data, data_t, scale_inv, db, scale_inv_t = native.extension().cast_with(plan, x, together)
         assert_bitwise(data, want.data, "data")
@@ -53,6 +55,47 @@ def test_block_cast_plan_matches_the_python_cast(role, shape, dtype, transpose, 
         if dbias is not None:
             assert_bitwise(db, want.dbias.to(dbias), "dbias")
         assert data.data_ptr() % 256 == 0 and (data_t is None or data_t.data_ptr() % 256 == 0)
+
+
+@pytest.mark.parametrize("shape, dtype, transpose, dbias", [
+    ((4, 97, 256), torch.float32, True, False),     # 3-D, rows past a block
+    ((256, 300), torch.bfloat16, False, True),      # a column tail block, dbias
+], ids=str)
+def test_eager_block_cast_takes_the_cpp_launcher(shape, dtype, transpose, dbias, monkeypatch):
+    """BlockScalingQuantizer.cast of 1 x 128 blocks on CUDA runs its plan through the C++
+    launcher (ext.cast_with), the same bytes and layouts as the Triton launch; Python launches
+    where the node is off and for an input that is not contiguous."""
+    q = make_quantizer(BlockScaling(), TensorRole.INPUT, device=CUDA)
+    x = (torch.randn(shape, device=CUDA) * 30).to(dtype)
+    calls = []
+    ext = native.extension()
+
+    class Spy:  # the extension, counting its standalone casts
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def cast_with(self, plan, rows, together):
+            calls.append(rows.shape)
+            return ext.cast_with(plan, rows, together)
+    spy = Spy()
+    monkeypatch.setattr(native, "extension", lambda: spy)
+    got = q.cast(x, transpose=transpose, dbias=dbias)
+    assert calls == [torch.Size((x.numel() // shape[-1], shape[-1]))]
+    monkeypatch.setattr(native, "ENABLED", False)
+    want = q.cast(x, transpose=transpose, dbias=dbias)
+    assert len(calls) == 1
+    for field in ("data", "data_t", "scale_inv", "dbias", "scale_inv_t"):
+        g, w = getattr(got, field), getattr(want, field)
+        assert (g is None) == (w is None), field
+        if g is not None:
+            assert g.shape == w.shape and g.stride() == w.stride(), field
+            assert_bitwise(g, w, field)
+    monkeypatch.setattr(native, "ENABLED", True)
+    wide = torch.empty(*shape[:-1], shape[-1] + 16, device=CUDA, dtype=dtype)
+    wide[..., :shape[-1]] = x
+    strided = q.cast(wide[..., :shape[-1]], transpose=transpose, dbias=dbias)  # rows not contiguous: Python
+    assert len(calls) == 1
+    assert_bitwise(strided.data, want.data, "strided data")
 
 
 def test_weight_quantizer_has_no_plan():
