@@ -64,7 +64,7 @@ def test_block_cast_plan_matches_the_python_cast(role, shape, dtype, transpose, 
 def test_eager_block_cast_takes_the_cpp_launcher(shape, dtype, transpose, dbias, monkeypatch):
     """BlockScalingQuantizer.cast of 1 x 128 blocks on CUDA runs its plan through the C++
     launcher (ext.cast_with), the same bytes and layouts as the Triton launch; Python launches
-    where the node is off and for an input that is not contiguous."""
+    where the node is off and for an input that is not 16-byte aligned."""
     q = make_quantizer(BlockScaling(), TensorRole.INPUT, device=CUDA)
     x = (torch.randn(shape, device=CUDA) * 30).to(dtype)
     calls = []
@@ -91,11 +91,12 @@ def test_eager_block_cast_takes_the_cpp_launcher(shape, dtype, transpose, dbias,
             assert g.shape == w.shape and g.stride() == w.stride(), field
             assert_bitwise(g, w, field)
     monkeypatch.setattr(native, "ENABLED", True)
-    wide = torch.empty(*shape[:-1], shape[-1] + 16, device=CUDA, dtype=dtype)
-    wide[..., :shape[-1]] = x
-    strided = q.cast(wide[..., :shape[-1]], transpose=transpose, dbias=dbias)  # rows not contiguous: Python
+    flat = torch.empty(x.numel() + 1, device=CUDA, dtype=dtype)
+    misaligned = flat[1:].view(shape)  # contiguous, not 16-byte aligned: Python launches
+    misaligned.copy_(x)
+    other = q.cast(misaligned, transpose=transpose, dbias=dbias)
     assert len(calls) == 1
-    assert_bitwise(strided.data, want.data, "strided data")
+    assert_bitwise(other.data, want.data, "misaligned input's data")
 
 
 def test_weight_quantizer_has_no_plan():
