@@ -49,8 +49,15 @@ SHAPES = {"h1024": (1024, 2816, 256), "h2048": (2048, 5632, 512), "h4096": (4096
 
 
 def linears(hidden: int, ffn: int, kv: int):
-    """(name, in, out) of one Llama layer's distinct Linear shapes."""
-    return [("q/o", hidden, hidden), ("k/v", hidden, kv), ("gate/up", hidden, ffn), ("down", ffn, hidden)]
+    """(name, in, out) of one Llama layer's distinct Linear shapes, then the sibling Linears that
+    read one input (q/k/v, gate/up) as one GEMM each ("q+k+v", "gate+up": their weights stacked)."""
+    return [("q/o", hidden, hidden), ("k/v", hidden, kv), ("gate/up", hidden, ffn), ("down", ffn, hidden),
+            ("q+k+v", hidden, hidden + 2 * kv), ("gate+up", hidden, 2 * ffn)]
+
+
+# How often each distinct shape runs in one layer: separate Linears, and with the siblings stacked
+LAYER_SEPARATE = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
+LAYER_STACKED = {"q/o": 1, "q+k+v": 1, "gate+up": 1, "down": 1}
 
 
 def gemms(k_in: int, n_out: int):
@@ -112,6 +119,12 @@ def main() -> None:
     for shape_name in args.shapes.split(","):
         for role in ("fprop", "dgrad", "wgrad", None):
             sel = [r for r in rows if r["shape"] == shape_name and role in (None, r["gemm"])]
+            for key in ("bf16_ms", "tensor_ms", "block_ms"):
+                sep, stk = (sum(r[key] * count.get(r["linear"], 0) for r in sel)
+                            for count in (LAYER_SEPARATE, LAYER_STACKED))
+                print(f"== {shape_name} {role or 'all'} {key[:-3]}: one layer's GEMMs, separate siblings "
+                      f"{sep * 1e3:.1f} us, stacked {stk * 1e3:.1f} ({stk / sep:.2f}x)")
+            sel = [r for r in sel if r["linear"] in LAYER_SEPARATE]
             bf16, tensor, block = (sum(r[key] for r in sel) for key in ("bf16_ms", "tensor_ms", "block_ms"))
             print(f"== {shape_name} {role or 'all'}: one layer's distinct GEMMs bf16 {bf16 * 1e3:.1f} us, tensor "
                   f"{tensor * 1e3:.1f} ({tensor / bf16:.2f}x bf16), block {block * 1e3:.1f} ({block / tensor:.2f}x tensor)")

@@ -27,7 +27,17 @@ def test_problems_are_a_layers_gemms():
     t = gemm_bench.TOKENS
     for hidden, ffn, kv in gemm_bench.SHAPES.values():
         layer = gemm_bench.linears(hidden, ffn, kv)
-        assert {(i, o) for _, i, o in layer} == {(hidden, hidden), (hidden, kv), (hidden, ffn), (ffn, hidden)}
+        assert {(i, o) for _, i, o in layer} == {(hidden, hidden), (hidden, kv), (hidden, ffn), (ffn, hidden),
+                                                  (hidden, hidden + 2 * kv), (hidden, 2 * ffn)}
+        names = {name: (i, o) for name, i, o in layer}
+        # a layer's seven Linears, separate or with the siblings that read one input stacked
+        for count in (gemm_bench.LAYER_SEPARATE, gemm_bench.LAYER_STACKED):
+            ins, outs = {}, 0
+            for name, n in count.items():
+                outs += n * names[name][1]
+                ins[names[name][0]] = ins.get(names[name][0], 0) + n * names[name][1]
+            assert outs == 2 * hidden + 2 * kv + 2 * ffn + hidden
+            assert ins == {hidden: 2 * hidden + 2 * kv + 2 * ffn, ffn: hidden}
         for _, k_in, n_out in layer:
             problems = {role: (m, k, n, block) for role, m, k, n, block, _ in gemm_bench.gemms(k_in, n_out)}
             assert problems == {"fprop": (t, k_in, n_out, gemm.TILE), "dgrad": (t, n_out, k_in, gemm.TILE),
