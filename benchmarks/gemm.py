@@ -14,6 +14,10 @@ float32 master weights), the device time of:
                  x 128 x 128 in fprop and dgrad, 1 x 128 x 1 x 128 in wgrad), with its relative
                  error against the emulation (gemm.emulated_block_scaled_mm)
 
+The sibling Linears that read one input (q/k/v, gate/up) are also timed as one GEMM each, their
+weights stacked ("q+k+v", "gate+up"). One layer's seven Linears are summed both ways, separate
+and stacked.
+
 Times are medians of CUDA-graph replays (cast.py's median_ms); ratios are to fp8 tensor in the
 same run. Writes JSON; never asserts on time.
 """
