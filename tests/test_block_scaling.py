@@ -421,6 +421,44 @@ def test_weight_workspace_casts_in_python_where_no_tile_plan_runs():
     assert torch.equal(second.data.view(torch.uint8), first.data.view(torch.uint8))
 
 
+def test_weight_workspace_keeps_the_recast_plan_while_it_fits(monkeypatch):
+    # the C++ re-cast plan is CUDA's: a stand-in plan (a lambda: no pickle takes it) shows when
+    # the workspace asks the quantizer again (WeightWorkspace._block_recast)
+    from fp8train.modules.weight_workspace import WeightWorkspace
+    q = make_quantizer(BlockScaling(), TensorRole.WEIGHT)
+    asked = []
+
+    def native_recast(w, kept, transpose):
+        asked.append((w.data_ptr(), kept, transpose))
+        return lambda: None
+
+    monkeypatch.setattr(q, "native_recast", native_recast)
+    w = torch.randn(256, 384)
+    ws = WeightWorkspace()
+    assert ws.for_native(w, q, None, need_transpose=True)[1] is None  # nothing kept yet: Python casts
+    kept, plan = ws.for_native(w, q, None, need_transpose=True)
+    assert kept is ws.block and plan is not None and len(asked) == 1
+    assert ws.for_native(w, q, None, need_transpose=True) == (kept, plan) and len(asked) == 1  # kept
+    w.data = torch.randn(256, 384)  # other storage: asked again
+    _, plan2 = ws.for_native(w, q, None, need_transpose=True)
+    assert len(asked) == 2 and asked[-1][0] == w.data_ptr() and plan2 is not plan
+    other = make_quantizer(BlockScaling(), TensorRole.WEIGHT)
+    monkeypatch.setattr(other, "native_recast", native_recast)
+    ws.for_native(w, other, None, need_transpose=True)
+    assert len(asked) == 3  # another quantizer: asked again
+    ws.for_native(w, q, None, need_transpose=False)  # no transposed copy: the kept cast drops it
+    assert len(asked) == 4 and ws.block.data_t is None and ws._recast is None
+    ws.for_native(w, q, None, need_transpose=False)
+    ws.for_native(w, q, None, need_transpose=False)
+    assert len(asked) == 5 and asked[-1][1] is ws.block  # the new kept cast, asked once
+    monkeypatch.undo()  # the quantizers pickle again (the workspace notes the last one in `source`)
+    buf = io.BytesIO()
+    torch.save(ws, buf)
+    buf.seek(0)
+    assert copy.deepcopy(ws)._recast is None and torch.load(buf, weights_only=False)._recast is None
+    assert ws._recast is not None  # the original keeps its plan
+
+
 def test_block_gemm_row_padding_guards_on_no_token_count():
     """The CUDA block GEMM pads A's rows to a multiple of 4. A symbolic row count (a graph
     traced with dynamic shapes) is padded whatever its value, and through no tensor whose size
