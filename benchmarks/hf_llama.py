@@ -23,6 +23,9 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                instead of the extension's operator (an A/B of it)
   fp8 eager block, fp8 compile block, fp8 compile-ro block
                                                BlockScaling (1x128 / 128x128 block scales)
+  fp8 {eager,compile} block unstacked          BlockScaling(stack_siblings=False): q/k/v and
+                                               gate/up each run their own GEMMs (an A/B of
+                                               modules/stacked.py)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -120,6 +123,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager delayed unfused", "fp8 eager current unfused-mlp", "fp8 eager delayed unfused-mlp",
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
+            "fp8 eager block unstacked", "fp8 compile block unstacked",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
@@ -179,7 +183,7 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     if "ckpt" in rest:
         checkpointing(model)
     if kind == "fp8":
-        recipe = RECIPES[rest[0]]()
+        recipe = RECIPES[rest[0]](**({"stack_siblings": False} if "unstacked" in rest else {}))
         fp8train.convert(model, recipe, filter_fn=not_lm_head, fuse_norms="unfused" not in rest,
                          fuse_mlps="unfused-mlp" not in rest)
     elif kind == "torchao":

@@ -63,9 +63,10 @@ class Quantizer(nn.Module):
             # inf/NaN amaxes seen (and kept away from the scale): readable by users and tests.
             self.register_buffer("nonfinite_count", torch.zeros((), dtype=torch.int32, device=device))
         self._prepared: dict = {}  # prepared launches per input shape/dtype/mode (host time, see _launch)
-        # An instance attribute from the start: Dynamo guards on where it is found, and the
-        # first compiled step's write would move it from the class, a recompile.
+        # Instance attributes from the start: Dynamo guards on where they are found, and the
+        # first compiled step's write would move them from the class, a recompile.
         self._traced_memo = None
+        self._traced_stack = None
 
     def quantize(self, x: torch.Tensor, *, transpose: bool = False,
                  out: Optional[Float8Tensor] = None) -> Float8Tensor:
@@ -125,8 +126,17 @@ class Quantizer(nn.Module):
     # Layers whose input quantizer this is: above 1 for sibling layers that read one tensor
     # (modules/base.py ties their input quantizers), whose calls then go through cast_shared.
     sharing = 1
+    # The tie's layers in the order they joined it (their first calls' order), plain
+    # references (a deepcopy or pickle of the model points them at its own layers): a list
+    # once a tie forms (modules/base.py), kept to the `sharing` layers whose input quantizer
+    # this is. modules/stacked.py runs them as one GEMM.
+    members: tuple = ()
     _memo = None  # cast_shared's last cast: (weakref to x, x._version, x.shape, scale epoch, hits left, Cast)
     _traced_memo = None  # the same in the trace being made: (x, hits left, Cast); None between traces (__init__)
+    # modules/stacked.py's outputs for the members still to call: eager (weakref to x,
+    # x._version, outputs), traced (x, outputs); an output None once taken
+    _stack_memo = None
+    _traced_stack = None
 
     def cast_shared(self, x: torch.Tensor, *, transpose: bool = False) -> "Cast":
         """cast(x as (rows, x.shape[-1]), transpose=transpose) for an input that `sharing`
@@ -373,7 +383,7 @@ class Quantizer(nn.Module):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_prepared"] = {}  # compiled kernels and views of this copy's buffers stay behind
-        state["_memo"] = None
+        state["_memo"] = state["_stack_memo"] = None  # the stack memo's outputs are graph tensors of this process
         state.pop("_state_mark", None)  # an alias of a buffer of the original
         return state
 

@@ -161,6 +161,14 @@ class BlockScaling:
 
     power_of_two_scales: as for DelayedScaling, per block (kernels/block_reference.py).
 
+    stack_siblings: sibling fp8train.Linears tied on one input (attention's q/k/v, an MLP's
+    gate/up: docs/design.md, "Shared inputs"), each out_features a multiple of 128, run as
+    one GEMM each way, their weights stacked (modules/stacked.py): the same tiles and blocks,
+    so the same FP8 bytes; the first sibling's call computes the others' outputs, which are
+    then column slices of one (..., sum of out_features) tensor (strided views, the last dim
+    contiguous, as a fused QKV projection's split). False: each sibling runs its own GEMMs
+    and returns a contiguous tensor.
+
     Taken by fp8train.Linear (and so by fp8train.convert's layers), LayerNormLinear and
     LayerNormMLP without tensor parallelism, eagerly and under torch.compile; tensor
     parallelism, CUDA graphs, FSDP2's fp8_all_gather and ONNX export refuse it with an error
@@ -169,10 +177,12 @@ class BlockScaling:
 
     fp8_format: Format = Format.E4M3
     power_of_two_scales: bool = False
+    stack_siblings: bool = True
 
     def __post_init__(self):
         _check_format("BlockScaling", self.fp8_format)
         _check_bool("BlockScaling", "power_of_two_scales", self.power_of_two_scales)
+        _check_bool("BlockScaling", "stack_siblings", self.stack_siblings)
 
     @property
     def gemm(self) -> GemmConfig:

@@ -43,7 +43,10 @@ def test_recipe_defaults_and_validation():
     assert r.fp8_format is Format.E4M3 and r.power_of_two_scales is False
     assert r.gemm == GemmConfig(fprop_fast_accum=False, dgrad_fast_accum=False, wgrad_fast_accum=False)
     assert r.auto_precision is False
-    assert [f.name for f in dataclasses.fields(r)] == ["fp8_format", "power_of_two_scales"]
+    assert [f.name for f in dataclasses.fields(r)] == ["fp8_format", "power_of_two_scales", "stack_siblings"]
+    assert r.stack_siblings is True
+    with pytest.raises(ValueError, match="stack_siblings must be a bool"):
+        BlockScaling(stack_siblings=1)
     assert check_recipe(r) is r and fp8train.autocast(recipe=r).recipe is r
     assert fp8train.BlockScaling is BlockScaling and "BlockScaling" in fp8train.__all__
     assert BlockScaling(fp8_format=Format.HYBRID, power_of_two_scales=True) == \

@@ -35,8 +35,9 @@ QUANTIZER_NAMES: Dict[TensorRole, str] = {
 SHARE_INPUT_CASTS = True
 
 # The last input seen there: (weakref to x, x._version, x.shape, recipe, autocast region,
-# weakref to the layer's input quantizer). Weak references only: it keeps no tensor or layer
-# alive. The region keeps layers of separate steps (two models fed one tensor in turn) apart.
+# weakrefs to the layer's input quantizer and to the layer). Weak references only: it keeps
+# no tensor or layer alive. The region keeps layers of separate steps (two models fed one
+# tensor in turn) apart.
 _last_input: list = [None]
 
 
@@ -131,7 +132,8 @@ class FP8Module(nn.Module):
                         "fp8train.convert converted (torch.compile(model): its first call makes them)")
                 if q is not None:
                     self.warn_once("recipe", f"recipe changed to {type(recipe).__name__}; its FP8 scaling state was reset")
-                    q.sharing = max(q.sharing - 1, 1)  # this layer leaves a tie, if it was in one
+                    if role is TensorRole.INPUT:
+                        _leave_tie(q, self)
                 with torch.inference_mode(False):  # state that training steps update in place later
                     q = make_quantizer(recipe, role, device=device)
                 setattr(self, name, q)
@@ -156,19 +158,18 @@ class FP8Module(nn.Module):
             return q
         last = _last_input[0]
         if last is not None:
-            ref, version, shape, last_recipe, last_region, q_ref = last
+            ref, version, shape, last_recipe, last_region, q_ref, layer_ref = last
             other = q_ref()
             if (ref() is x and version == version_of(x) and shape == x.shape and last_recipe == recipe
                     and last_region == region()
                     and other is not None and other is not q and type(other) is type(q)
                     and other.matches(recipe, TensorRole.INPUT) and other.fp8_max.device == q.fp8_max.device):
-                if q.sharing > 1:  # leaving another tie
-                    q.sharing -= 1
-                other.sharing += 1
+                _leave_tie(q, self)  # if it was in another
+                _join_tie(other, layer_ref(), self)
                 setattr(self, name, other)
                 q = other
         note_reader(x, q)  # x an RMSNorm's output: q is what its fused path casts for
-        _last_input[0] = (weakref.ref(x), version_of(x), x.shape, recipe, region(), weakref.ref(q))
+        _last_input[0] = (weakref.ref(x), version_of(x), x.shape, recipe, region(), weakref.ref(q), weakref.ref(self))
         return q
 
     def takes_block_scaling(self) -> bool:
@@ -288,6 +289,23 @@ class FP8Module(nn.Module):
         current = getattr(self, name)
         if current is None or not _same_shape(current, state):
             setattr(self, name, quantizer_from_state(role, state, device=device))
+
+
+def _join_tie(q: Quantizer, first: Optional[nn.Module], layer: nn.Module) -> None:
+    """`layer` takes q, the input quantizer of `first` (the last layer that checked its
+    quantizers on the same x), as its own: a tie, or one more member of it."""
+    if q.sharing == 1:
+        q.members = [] if first is None else [first]
+    q.sharing += 1
+    if isinstance(q.members, list) and all(m is not layer for m in q.members):
+        q.members.append(layer)
+
+
+def _leave_tie(q: Quantizer, layer: nn.Module) -> None:
+    """`layer` no longer reads its input through q (another tie, a new recipe's quantizer)."""
+    if q.sharing > 1:
+        q.sharing -= 1
+        q.members = [m for m in q.members if m is not layer] if q.sharing > 1 else ()
 
 
 def _same_shape(q: Quantizer, state: dict) -> bool:

@@ -16,6 +16,7 @@ from ..quantizer import Quantizer
 from ..kernels import native
 from ..recipe import GemmConfig
 from ..tensor import Float8Tensor
+from . import stacked
 from .base import FP8Module, in_dtype, mark_calibrated, unsafe_view
 from .tp_checkpoint import TPCheckpoints
 from .weight_workspace import WeightWorkspace, high_precision_weight, weight_operands, weight_transposed
@@ -69,6 +70,15 @@ class Linear(FP8Module, TPCheckpoints):
         self._path = [None]
         self._fp8_dims = gemm.dims_ok(local_in, local_out)
         self.SHARES_INPUT = self.tp is None  # a TP layer's input is gathered or scattered first: no ties
+        # The stacked weight's kept block cast, where this layer is the first of a stacked tie
+        # (_stacked_forward). Made here, not on the first stacked call: one made inside a
+        # trace would fail the next call's guard (a recompile).
+        self._stack_workspace = WeightWorkspace()
+
+    _stack_workspace: Optional[WeightWorkspace] = None  # layers pickled before it existed
+    # Whether this layer's last forward outside a backward pass ran its tie's stacked GEMM
+    # (what a recomputation does again: _stacked_forward)
+    _stacked_last = False
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialisation, so converted and fresh layers start alike (a TP layer:
@@ -131,6 +141,11 @@ class Linear(FP8Module, TPCheckpoints):
         grad = torch.is_grad_enabled()
         bias = self.bias
         if q_weight.blockwise:
+            if q_input.sharing > 1 and recipe.stack_siblings:
+                y = _stacked_forward(self, x, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
+                                     is_first_microbatch)
+                if y is not None:
+                    return y
             return _block_scaled_forward(self, x, weight, bias, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
                                          is_first_microbatch)
         if x.is_cuda and native.ENABLED:
@@ -216,6 +231,44 @@ def _block_scaled_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_
                              is_first_microbatch, None if torch.compiler.is_compiling() else layer._path)
 
 
+def _stacked_forward(layer: Linear, x, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
+                     config: GemmConfig, act_dtype: torch.dtype, grad: bool,
+                     is_first_microbatch: Optional[bool]) -> Optional[torch.Tensor]:
+    """Under BlockScaling(stack_siblings=True), a tied layer's output through its tie's one
+    stacked GEMM (modules/stacked.py): the slice the tie's first member computed, or, called
+    as that first member, all members' outputs from one block-scaled GEMM on the weights
+    stacked (the later members' kept for their calls); None where the layer runs alone."""
+    traced = torch.compiler.is_compiling()
+    y = stacked.take(layer, q_input, x)
+    if y is not None:
+        if not traced:
+            layer._path[0] = q_input.members[0]._path[0]
+        return y
+    if not traced and torch._C._current_graph_task_id() != -1:
+        # activation checkpointing's recomputation: it stacks where its forward did (not
+        # where the tie formed during that forward), or it would save other tensors
+        if not layer._stacked_last:
+            return None
+        parts = stacked.parts(layer, q_input)
+    else:
+        parts = stacked.parts(layer, q_input)
+        if layer._stacked_last != (parts is not None) and not traced:
+            layer._stacked_last = parts is not None
+    if parts is None:
+        return None
+    refuse_per_tensor_fp8(layer, x)
+    weight = torch.cat(parts.weights)
+    bias = None if parts.biases is None else torch.cat(parts.biases)
+    workspace = layer._stack_workspace
+    if workspace is None:
+        workspace = layer._stack_workspace = WeightWorkspace()
+    y = block_scaled_gemm(workspace, x, weight, bias, q_input, q_weight, q_grad, config, act_dtype, grad,
+                          is_first_microbatch, None if traced else layer._path, alone=True)
+    outs = y.split(parts.widths, dim=-1)
+    stacked.keep(q_input, x, outs)
+    return outs[0]
+
+
 def refuse_per_tensor_fp8(layer: FP8Module, x, *weights) -> None:
     """BlockScaling casts the high-precision tensors itself, block by block: the per-tensor
     scaled FP8 forms (a Float8Tensor input, a weight FSDP2 gathered in FP8) are refused."""
@@ -229,23 +282,25 @@ def refuse_per_tensor_fp8(layer: FP8Module, x, *weights) -> None:
 
 def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quantizer, q_weight: Quantizer,
                       q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
-                      is_first_microbatch: Optional[bool], path: Optional[list] = None) -> torch.Tensor:
+                      is_first_microbatch: Optional[bool], path: Optional[list] = None,
+                      alone: bool = False) -> torch.Tensor:
     """One block-scaled GEMM (x @ weight^T + bias) with its backward, the weight's block cast
     kept in `workspace`: the C++ node where it takes the call (_native_block_forward), else the
     Python node. The fused modules under BlockScaling compose their norm and activation in
     high precision around it (layernorm_linear.py, layernorm_mlp.py). path: where an eager
-    call notes which node ran, or why not (Linear._path)."""
+    call notes which node ran, or why not (Linear._path). alone: x is cast for this GEMM
+    alone, though q_input is tied (the tie's stacked GEMM: no sibling asks for the cast)."""
     if x.is_cuda and native.ENABLED:
         y = _native_block_forward(workspace, x, weight, bias, q_input, q_weight, q_grad, act_dtype, grad,
-                                  is_first_microbatch, path if path is not None else [None])
+                                  is_first_microbatch, path if path is not None else [None], alone)
         if y is not None:
             return y
     elif path is not None:
         path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
     w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad)
     need_wgrad = grad and weight.requires_grad
-    return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad,
-                           *_shared_cast(x, q_input, need_wgrad))
+    shared = (None,) * 4 if alone else _shared_cast(x, q_input, need_wgrad)
+    return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad, *shared)
 
 
 def _shared_cast(x, q_input: Quantizer, need_wgrad: bool) -> Tuple[Optional[torch.Tensor], ...]:
@@ -278,7 +333,7 @@ def node_refusal(x: torch.Tensor, act_dtype: torch.dtype) -> Optional[str]:
 
 def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: Quantizer, q_weight: Quantizer,
                           q_grad: Quantizer, act_dtype: torch.dtype, grad: bool, is_first_microbatch: Optional[bool],
-                          path: list) -> Optional[torch.Tensor]:
+                          path: list, alone: bool = False) -> Optional[torch.Tensor]:
     """_native_forward under BlockScaling: the same C++ node with block-scaled casts (the
     quantizers' block plans) and GEMMs (cuBLASLt's block scaling), the weight's 128 x 128 cast
     kept in `workspace` (cast by Python, or re-cast in place by the node: a tile plan) and its tile scales laid out for the GEMM here; or None with
@@ -304,7 +359,8 @@ def _native_block_forward(workspace: WeightWorkspace, x, weight, bias, q_input: 
     need_dgrad = grad and x.requires_grad
     need_wgrad = grad and weight.requires_grad
     need_dbias = grad and bias is not None and bias.requires_grad
-    shared = q_input.sharing > 1  # sibling layers read x: its one cast is Python's (cast_shared), passed in
+    # sibling layers read x: its one cast is Python's (cast_shared), passed in
+    shared = q_input.sharing > 1 and not alone
     x_plan = None if shared else q_input.native_plan((m, k), x.dtype, need_wgrad, None)
     grad_plan = None
     if need_dgrad or need_wgrad or need_dbias:
