@@ -2,7 +2,7 @@
 no state; their casts return a BlockCast (per-block scale_invs, and data_t's own)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,27 @@ class BlockScalingQuantizer(Quantizer):
             data, scale_inv, data_t, scale_inv_t = _rows(rows, self.dtype, transpose, self.power_of_two, traced)
         db = rows.sum(0, dtype=torch.float32) if dbias else None
         return BlockCast(data.view(x.shape), data_t, scale_inv, db, scale_inv_t)
+
+    def cast_stacked(self, parts, *, transpose: bool = False) -> BlockCast:
+        """cast(torch.cat(parts), transpose=transpose) for a WEIGHT quantizer, the parts
+        (row-stacked 2-D weights, each but the last a multiple of 128 rows: a stacked tie's,
+        modules/stacked.py) read where they lie, without the concatenated copy: one launch of
+        the tile cast over up to block_kernel.MAX_PARTS parts (traced: the operator
+        fp8train::weight_tiles_stacked); more parts are concatenated first."""
+        from .kernels.block_kernel import MAX_PARTS
+        if self.block != TILE_BLOCKS or len(parts) > MAX_PARTS:
+            return self.cast(torch.cat(list(parts)), transpose=transpose)
+        parts = [self._checked(p) for p in parts]
+        traced = torch.compiler.is_compiling()
+        if traced:
+            data, scales, data_t, scales_t = torch.ops.fp8train.weight_tiles_stacked(
+                [p.detach() for p in parts], self.dtype, transpose, self.power_of_two)
+        else:
+            data, scales, data_t, scales_t = _new_tiles(parts, self.dtype, transpose, self.power_of_two)
+        mb, kb = blocks_of(data.shape, TILE_BLOCKS)
+        if not transpose:
+            return BlockCast(data, None, scales[:, :kb])
+        return BlockCast(data, data_t, scales[:, :kb], None, scales_t[:, :mb])
 
     def _native_cast(self, rows: torch.Tensor, transpose: bool, dbias: bool):
         """rows (M, K) cast by the C++ launcher through native_plan's plan (ext.cast_with: the
@@ -241,18 +262,20 @@ def _round4(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def _new_tiles(w: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two: bool, traced: bool = False):
+def _new_tiles(w, dtype: torch.dtype, transpose: bool, power_of_two: bool, traced: bool = False):
     """_tiles' fresh buffers, from one launch on CUDA (kernels.weight_tiles): (data, scales
     (Mb, round4(Kb)), data_t (K, Mp), scales_t (Kb, round4(Mb))), the last two None
-    without transpose."""
-    m, k = w.shape
-    mb, kb = blocks_of(w.shape, TILE_BLOCKS)
-    data = torch.empty(w.shape, dtype=dtype, device=w.device)
-    scales = torch.empty((mb, _round4(kb)), dtype=torch.float32, device=w.device)
+    without transpose. w: a 2-D tensor, or a list of row-stacked parts (cast_stacked)."""
+    first = w if isinstance(w, torch.Tensor) else w[0]
+    m = first.shape[0] if isinstance(w, torch.Tensor) else sum(p.shape[0] for p in w)
+    k, device = first.shape[1], first.device
+    mb, kb = blocks_of((m, k), TILE_BLOCKS)
+    data = torch.empty((m, k), dtype=dtype, device=device)
+    scales = torch.empty((mb, _round4(kb)), dtype=torch.float32, device=device)
     data_t = scales_t = None
     if transpose:
-        data_t = torch.empty((k, padded_rows(m)), dtype=dtype, device=w.device)
-        scales_t = torch.empty((kb, _round4(mb)), dtype=torch.float32, device=w.device)
+        data_t = torch.empty((k, padded_rows(m)), dtype=dtype, device=device)
+        scales_t = torch.empty((kb, _round4(mb)), dtype=torch.float32, device=device)
     kernels.weight_tiles(w, data, scales, data_t, scales_t, power_of_two, traced)
     return data, scales, data_t, scales_t
 
@@ -286,6 +309,20 @@ def _block_cast_op(rows: torch.Tensor, fp8_dtype: torch.dtype, tiles: bool, both
     if not both:
         data_t, scale_inv_cols = rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
     return data, scale_inv, data_t, scale_inv_cols
+
+
+@torch.library.triton_op("fp8train::weight_tiles_stacked", mutates_args=())
+def _weight_tiles_stacked_op(parts: List[torch.Tensor], fp8_dtype: torch.dtype, both: bool, power_of_two: bool
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_block_cast_op's tiles (both: the transposed copy too) of the parts' row concatenation
+    (BlockScalingQuantizer.cast_stacked), the parts read in place by one Triton launch on
+    CUDA; elsewhere _block_cast_op's body on the concatenation."""
+    if parts[0].is_cuda:
+        data, scales, data_t, scales_t = _new_tiles(parts, fp8_dtype, both, power_of_two, traced=True)
+        if not both:
+            data_t, scales_t = data.new_empty(0, dtype=torch.float32), data.new_empty(0, dtype=torch.float32)
+        return data, scales, data_t, scales_t
+    return _block_cast_op(torch.cat(parts), fp8_dtype, True, both, power_of_two)
 
 
 def transpose_padded(data: torch.Tensor, cols: int) -> torch.Tensor:

@@ -67,8 +67,10 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
     both = {"x_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv", "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32",
             "sinv_t_ptr": "*fp32", **{n: "i32" for n in _INTS}, "FP8_MAX": "constexpr", "POW2": "constexpr"}
     yield "both", compiled(block_kernel._block_cast_both_kernel, both, {"FP8_MAX": 448.0, "POW2": False}, shapes.both)
-    weight = {**both, "TRANSPOSE": "constexpr"}
-    del weight["stride_sr"], weight["stride_sc"]
+    weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
+              "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
+              **{n: "i32" for n in ("M", "K", "M1", "M2", "stride_xm", "out_t_cols")},
+              "FP8_MAX": "constexpr", "POW2": "constexpr", "TRANSPOSE": "constexpr"}
     yield "weight", compiled(block_kernel._weight_tiles_kernel, weight,
                              {"FP8_MAX": 448.0, "POW2": False, "TRANSPOSE": True}, shapes.tiles[2])
 

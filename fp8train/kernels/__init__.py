@@ -66,13 +66,21 @@ def block_cast_both(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, sca
     byte_transpose(again, out_t)
 
 
-def weight_tiles(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, out_t: Optional[torch.Tensor] = None,
+def weight_tiles(x, out: torch.Tensor, scales: torch.Tensor, out_t: Optional[torch.Tensor] = None,
                  scales_t: Optional[torch.Tensor] = None, power_of_two: bool = False, traced: bool = False) -> None:
     """x (M, K) in 128 x 128 tiles into out and scales (Mb, round_up(Kb, 4)): the tiles'
     scale_inv in the first Kb columns, 1 in the rest (the block GEMM's B layout, rows padded to
     4); with out_t (K, Mp) and scales_t (Kb, round_up(Mb, 4)) also out's bytes transposed (zero
-    beyond M) and the scales transposed, likewise padded. On CUDA one Triton launch
-    (block_kernel.weight_tiles_into), elsewhere its twin: block_cast, byte_transpose and copies."""
+    beyond M) and the scales transposed, likewise padded. x may be a list of row-stacked parts
+    (block_kernel.MAX_PARTS at most, each but the last a multiple of 128 rows): the cast of
+    their concatenation. On CUDA one Triton launch (block_kernel.weight_tiles_into), elsewhere
+    its twin: block_cast, byte_transpose and copies."""
+    if not isinstance(x, torch.Tensor):
+        if x[0].is_cuda:
+            from .block_kernel import weight_tiles_into
+            weight_tiles_into(x, out, scales, out_t, scales_t, power_of_two, traced)
+            return
+        x = torch.cat(list(x))
     if x.is_cuda:
         from .block_kernel import weight_tiles_into
         weight_tiles_into(x, out, scales, out_t, scales_t, power_of_two, traced)

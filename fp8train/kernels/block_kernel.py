@@ -181,19 +181,24 @@ def _block_cast_both_kernel(
 
 @triton.jit
 def _weight_tiles_kernel(
-    x_ptr,       # (M, K) bf16/fp16/fp32, row stride stride_xm, unit column stride
+    x_ptr,       # (M1, K) bf16/fp16/fp32, row stride stride_xm, unit column stride: rows 0..M1 of x
+    x1_ptr,      # (M2 - M1, K) likewise: rows M1..M2 of x (a stacked weight's second part)
+    x2_ptr,      # (M - M2, K) likewise: rows M2..M (its third part)
     out_ptr,     # (M, K) fp8, row-major: x in 128 x 128 tiles
     out_t_ptr,   # (K, Mp) fp8, row-major: out's bytes transposed, zero in columns M..Mp (TRANSPOSE)
     sinv_ptr,    # (Mb, Kb4) float32 row-major: the tiles' scale_inv, 1 in columns Kb..Kb4
     sinv_t_ptr,  # (Kb, Mb4) float32 row-major: the same transposed, 1 in columns Mb..Mb4 (TRANSPOSE)
-    M, K, stride_xm, out_t_cols,
+    M, K, M1, M2, stride_xm, out_t_cols,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
     """A weight's 128 x 128 tile cast (mode 2 of _block_cast_kernel) with what both of its
     GEMMs read, from one launch: the payload, its bytes transposed (the dgrad's W^T), and the
     tile scales laid out as cuBLASLt's block scaling takes a B operand's, rows padded to a
     multiple of 4 (gemm.tile_scales sees them as (Kb4, Mb) with strides (1, Kb4) without a
-    copy): where the byte transpose and two padded copies per step were three more launches."""
+    copy): where the byte transpose and two padded copies per step were three more launches.
+    x may come in up to three parts stacked along the rows (modules/stacked.py's weights,
+    M1 and M2 multiples of 128, so each tile reads one part; one part: M1 = M2 = M), read
+    where they lie rather than from a concatenated copy."""
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, 128)
     rb = pid // tiles_k
@@ -201,7 +206,10 @@ def _weight_tiles_kernel(
     r = rb * 128 + tl.arange(0, 128)
     c = cb * 128 + tl.arange(0, 128)
     inside = (r < M)[:, None] & (c < K)[None, :]
-    x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    start = tl.where(rb * 128 < M1, 0, tl.where(rb * 128 < M2, M1, M2))
+    src = tl.where(rb * 128 < M1, x_ptr, tl.where(rb * 128 < M2, x1_ptr, x2_ptr))
+    x = tl.load(src + tl.cast(r - start, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
+                other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.max(_abs_bits(x), axis=1), axis=0), FP8_MAX, POW2)
     y = _saturate(x, scale, FP8_MAX).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y, mask=inside)
@@ -244,20 +252,48 @@ def _kernel(mode: int, fp8_max: float, pow2: bool, shape: Tuple[int, int, int]) 
                         TILE_K=tile_k)
 
 
-def weight_tiles_into(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, out_t=None, scales_t=None,
+MAX_PARTS = 3  # the most row-stacked parts one weight tile cast reads (q/k/v)
+
+
+def _stacked_rows(parts) -> Tuple[list, int, int, int]:
+    """(parts, M, M1, M2) of x given as one (M, K) tensor or up to MAX_PARTS row-stacked
+    parts of one dtype, device and K (each but the last a multiple of 128 rows), each made
+    contiguous: what _weight_tiles_kernel's x, x1, x2, M1, M2 take."""
+    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
+    if not parts or len(parts) > MAX_PARTS or any(p.dim() != 2 for p in parts):
+        raise ValueError(f"weight_tiles_into: x must be a 2-D tensor or 1 to {MAX_PARTS} 2-D parts, got "
+                         f"{[tuple(p.shape) for p in parts]}")
+    k, first = parts[0].shape[1], parts[0]
+    if any(p.shape[1] != k or p.dtype != first.dtype or p.device != first.device for p in parts):
+        raise ValueError("weight_tiles_into: x's parts must share their column count, dtype and device")
+    if any(p.shape[0] % 128 for p in parts[:-1]):
+        raise ValueError(f"weight_tiles_into: every part but the last needs a multiple of 128 rows, got "
+                         f"{[p.shape[0] for p in parts]}")
+    if len(parts) > 1:
+        parts = [p if p.is_contiguous() else p.contiguous() for p in parts]
+    ends = [sum(p.shape[0] for p in parts[:i + 1]) for i in range(len(parts))]
+    m = ends[-1]
+    ends = (ends + [m, m])[:MAX_PARTS]
+    return parts, m, ends[0], ends[1]
+
+
+def weight_tiles_into(x, out: torch.Tensor, scales: torch.Tensor, out_t=None, scales_t=None,
                       power_of_two: bool = False, traced: bool = False) -> None:
     """x (M, K) in 128 x 128 tiles into out (M, K) fp8 and scales (Mb, Kb4) (Kb4: Kb rounded up
     to 4; the tiles' scale_inv in its first Kb columns, 1 in the rest); with out_t (K, Mp) (Mp >= M
     a multiple of 16) and scales_t (Kb, Mb4) also the payload's bytes transposed (zero in
-    columns M..Mp) and the scales transposed, likewise padded. One launch of the Triton kernel
-    (twin: kernels.weight_tiles dispatches). traced: as block_cast_into's."""
-    if x.dim() != 2:
-        raise ValueError(f"weight_tiles_into: x must be 2-D, got {tuple(x.shape)}")
-    m, k = x.shape
+    columns M..Mp) and the scales transposed, likewise padded. x may be a list of up to
+    MAX_PARTS row-stacked parts (each but the last a multiple of 128 rows: a stacked weight's
+    members, read in place). One launch of the Triton kernel (twin: kernels.weight_tiles
+    dispatches). traced: as block_cast_into's."""
+    parts, m, m1, m2 = _stacked_rows(x)
+    x = parts[0]
+    k = x.shape[1]
+    x_shape = (m, k)
     mb, kb = -(-m // 128), -(-k // 128)
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if out.shape != x.shape or out.dtype not in fp8 or not out.is_contiguous():
-        raise ValueError(f"weight_tiles_into: out must be a contiguous fp8 tensor of x's shape {tuple(x.shape)}")
+    if out.shape != x_shape or out.dtype not in fp8 or not out.is_contiguous():
+        raise ValueError(f"weight_tiles_into: out must be a contiguous fp8 tensor of x's shape {x_shape}")
     want = [("scales", scales, (mb, -(-kb // 4) * 4))]
     if (out_t is None) != (scales_t is None):
         raise ValueError("weight_tiles_into: out_t and scales_t come together")
@@ -272,11 +308,12 @@ def weight_tiles_into(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, 
             raise ValueError(f"weight_tiles_into: {name} must be a contiguous float32 tensor of shape {shape}")
     if x.stride(1) != 1 and k > 1:
         x = x.contiguous()
-    if x.numel() == 0:
+    if m * k == 0:
         return
     transpose = out_t is not None
     kernel = _weight_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), transpose, launch_shapes().tiles[2])
-    args = (x, out, out_t if transpose else out, scales, scales_t if transpose else scales, m, k,
+    xs = (x, *parts[1:], *parts[-1:] * (MAX_PARTS - len(parts)))  # absent parts: rows no tile reads
+    args = (*xs, out, out_t if transpose else out, scales, scales_t if transpose else scales, m, k, m1, m2,
             x.stride(0) if m > 1 else k, out_t.shape[1] if transpose else 16)
     if traced:
         kernel.traced(mb * kb, *args)
@@ -317,9 +354,11 @@ def native_launch(shape, x_dtype: torch.dtype, fp8_dtype: torch.dtype, transpose
     if tiles:
         kernel = _weight_kernel(fp8_max, pow2, bool(transpose), launch_shapes().tiles[2])
         grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-        ints = (m, k, k, padded_rows(m) if transpose else 16)
-        samples = (like(x_dtype), like(fp8_dtype), like(fp8_dtype), like(torch.float32), like(torch.float32))
-        holes = (x, data, data_t, scale_inv, scale_inv_t) if transpose else (x, data, data, scale_inv, scale_inv)
+        ints = (m, k, m, m, k, padded_rows(m) if transpose else 16)  # one part: M1 = M2 = M
+        samples = (like(x_dtype), like(x_dtype), like(x_dtype), like(fp8_dtype), like(fp8_dtype),
+                   like(torch.float32), like(torch.float32))
+        holes = (x, x, x, data, data_t, scale_inv, scale_inv_t) if transpose else \
+            (x, x, x, data, data, scale_inv, scale_inv)
     elif transpose:
         kernel = _both_kernel(fp8_max, pow2, launch_shapes().both)
         grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
@@ -414,5 +453,5 @@ def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor
         kernel(grid, *args)
 
 
-__all__ = ["BlockShapes", "block_cast_both_into", "block_cast_into", "launch_shapes", "native_launch",
+__all__ = ["BlockShapes", "MAX_PARTS", "block_cast_both_into", "block_cast_into", "launch_shapes", "native_launch",
            "override_shapes", "weight_tiles_into"]

@@ -263,7 +263,7 @@ def _stacked_forward(layer: Linear, x, q_input: Quantizer, q_weight: Quantizer, 
     if workspace is None:
         workspace = layer._stack_workspace = WeightWorkspace()
     y = block_scaled_gemm(workspace, x, weight, bias, q_input, q_weight, q_grad, config, act_dtype, grad,
-                          is_first_microbatch, None if traced else layer._path, alone=True)
+                          is_first_microbatch, None if traced else layer._path, alone=True, parts=parts.weights)
     outs = y.split(parts.widths, dim=-1)
     stacked.keep(q_input, x, outs)
     return outs[0]
@@ -283,13 +283,15 @@ def refuse_per_tensor_fp8(layer: FP8Module, x, *weights) -> None:
 def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quantizer, q_weight: Quantizer,
                       q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
                       is_first_microbatch: Optional[bool], path: Optional[list] = None,
-                      alone: bool = False) -> torch.Tensor:
+                      alone: bool = False, parts: Optional[list] = None) -> torch.Tensor:
     """One block-scaled GEMM (x @ weight^T + bias) with its backward, the weight's block cast
     kept in `workspace`: the C++ node where it takes the call (_native_block_forward), else the
     Python node. The fused modules under BlockScaling compose their norm and activation in
     high precision around it (layernorm_linear.py, layernorm_mlp.py). path: where an eager
     call notes which node ran, or why not (Linear._path). alone: x is cast for this GEMM
-    alone, though q_input is tied (the tie's stacked GEMM: no sibling asks for the cast)."""
+    alone, though q_input is tied (the tie's stacked GEMM: no sibling asks for the cast).
+    parts: weight's row-stacked parts (the tie's weights; weight is their torch.cat), which
+    a traced call casts in place (WeightWorkspace.get)."""
     if x.is_cuda and native.ENABLED:
         y = _native_block_forward(workspace, x, weight, bias, q_input, q_weight, q_grad, act_dtype, grad,
                                   is_first_microbatch, path if path is not None else [None], alone)
@@ -297,7 +299,7 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
             return y
     elif path is not None:
         path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
-    w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad)
+    w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad, parts=parts)
     need_wgrad = grad and weight.requires_grad
     shared = (None,) * 4 if alone else _shared_cast(x, q_input, need_wgrad)
     return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad, *shared)

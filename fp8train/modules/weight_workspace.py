@@ -68,9 +68,13 @@ class WeightWorkspace:
                 and source[0] == weight.data_ptr() and source[1] == weight._version)
 
     def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
-            need_transpose: bool, skip: Optional[torch.Tensor] = None) -> Union[Float8Tensor, Cast, BlockCast]:
+            need_transpose: bool, skip: Optional[torch.Tensor] = None,
+            parts: Optional[list] = None) -> Union[Float8Tensor, Cast, BlockCast]:
         """skip: the device flag of a graphed layer with FP8 weight caching (graphs.py): the
         cast is issued on every call and the kernels skip it while the flag is nonzero.
+        parts: weight's row-stacked parts (a stacked tie's weight, torch.cat of them): traced
+        calls cast them in place (BlockScalingQuantizer.cast_stacked), so that the graph's
+        concatenation feeds the autograd node alone and Inductor drops it.
         A weight that FSDP2 gathered in FP8 (distributed/fsdp.py) is its own FP8 copy: it is
         returned as it is (its transposed copy is made from its bytes on demand)."""
         if isinstance(weight, Float8Tensor):
@@ -80,7 +84,7 @@ class WeightWorkspace:
                 return Cast(data, data.t().contiguous() if need_transpose else None, weight._scale_inv)
             return weight
         if torch.compiler.is_compiling():
-            return self._get_traced(weight, quantizer, is_first_microbatch, need_transpose)
+            return self._get_traced(weight, quantizer, is_first_microbatch, need_transpose, parts)
         if is_first_microbatch is not False and self._recomputing(weight, quantizer, skip):
             is_first_microbatch = False
         if quantizer.blockwise:
@@ -144,11 +148,13 @@ class WeightWorkspace:
         return (ws is not None and ws.shape == weight.shape and ws.device == weight.device
                 and ws.dtype == weight.dtype and ws.fp8_dtype == quantizer.dtype)
 
-    def _get_traced(self, weight, quantizer, is_first_microbatch, need_transpose) -> Cast:
+    def _get_traced(self, weight, quantizer, is_first_microbatch, need_transpose, parts=None) -> Cast:
         # stores only (no guard); Dynamo replays them after the graph
         self.fp8 = self.block = self._gemm_scales = self._recast = None
+        cast = quantizer.cast if parts is None else lambda w, transpose: quantizer.cast_stacked(parts,
+                                                                                                 transpose=transpose)
         if is_first_microbatch is None:  # cast on every call; `compiled` not read: no guard on it
-            return quantizer.cast(weight, transpose=need_transpose)
+            return cast(weight, transpose=need_transpose)
         kept = self.compiled
         fits = (kept is not None and kept.data.shape == weight.shape and kept.data.dtype == quantizer.dtype
                 and (kept.data_t is not None or not need_transpose))
@@ -156,8 +162,8 @@ class WeightWorkspace:
             return kept
         # A kept cast without the transposed copy that is now needed is cast again (eager
         # transposes the FP8 payload instead); the result is the same bytes.
-        self.compiled = cast = quantizer.cast(weight, transpose=need_transpose)
-        return cast
+        self.compiled = kept = cast(weight, transpose=need_transpose)
+        return kept
 
     def _get_block(self, weight, quantizer, is_first_microbatch, need_transpose, skip) -> BlockCast:
         if skip is not None:

@@ -73,21 +73,24 @@ def test_block_cast_both_kernel_is_the_twin_on_the_gpu(kind, dtype, fp8, power_o
     assert torch.equal(out_t, want_t)
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3], ids=["whole", "2-parts", "3-parts"])
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kind", INPUTS)
-def test_weight_tiles_kernel_is_the_twin_on_the_gpu(kind, dtype, fp8, power_of_two):
+def test_weight_tiles_kernel_is_the_twin_on_the_gpu(kind, dtype, fp8, power_of_two, parts):
     # both scale grids padded with 1 to a multiple of 4 columns; the transposed copy's rows
-    # padded to padded_rows(M) with zero bytes
+    # padded to padded_rows(M) with zero bytes. parts: x given as row-stacked parts (a stacked
+    # tie's weights), each a copy of its own (read where it lies), against the twin on x
     x = _input(kind, dtype)
     m, k = x.shape
+    source = x if parts == 1 else [p.clone() for p in x.split([128] * (parts - 1) + [m - 128 * (parts - 1)])]
     mb, kb, mp = -(-m // 128), -(-k // 128), padded_rows(m)
     out = torch.empty(x.shape, dtype=fp8, device=CUDA)
     out_t = torch.full((k, mp), 0x55, dtype=torch.uint8, device=CUDA)
     scales = torch.full((mb, -(-kb // 4) * 4), -1.0, device=CUDA)
     scales_t = torch.full((kb, -(-mb // 4) * 4), -1.0, device=CUDA)
-    kernels.weight_tiles(x, out, scales, out_t.view(fp8), scales_t, power_of_two)
+    kernels.weight_tiles(source, out, scales, out_t.view(fp8), scales_t, power_of_two)
     want, want_si = br.block_cast(x, fp8, (128, 128), power_of_two)
     want_s, want_s_t = torch.ones_like(scales), torch.ones_like(scales_t)
     want_s[:, :kb], want_s_t[:, :mb] = want_si, want_si.t()

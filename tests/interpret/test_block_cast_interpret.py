@@ -186,6 +186,32 @@ def test_weight_tiles_kernel_reads_strided_rows(exact_conversions):
     assert_fp8_equal(out_t, want_t)
 
 
+@pytest.mark.parametrize("rows", [(128, 256, 77), (256, 128), (384,)], ids=["three", "two", "one"])
+def test_weight_tiles_kernel_reads_row_stacked_parts(rows, exact_conversions):
+    """A stacked weight given as its parts (modules/stacked.py): each tile read from the part
+    that holds it, the outputs those of the parts' concatenation, bit for bit."""
+    parts = [_input((n, 300), torch.float32, seed=20 + i) for i, n in enumerate(rows)]
+    x = torch.cat(parts)
+    mp = -(-x.shape[0] // 16) * 16
+    want, want_s, want_t, want_s_t = _weight_want(x, torch.float8_e4m3fn, False, mp)
+    out, out_t = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(300, mp, dtype=torch.float8_e4m3fn)
+    scales, scales_t = torch.full(want_s.shape, -1.0), torch.full(want_s_t.shape, -1.0)
+    weight_tiles_into(parts, out, scales, out_t, scales_t)
+    assert torch.equal(scales, want_s) and torch.equal(scales_t, want_s_t)
+    assert_fp8_equal(out, want)
+    assert_fp8_equal(out_t, want_t)
+
+
+def test_weight_tiles_into_checks_its_parts():
+    out, scales = torch.empty(300, 300, dtype=torch.float8_e4m3fn), torch.empty(3, 4)
+    with pytest.raises(ValueError, match="multiple of 128 rows"):
+        weight_tiles_into([torch.zeros(100, 300), torch.zeros(200, 300)], out, scales)
+    with pytest.raises(ValueError, match="share their column count"):
+        weight_tiles_into([torch.zeros(128, 300), torch.zeros(172, 200)], out, scales)
+    with pytest.raises(ValueError, match="1 to 3"):
+        weight_tiles_into([torch.zeros(128, 300)] * 4, out, scales)
+
+
 def test_weight_tiles_into_checks_its_buffers():
     x, e4m3 = torch.zeros(200, 300), torch.float8_e4m3fn
     out, scales = torch.empty(200, 300, dtype=e4m3), torch.empty(2, 4)
