@@ -23,9 +23,11 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                instead of the extension's operator (an A/B of it)
   fp8 eager block, fp8 compile block, fp8 compile-ro block
                                                BlockScaling (1x128 / 128x128 block scales)
-  fp8 {eager,compile} block unstacked          BlockScaling(stack_siblings=False): q/k/v and
+  fp8 compile block unstacked                  BlockScaling(stack_siblings=False): q/k/v and
                                                gate/up each run their own GEMMs (an A/B of
-                                               modules/stacked.py)
+                                               modules/stacked.py, which compiled calls run)
+  fp8 eager block stacked                      eager calls stacking too (modules.stacked.EAGER,
+                                               set around this variant's steps; an A/B of it)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -93,6 +95,7 @@ import fp8train
 from fp8train.data import ByteCorpus
 from fp8train.kernels import native
 from fp8train.modules import base as module_base
+from fp8train.modules import stacked
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ SHAPES = {
 }
 # the library's defaults, restored after each step
 _BLOCK_GEMM = native.BLOCK_GEMM
+_EAGER_STACKED = stacked.EAGER
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile-ro current",
@@ -123,7 +127,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager delayed unfused", "fp8 eager current unfused-mlp", "fp8 eager delayed unfused-mlp",
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
-            "fp8 eager block unstacked", "fp8 compile block unstacked",
+            "fp8 compile block unstacked", "fp8 eager block stacked",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
@@ -220,6 +224,7 @@ class Runner:
         self.aten_mm = "aten-mm" in variant.split()
         self.call_kwargs = {"use_cache": False} if "ckpt" in variant.split() else {}
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
+        self.eager_stacked = "stacked" in variant.split()
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -254,11 +259,11 @@ class Runner:
 
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
-        native.GEMM_OP, native.BLOCK_GEMM = not self.aten_mm, self.block_gemm
+        native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = not self.aten_mm, self.block_gemm, self.eager_stacked
         try:
             return self._step(m, recipe)
         finally:
-            native.GEMM_OP, native.BLOCK_GEMM = True, _BLOCK_GEMM
+            native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = True, _BLOCK_GEMM, _EAGER_STACKED
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]

@@ -161,9 +161,10 @@ class BlockScaling:
 
     power_of_two_scales: as for DelayedScaling, per block (kernels/block_reference.py).
 
-    stack_siblings: sibling fp8train.Linears tied on one input (attention's q/k/v, an MLP's
-    gate/up: docs/design.md, "Shared inputs"), each out_features a multiple of 128, run as
-    one GEMM each way, their weights stacked (modules/stacked.py): the same tiles and blocks,
+    stack_siblings: in compiled calls, sibling fp8train.Linears tied on one input (attention's
+    q/k/v, an MLP's gate/up: docs/design.md, "Shared inputs"), each out_features a multiple of
+    128, run as one GEMM each way, their weights stacked (modules/stacked.py; eager calls
+    stack only with modules.stacked.EAGER on): the same tiles and blocks,
     so the same FP8 bytes; the first sibling's call computes the others' outputs, which are
     then column slices of one (..., sum of out_features) tensor (strided views, the last dim
     contiguous, as a fused QKV projection's split). False: each sibling runs its own GEMMs

@@ -63,20 +63,13 @@ def test_generate_under_inference_mode_is_generate_under_no_grad(recipe):
 def test_inference_mode_first_call_then_training(recipe, with_quantizers):
     """An evaluation under inference_mode before the first training step: what the layers
     keep is made there and then trained. Current and block scaling keep no scaling history,
-    so training then matches a model that skipped the evaluation bit for bit (block scaling: one
-    that evaluated under no_grad, whose ties form there too: both stack q/k/v from the first
-    step); delayed scaling
+    so training then matches a model that skipped the evaluation bit for bit; delayed scaling
     records the evaluation's amaxes (as any evaluation inside fp8train.autocast does)."""
     model = _model(recipe, with_quantizers)
     twin = copy.deepcopy(model)
     batches = _batches(3)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
         model(input_ids=batches[0], labels=batches[0])
-    if isinstance(recipe, fp8train.BlockScaling):
-        # the evaluation tied q/k/v and gate/up, so the model's first step runs them stacked
-        # (modules/stacked.py): the twin evaluates under no_grad to stack from its first step too
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), fp8train.autocast(recipe=recipe):
-            twin(input_ids=batches[0], labels=batches[0])
     for name, t in list(model.named_buffers()):
         assert not t.is_inference(), name
     for name, layer in model.named_modules():

@@ -17,11 +17,19 @@ from torch import nn
 
 import fp8train
 from fp8train import gemm
+from fp8train.modules import stacked
 from fp8train.quantizer import Quantizer
 from tests.test_shared_inputs import _cast_ops
 
 STACKED = fp8train.BlockScaling()
 APART = fp8train.BlockScaling(stack_siblings=False)
+
+
+@pytest.fixture(autouse=True)
+def eager_stacking(monkeypatch):
+    # eager calls stack only with the switch on (modules/stacked.py, EAGER); these tests run the
+    # logic eagerly on the CPU, and test_compiled_stacked_siblings the traced calls, which stack anyway
+    monkeypatch.setattr(stacked, "EAGER", True)
 
 
 class Block(nn.Module):
@@ -161,6 +169,38 @@ def test_copies_and_pickles_keep_their_own_ties():
         assert all(m is not o for m, o in zip(copy_.q.input_quantizer.members, model.q.input_quantizer.members))
         assert torch.equal(_train(copy_, STACKED, _batches(3)[1:]), _train(copy.deepcopy(model), STACKED,
                                                                              _batches(3)[1:]))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_block_stacks_where_its_forward_did(reentrant):
+    """Activation checkpointing: the ties form during the first forward, whose recomputation
+    must not stack (it would save other tensors: non-reentrant checkpointing refuses); later
+    steps stack in both. The losses and weights are those of the block without checkpointing,
+    bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=reentrant)
+
+    plain, ckpt = _block(), Checkpointed(_block())
+    batches = [b.requires_grad_(reentrant) for b in _batches(3)]  # reentrant: an input that needs grad
+    want = _train(plain, STACKED, batches)
+    got = _train(ckpt, STACKED, batches)
+    assert ckpt.block.q._stacked_last and ckpt.block.gate._stacked_last
+    assert torch.equal(got, want), (got, want)
+    for (name, p), q in zip(ckpt.block.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_eager_calls_stack_only_with_the_switch(monkeypatch, gemm_calls):
+    monkeypatch.setattr(stacked, "EAGER", False)
+    _train(_block(), STACKED, _batches(2))
+    assert len(gemm_calls) == 2 * 18
 
 
 def test_a_recipe_change_rebuilds_the_ties():

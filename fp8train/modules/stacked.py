@@ -1,5 +1,6 @@
 """Sibling Linears stacked: the layers of one tie (modules/base.py; attention's q/k/v, an MLP's
-gate/up) run as one GEMM each way under BlockScaling(stack_siblings=True).
+gate/up) run as one GEMM each way under BlockScaling(stack_siblings=True), in compiled calls
+(eager ones with EAGER on).
 
 The tie's first member (`Quantizer.members[0]`, the first to be called) computes
 x @ cat(W_i)^T once and splits it; each later member's call takes its slice, kept on the
@@ -26,6 +27,15 @@ from ..tensor import Float8Tensor, version_of
 
 # The stacked weight's tiles must be each member's: every out_features a multiple of this
 TILE = 128
+
+# Whether eager calls stack too (compiled calls always do, under stack_siblings=True). Off:
+# eagerly the stacked GEMM's savings come with copies that Inductor fuses away in a compiled
+# step and eager code makes: the weights' concatenation (the C++ node re-casts one weight
+# tensor), the members' strided outputs made contiguous by GatedMLP's kernels, and dY's
+# concatenation in the backward (at HF Llama h1024 an estimated ~170 us a layer against
+# ~54 us of GEMM time saved; not measured on the GPU yet). An A/B switch for tests and
+# benchmarks/hf_llama.py ("stacked" variants).
+EAGER = False
 
 
 class Parts(NamedTuple):
@@ -100,4 +110,4 @@ def take(layer: nn.Module, q: Quantizer, x: torch.Tensor) -> Optional[torch.Tens
     return out
 
 
-__all__ = ["Parts", "TILE", "keep", "parts", "take"]
+__all__ = ["EAGER", "Parts", "TILE", "keep", "parts", "take"]

@@ -1,6 +1,6 @@
 """Stacked siblings on CUDA (modules/stacked.py; CPU side: tests/test_stacked_siblings.py): a
-tie's Linears (q/k/v, gate/up) under BlockScaling run as one GEMM each way, eagerly through the
-C++ node and compiled through Inductor, and train as the layers apart do.
+tie's Linears (q/k/v, gate/up) under BlockScaling run as one GEMM each way, compiled through
+Inductor and (the eager switch on) eagerly through the C++ node, and train as the layers apart do.
 
 Tolerances: the stacked and separate GEMMs are different cuBLASLt calls (another N, and one
 dgrad summing every member's dX inside the GEMM in float32), so bf16 outputs round differently
@@ -14,6 +14,7 @@ import torch
 
 import fp8train
 from fp8train.kernels import native
+from fp8train.modules import stacked
 from tests.helpers import assert_bitwise, sgd_steps
 from tests.test_stacked_siblings import Block
 
@@ -53,8 +54,10 @@ def _assert_close(got, want, tol=1e-2):
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16], ids=["fp32-autocast-bf16", "bf16"])
-def test_eager_stacked_siblings_run_the_cpp_node_and_train_as_apart(params_dtype, bias):
+def test_eager_stacked_siblings_run_the_cpp_node_and_train_as_apart(params_dtype, bias, monkeypatch):
+    """Eager stacking (the switch on: stacked.EAGER) through the C++ node."""
     assert native.ENABLED and native.extension() is not None, native.failure()
+    monkeypatch.setattr(stacked, "EAGER", True)
     stacked, apart = _models(params_dtype, bias)
     xs = _inputs(params_dtype)
     want = sgd_steps(apart, APART, xs, params_dtype)
@@ -78,7 +81,7 @@ def test_eager_stacked_siblings_run_the_cpp_node_and_train_as_apart(params_dtype
 
 def test_compiled_stacked_siblings_train_as_eager():
     """torch.compile (Inductor) after one eager step: one graph, no recompile over three steps,
-    each step within tolerance of the eager stacked model's."""
+    each step within tolerance of the eager model's (eager calls run apart: the switch off)."""
     compiled_model, eager = _models(torch.float32)
     xs = _inputs(torch.float32)
     want = sgd_steps(eager, STACKED, xs, torch.float32)
