@@ -23,11 +23,10 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                instead of the extension's operator (an A/B of it)
   fp8 eager block, fp8 compile block, fp8 compile-ro block
                                                BlockScaling (1x128 / 128x128 block scales)
-  fp8 compile block unstacked                  BlockScaling(stack_siblings=False): q/k/v and
-                                               gate/up each run their own GEMMs (an A/B of
-                                               modules/stacked.py, which compiled calls run)
-  fp8 eager block stacked                      eager calls stacking too (modules.stacked.EAGER,
-                                               set around this variant's steps; an A/B of it)
+  fp8 {compile,eager} block stacked            BlockScaling(stack_siblings=True): q/k/v and
+                                               gate/up each one GEMM each way (modules/stacked.py;
+                                               eager: modules.stacked.EAGER set around this
+                                               variant's steps too; an A/B of it)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -127,7 +126,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager delayed unfused", "fp8 eager current unfused-mlp", "fp8 eager delayed unfused-mlp",
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
-            "fp8 compile block unstacked", "fp8 eager block stacked",
+            "fp8 compile block stacked", "fp8 eager block stacked",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
@@ -187,7 +186,7 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     if "ckpt" in rest:
         checkpointing(model)
     if kind == "fp8":
-        recipe = RECIPES[rest[0]](**({"stack_siblings": False} if "unstacked" in rest else {}))
+        recipe = RECIPES[rest[0]](**({"stack_siblings": True} if "stacked" in rest else {}))
         fp8train.convert(model, recipe, filter_fn=not_lm_head, fuse_norms="unfused" not in rest,
                          fuse_mlps="unfused-mlp" not in rest)
     elif kind == "torchao":

@@ -21,7 +21,7 @@ from fp8train.modules import stacked
 from fp8train.quantizer import Quantizer
 from tests.test_shared_inputs import _cast_ops
 
-STACKED = fp8train.BlockScaling()
+STACKED = fp8train.BlockScaling(stack_siblings=True)
 APART = fp8train.BlockScaling(stack_siblings=False)
 
 

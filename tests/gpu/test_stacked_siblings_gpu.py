@@ -20,7 +20,7 @@ from tests.test_stacked_siblings import Block
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-STACKED = fp8train.BlockScaling()
+STACKED = fp8train.BlockScaling(stack_siblings=True)
 APART = fp8train.BlockScaling(stack_siblings=False)
 
 
