@@ -68,8 +68,9 @@ def _batches(n=4, dtype=torch.float32):
     return [torch.randn(2, 24, 32, generator=g).to(dtype) for _ in range(n)]
 
 
-def _train(model, recipe, batches, autocast_bf16: bool):
-    """Loss per step (SGD without state, so a loaded model continues like the original)."""
+def _train(model, recipe, batches, autocast_bf16: bool = False):
+    """Loss per step (SGD without state, so a loaded model continues like the original; also
+    tests/test_stacked_siblings.py's)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for x in batches:

@@ -19,7 +19,7 @@ import fp8train
 from fp8train import gemm
 from fp8train.modules import stacked
 from fp8train.quantizer import Quantizer
-from tests.test_shared_inputs import _cast_ops
+from tests.test_shared_inputs import _cast_ops, _train
 
 STACKED = fp8train.BlockScaling(stack_siblings=True)
 APART = fp8train.BlockScaling(stack_siblings=False)
@@ -62,20 +62,6 @@ def _block(seed=0, **kw) -> Block:
 def _batches(n=4, d=128):
     g = torch.Generator().manual_seed(1)
     return [torch.randn(2, 40, d, generator=g) for _ in range(n)]
-
-
-def _train(model, recipe, batches, autocast_bf16: bool = False):
-    """Loss per step (SGD, lr 0.1)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16), fp8train.autocast(recipe=recipe):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return torch.stack(losses)
 
 
 @pytest.fixture
