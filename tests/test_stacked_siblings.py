@@ -54,6 +54,10 @@ class Block(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+class _Marked(torch.Tensor):
+    """A tensor subclass standing in for a weight the stack must not concatenate."""
+
+
 def _block(seed=0, **kw) -> Block:
     torch.manual_seed(seed)
     return Block(**kw)
@@ -204,11 +208,17 @@ def test_a_recipe_change_rebuilds_the_ties():
 
 def test_off_narrow_or_mixed_members_run_apart(gemm_calls):
     """stack_siblings=False, widths that are not multiples of 128, and members that differ
-    (one without requires_grad) each run their own GEMMs: 18 a step."""
+    (a weight that is a tensor subclass, one without requires_grad) each run their own
+    GEMMs: 18 a step."""
     for model, recipe in ((_block(), APART), (_block(kv=64, f=192), STACKED)):
         _train(model, recipe, _batches(2))
         assert len(gemm_calls) == 2 * 18
         gemm_calls.clear()
+    model = _block()
+    model.v.weight = nn.Parameter(_Marked(model.v.weight.detach()))  # a tensor subclass (DTensor, Float8Tensor)
+    _train(model, STACKED, _batches(2))
+    assert len(gemm_calls) == 18 + (6 + 3 + 3 + 3)  # q/k/v apart, without dgrad; gate/up stacked
+    gemm_calls.clear()
     model = _block()
     model.k.weight.requires_grad_(False)
     _train(model, STACKED, _batches(2))

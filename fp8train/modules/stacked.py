@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..quantizer import Quantizer
-from ..tensor import Float8Tensor, version_of
+from ..tensor import version_of
 
 # The stacked weight's tiles must be each member's: every out_features a multiple of this
 TILE = 128
@@ -38,6 +38,9 @@ TILE = 128
 EAGER = False
 
 
+_PLAIN = (nn.Parameter, torch.Tensor)
+
+
 class Parts(NamedTuple):
     weights: List[torch.Tensor]            # the members' weights, in member order
     biases: Optional[List[torch.Tensor]]   # their biases, or None where no member has one
@@ -48,8 +51,9 @@ def parts(layer: nn.Module, q: Quantizer) -> Optional[Parts]:
     """What `layer`, the first member of q's tie, stacks: every member's weight and bias,
     where all of them can run as one GEMM (the same layer type without tensor parallelism,
     q their input quantizer, weights of one dtype, device, in_features and requires_grad, each
-    out_features a multiple of TILE, biases all or none, no FP8-gathered weight, no CUDA
-    graph weight flag); else None."""
+    out_features a multiple of TILE, biases all or none, plain tensors: no FP8-gathered weight,
+    no DTensor (an FSDP2 unit of its own, not gathered yet at the first member's call), no
+    CUDA graph weight flag); else None."""
     members = q.members
     if len(members) != q.sharing or members[0] is not layer:
         return None
@@ -59,11 +63,11 @@ def parts(layer: nn.Module, q: Quantizer) -> Optional[Parts]:
     for m in members:
         w, b = m._parameters["weight"], m._parameters.get("bias")
         if (type(m) is not type(layer) or m.tp is not None or m._modules["input_quantizer"] is not q
-                or m.weight_cast_skip is not None or isinstance(w, Float8Tensor)
+                or m.weight_cast_skip is not None or type(w) not in _PLAIN
                 or w.dtype != w0.dtype or w.device != w0.device or w.requires_grad != w0.requires_grad
                 or w.dim() != 2 or w.shape[1] != w0.shape[1] or w.shape[0] % TILE or (b is not None) != has_bias):
             return None
-        if has_bias and (b.dtype != w0.dtype or b.requires_grad != w0.requires_grad):
+        if has_bias and (type(b) not in _PLAIN or b.dtype != w0.dtype or b.requires_grad != w0.requires_grad):
             return None
         weights.append(w)
         widths.append(w.shape[0])
