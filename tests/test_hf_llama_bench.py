@@ -96,3 +96,28 @@ def test_ckpt_variants_train_with_checkpointed_layers_on_cpu(tmp_path):
     model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
     hf_llama.checkpointing(model)
     assert model.is_gradient_checkpointing
+
+
+def test_block_stacked_variants_stack_gate_up_on_cpu(tmp_path, monkeypatch):
+    """`stacked`: BlockScaling(stack_siblings=True), eagerly with modules.stacked.EAGER set
+    around the variant's steps only (left off after). The tiny Llama's gate/up (128 wide) stack,
+    its q/k/v (64, 32, 32) do not; the loss is the unstacked variant's to float32 summation
+    order."""
+    from fp8train import gemm
+    from fp8train.modules import stacked
+
+    calls = []
+    mm = gemm.block_scaled_mm
+    monkeypatch.setattr(gemm, "block_scaled_mm", lambda *a, **k: calls.append(a[0].shape) or mm(*a, **k))
+    out = tmp_path / "hf_llama.json"
+    variants = ["fp8 eager block", "fp8 eager block stacked"]
+    hf_llama.main(["--device", "cpu", "--shapes", "tiny", "--variants", ",".join(variants),
+                   "--rounds", "1", "--steps", "1", "--profile-steps", "0", "--json", str(out)])
+    rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
+    assert all("error" not in r for r in rows), rows
+    assert stacked.EAGER is False
+    assert abs(rows[1]["loss"] - rows[0]["loss"]) < 1e-4 * rows[0]["loss"], rows
+    # the stacked gate/up GEMMs: dgrad's dY (128 tokens, 256 wide) and wgrad's dY^T (256, 128);
+    # apart no GEMM operand is 256 wide or tall
+    shapes = set(map(tuple, calls))
+    assert (128, 256) in shapes and (256, 128) in shapes, shapes
