@@ -312,7 +312,8 @@ def weight_tiles_into(x, out: torch.Tensor, scales: torch.Tensor, out_t=None, sc
         return
     transpose = out_t is not None
     kernel = _weight_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), transpose, launch_shapes().tiles[2])
-    xs = (x, *parts[1:], *parts[-1:] * (MAX_PARTS - len(parts))) if len(parts) > 1 else (x,) * MAX_PARTS  # absent: unread
+    # absent parts: the last one again (no tile reads it); one part: x itself throughout
+    xs = (x, *parts[1:], *parts[-1:] * (MAX_PARTS - len(parts))) if len(parts) > 1 else (x,) * MAX_PARTS
     args = (*xs, out, out_t if transpose else out, scales, scales_t if transpose else scales, m, k, m1, m2,
             x.stride(0) if m > 1 else k, out_t.shape[1] if transpose else 16)
     if traced:

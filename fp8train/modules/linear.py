@@ -245,16 +245,14 @@ def _stacked_forward(layer: Linear, x, q_input: Quantizer, q_weight: Quantizer, 
         if not traced:
             layer._path[0] = q_input.members[0]._path[0]
         return y
-    if not traced and torch._C._current_graph_task_id() != -1:
-        # activation checkpointing's recomputation: it stacks where its forward did (not
-        # where the tie formed during that forward), or it would save other tensors
-        if not layer._stacked_last:
-            return None
-        parts = stacked.parts(layer, q_input)
-    else:
-        parts = stacked.parts(layer, q_input)
-        if layer._stacked_last != (parts is not None) and not traced:
-            layer._stacked_last = parts is not None
+    # activation checkpointing's recomputation stacks where its forward did (not where the
+    # tie formed during that forward), or it would save other tensors
+    recomputing = not traced and torch._C._current_graph_task_id() != -1
+    if recomputing and not layer._stacked_last:
+        return None
+    parts = stacked.parts(layer, q_input)
+    if not traced and not recomputing and layer._stacked_last != (parts is not None):
+        layer._stacked_last = parts is not None
     if parts is None:
         return None
     refuse_per_tensor_fp8(layer, x)
