@@ -83,15 +83,21 @@ def test_combo_variant_compiles_with_combo_kernels_on_cpu(tmp_path, monkeypatch)
     assert calls == [{"options": {"combo_kernels": True}}]
 
 
-def test_ckpt_variants_train_with_checkpointed_layers_on_cpu(tmp_path):
-    """`ckpt` turns on HF's activation checkpointing: every decoder layer is checkpointed, and
-    the FP8 variant trains as without it (the same batches and weights: the same loss)."""
+def _one_step_rows(tmp_path, variants):
+    """The JSON rows of one unprofiled round of one step of each variant at the tiny shape,
+    none of them failed."""
     out = tmp_path / "hf_llama.json"
-    variants = ["fp8 eager current", "fp8 eager current ckpt"]
     hf_llama.main(["--device", "cpu", "--shapes", "tiny", "--variants", ",".join(variants),
                    "--rounds", "1", "--steps", "1", "--profile-steps", "0", "--json", str(out)])
     rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
     assert all("error" not in r for r in rows), rows
+    return rows
+
+
+def test_ckpt_variants_train_with_checkpointed_layers_on_cpu(tmp_path):
+    """`ckpt` turns on HF's activation checkpointing: every decoder layer is checkpointed, and
+    the FP8 variant trains as without it (the same batches and weights: the same loss)."""
+    rows = _one_step_rows(tmp_path, ["fp8 eager current", "fp8 eager current ckpt"])
     assert rows[1]["loss"] == rows[0]["loss"]
     model = hf_llama.build_llama(hf_llama.SHAPES["tiny"], torch.device("cpu"))
     hf_llama.checkpointing(model)
@@ -109,12 +115,7 @@ def test_block_stacked_variants_stack_gate_up_on_cpu(tmp_path, monkeypatch):
     calls = []
     mm = gemm.block_scaled_mm
     monkeypatch.setattr(gemm, "block_scaled_mm", lambda *a, **k: calls.append(a[0].shape) or mm(*a, **k))
-    out = tmp_path / "hf_llama.json"
-    variants = ["fp8 eager block", "fp8 eager block stacked"]
-    hf_llama.main(["--device", "cpu", "--shapes", "tiny", "--variants", ",".join(variants),
-                   "--rounds", "1", "--steps", "1", "--profile-steps", "0", "--json", str(out)])
-    rows = json.loads(out.read_text())["shapes"]["tiny"]["rows"]
-    assert all("error" not in r for r in rows), rows
+    rows = _one_step_rows(tmp_path, ["fp8 eager block", "fp8 eager block stacked"])
     assert stacked.EAGER is False
     assert abs(rows[1]["loss"] - rows[0]["loss"]) < 1e-4 * rows[0]["loss"], rows
     # the stacked gate/up GEMMs: dgrad's dY (128 tokens, 256 wide) and wgrad's dY^T (256, 128);
