@@ -141,8 +141,7 @@ class Linear(FP8Module, TPCheckpoints):
         grad = torch.is_grad_enabled()
         bias = self.bias
         if q_weight.blockwise:
-            traced = torch.compiler.is_compiling()
-            if q_input.sharing > 1 and recipe.stack_siblings and (traced or stacked.EAGER):
+            if q_input.sharing > 1 and recipe.stack_siblings and (stacked.EAGER or torch.compiler.is_compiling()):
                 y = _stacked_forward(self, x, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
                                      is_first_microbatch)
                 if y is not None:
