@@ -4,9 +4,11 @@ Inductor and (the eager switch on) eagerly through the C++ node, and train as th
 
 Tolerances: the stacked and separate GEMMs are different cuBLASLt calls (another N, and one
 dgrad summing every member's dX inside the GEMM in float32), so bf16 outputs round differently
-where the float32 sums differ in the last bits, and an FP8 rounding after them may flip. Each
-step's output, input gradient and parameter gradients stay within 1e-2 relative (Frobenius) of
-the separate layers'; a wrong slice, a missing bias or member gradient is off by order 1."""
+in the last bits, and the FP8 roundings after them flip (a 2^-8 change against e4m3's 2^-3
+steps flips ~6% of them): weight gradients of the two runs differ by ~1.5% (H100, 2026-12-06),
+within FP8's own error. So each step is held against a third run without FP8 (the same model,
+fp8train's autocast off): the stacked run's error is at most 1.25x the separate run's (plus
+1e-3); a wrong slice, a missing bias or member gradient is off by order 1."""
 from __future__ import annotations
 
 import pytest
@@ -28,9 +30,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _models(params_dtype, bias=False):
+def _models(params_dtype, bias=False, n=3):
     out = []
-    for _ in range(2):
+    for _ in range(n):
         torch.manual_seed(0)
         out.append(Block(d=256, kv=128, f=512, bias=bias).to(CUDA, params_dtype))
     return out
@@ -41,15 +43,35 @@ def _inputs(params_dtype, n=4):
     return [torch.randn(4, 128, 256, device=CUDA, generator=g).to(params_dtype) for _ in range(n)]
 
 
-def _assert_close(got, want, tol=1e-2):
-    for i, ((y, dx, grads), (y_ref, dx_ref, grads_ref)) in enumerate(zip(got, want)):
-        if i == 0:  # the ties form during the first step: nothing stacked yet
-            assert_bitwise(y, y_ref, "step 0: y")
+def _plain_steps(model, xs, params_dtype):
+    """sgd_steps with fp8train's autocast off: the reference trajectory without FP8."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for x in xs:
+        x = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params_dtype == torch.float32), \
+                fp8train.autocast(enabled=False):
+            y = model(x)
+        y.float().pow(2).mean().backward()
+        out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _assert_as_accurate(got, apart, plain):
+    """Every step's output, input and parameter gradients: the stacked run (got) no further
+    from the run without FP8 (plain) than 1.25x the separate run (apart) is, plus 1e-3; step
+    0, before the ties form, bit for bit the separate run's."""
+    for i, (g, a, p) in enumerate(zip(got, apart, plain)):
+        if i == 0:
+            assert_bitwise(g[0], a[0], "step 0: y")
             continue
-        assert _rel(y, y_ref) < tol, (i, "y", _rel(y, y_ref))
-        assert _rel(dx, dx_ref) < tol, (i, "x.grad", _rel(dx, dx_ref))
-        for name in grads_ref:
-            assert _rel(grads[name], grads_ref[name]) < tol, (i, name, _rel(grads[name], grads_ref[name]))
+        pairs = [("y", g[0], a[0], p[0]), ("x.grad", g[1], a[1], p[1])]
+        pairs += [(name, g[2][name], a[2][name], p[2][name]) for name in p[2]]
+        for name, gt, at, pt in pairs:
+            err, err_apart = _rel(gt, pt), _rel(at, pt)
+            assert err <= 1.25 * err_apart + 1e-3, (i, name, err, err_apart)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -58,33 +80,35 @@ def test_eager_stacked_siblings_run_the_cpp_node_and_train_as_apart(params_dtype
     """Eager stacking (the switch on: stacked.EAGER) through the C++ node."""
     assert native.ENABLED and native.extension() is not None, native.failure()
     monkeypatch.setattr(stacked, "EAGER", True)
-    stacked, apart = _models(params_dtype, bias)
+    together, apart, plain = _models(params_dtype, bias)
     xs = _inputs(params_dtype)
     want = sgd_steps(apart, APART, xs, params_dtype)
-    got = sgd_steps(stacked, STACKED, xs, params_dtype)
-    for model in (stacked, apart):
+    got = sgd_steps(together, STACKED, xs, params_dtype)
+    reference = _plain_steps(plain, xs, params_dtype)
+    for model in (together, apart):
         paths = fp8train.inspect.execution_paths(model)
         assert set(paths.values()) == {"C++ node"}, paths
-    _assert_close(got, want)
+    _assert_as_accurate(got, want, reference)
     # k and v took column slices of q's output, gate's and up's one output
     outs = {}
     for name in ("q", "k", "v", "gate", "up"):
-        getattr(stacked, name).register_forward_hook(lambda m, a, y, name=name: outs.__setitem__(name, y))
+        getattr(together, name).register_forward_hook(lambda m, a, y, name=name: outs.__setitem__(name, y))
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params_dtype == torch.float32), \
             fp8train.autocast(recipe=STACKED):
-        stacked(xs[0])
+        together(xs[0])
     assert outs["k"].data_ptr() == outs["q"].data_ptr() + 256 * outs["q"].element_size()
     assert outs["v"].data_ptr() == outs["k"].data_ptr() + 128 * outs["q"].element_size()
     assert outs["up"].data_ptr() == outs["gate"].data_ptr() + 512 * outs["gate"].element_size()
-    assert stacked.q.input_quantizer._stack_memo is None and stacked.gate.input_quantizer._stack_memo is None
+    assert together.q.input_quantizer._stack_memo is None and together.gate.input_quantizer._stack_memo is None
 
 
 def test_compiled_stacked_siblings_train_as_eager():
     """torch.compile (Inductor) after one eager step: one graph, no recompile over three steps,
     each step within tolerance of the eager model's (eager calls run apart: the switch off)."""
-    compiled_model, eager = _models(torch.float32)
+    compiled_model, eager, plain = _models(torch.float32)
     xs = _inputs(torch.float32)
     want = sgd_steps(eager, STACKED, xs, torch.float32)
+    reference = _plain_steps(plain, xs, torch.float32)
     head = sgd_steps(compiled_model, STACKED, xs[:1], torch.float32)
     torch._dynamo.reset()
     frames = []
@@ -92,4 +116,4 @@ def test_compiled_stacked_siblings_train_as_eager():
                              torch._inductor.compile_fx.compile_fx(gm, ex))
     got = head + sgd_steps(compiled, STACKED, xs[1:], torch.float32)
     assert len(frames) == 1, f"{len(frames)} graphs: a graph break or recompile"
-    _assert_close(got, want)
+    _assert_as_accurate(got, want, reference)
