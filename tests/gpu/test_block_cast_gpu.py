@@ -54,7 +54,7 @@ def test_block_cast_kernel_is_the_twin_on_the_gpu(block, kind, dtype, fp8, power
 
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("kind", INPUTS)
 def test_block_cast_both_kernel_is_the_twin_on_the_gpu(kind, dtype, fp8, power_of_two):
     x = _input(kind, dtype)

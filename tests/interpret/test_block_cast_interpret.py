@@ -97,7 +97,8 @@ def _both_twin(x, fp8, power_of_two=False):
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("shape, dtype", [((200, 300), torch.bfloat16), ((128, 256), torch.float32),
-                                          ((37, 144), torch.bfloat16)], ids=["tails-bf16", "whole-fp32", "short-bf16"])
+                                          ((37, 144), torch.bfloat16), ((200, 300), torch.float16)],
+                         ids=["tails-bf16", "whole-fp32", "short-bf16", "tails-fp16"])
 def test_block_cast_both_kernel_matches_the_twin(shape, dtype, fp8, power_of_two, exact_conversions):
     # both casts in one kernel: tails in both dims (200 x 300), whole blocks (128 x 256),
     # fewer rows than a block (37: 91 padding columns in the transposed copy)
