@@ -27,6 +27,9 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                gate/up each one GEMM each way (modules/stacked.py;
                                                eager: modules.stacked.EAGER set around this
                                                variant's steps too; an A/B of it)
+  fp8 compile block stacked concat             the same compiled with every torch.cat a
+                                               ConcatKernel (COMPILE_OPTIONS: is the pointwise
+                                               cat of the members' gradients what costs?)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -126,13 +129,24 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager delayed unfused", "fp8 eager current unfused-mlp", "fp8 eager delayed unfused-mlp",
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
-            "fp8 compile block stacked", "fp8 eager block stacked",
+            "fp8 compile block stacked", "fp8 eager block stacked", "fp8 compile block stacked concat",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
             "fp8 compile current ckpt", "torchao compile ckpt"]
-# variant words that are torch.compile options (a user's choice, not fp8train's)
-COMPILE_OPTIONS = {"combo": {"combo_kernels": True}}
+# variant words that are torch.compile options (a user's choice, not fp8train's). concat:
+# Inductor lowers every torch.cat as a ConcatKernel (each input written into its slice by its
+# own producer), never as one pointwise kernel over all inputs; the limits for that are
+# max_pointwise_cat_inputs and, in newer torch, max_complex_pointwise_cat_inputs
+COMPILE_OPTIONS = {"combo": {"combo_kernels": True},
+                   "concat": {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0}}
+
+
+def compile_options(words) -> dict:
+    """torch.compile's options for a variant's words: those COMPILE_OPTIONS names that this
+    torch's Inductor config has."""
+    import torch._inductor.config as inductor_config
+    return {k: v for word in words for k, v in COMPILE_OPTIONS.get(word, {}).items() if hasattr(inductor_config, k)}
 
 
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
@@ -199,7 +213,7 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
         if mode == "compile-ro":
             model = torch.compile(model, mode="reduce-overhead")
         else:
-            options = {k: v for word in rest for k, v in COMPILE_OPTIONS.get(word, {}).items()}
+            options = compile_options(rest)
             model = torch.compile(model, options=options or None)
     return model, recipe
 

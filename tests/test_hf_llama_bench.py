@@ -83,6 +83,17 @@ def test_combo_variant_compiles_with_combo_kernels_on_cpu(tmp_path, monkeypatch)
     assert calls == [{"options": {"combo_kernels": True}}]
 
 
+def test_concat_variant_asks_inductor_for_concat_kernels():
+    """`concat` sets Inductor's pointwise-cat limits to 0 (those this torch has), so every
+    torch.cat lowers as a ConcatKernel; other words add nothing."""
+    import torch._inductor.config as inductor_config
+    options = hf_llama.compile_options(["block", "stacked", "concat"])
+    assert options and set(options.values()) == {0}
+    assert "max_pointwise_cat_inputs" in options
+    assert all(hasattr(inductor_config, k) for k in options)
+    assert hf_llama.compile_options(["block", "stacked"]) == {}
+
+
 def _one_step_rows(tmp_path, variants):
     """The JSON rows of one unprofiled round of one step of each variant at the tiny shape,
     none of them failed."""
