@@ -27,9 +27,10 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                gate/up each one GEMM each way (modules/stacked.py;
                                                eager: modules.stacked.EAGER set around this
                                                variant's steps too; an A/B of it)
-  fp8 compile block stacked concat             the same compiled with every torch.cat a
+  fp8 compile block [stacked] concat           the same compiled with every torch.cat a
                                                ConcatKernel (COMPILE_OPTIONS: is the pointwise
-                                               cat of the members' gradients what costs?)
+                                               cat of the members' gradients what costs? RoPE's
+                                               own cat changes too: the unstacked one measures that)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -130,6 +131,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
             "fp8 compile block stacked", "fp8 eager block stacked", "fp8 compile block stacked concat",
+            "fp8 compile block concat",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
