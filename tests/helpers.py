@@ -267,16 +267,17 @@ def make_input(shape, dtype, device="cuda") -> torch.Tensor:
     return x
 
 
-def sgd_steps(model, recipe, xs, params_dtype):
+def sgd_steps(model, recipe, xs, params_dtype, fp8: bool = True):
     """Per step: (output, input grad, parameter grads) of a squared-mean loss under `recipe`
-    (with torch.autocast to bf16 where the parameters are float32); SGD between steps."""
+    (with torch.autocast to bf16 where the parameters are float32); SGD between steps.
+    fp8=False: fp8train's autocast off (recipe unused), the reference without FP8."""
     import fp8train
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for x in xs:
         x = x.clone().requires_grad_(True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params_dtype == torch.float32), \
-                fp8train.autocast(recipe=recipe):
+                (fp8train.autocast(recipe=recipe) if fp8 else fp8train.autocast(enabled=False)):
             y = model(x)
         y.float().pow(2).mean().backward()
         out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}))

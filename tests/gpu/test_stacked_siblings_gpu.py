@@ -43,22 +43,6 @@ def _inputs(params_dtype, n=4):
     return [torch.randn(4, 128, 256, device=CUDA, generator=g).to(params_dtype) for _ in range(n)]
 
 
-def _plain_steps(model, xs, params_dtype):
-    """sgd_steps with fp8train's autocast off: the reference trajectory without FP8."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for x in xs:
-        x = x.clone().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params_dtype == torch.float32), \
-                fp8train.autocast(enabled=False):
-            y = model(x)
-        y.float().pow(2).mean().backward()
-        out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return out
-
-
 def _assert_as_accurate(got, apart, plain):
     """Every step's output, input and parameter gradients: the stacked run (got) no further
     from the run without FP8 (plain) than 1.25x the separate run (apart) is, plus 1e-3; step
@@ -84,7 +68,7 @@ def test_eager_stacked_siblings_run_the_cpp_node_and_train_as_apart(params_dtype
     xs = _inputs(params_dtype)
     want = sgd_steps(apart, APART, xs, params_dtype)
     got = sgd_steps(together, STACKED, xs, params_dtype)
-    reference = _plain_steps(plain, xs, params_dtype)
+    reference = sgd_steps(plain, None, xs, params_dtype, fp8=False)
     for model in (together, apart):
         paths = fp8train.inspect.execution_paths(model)
         assert set(paths.values()) == {"C++ node"}, paths
@@ -108,7 +92,7 @@ def test_compiled_stacked_siblings_train_as_eager():
     compiled_model, eager, plain = _models(torch.float32)
     xs = _inputs(torch.float32)
     want = sgd_steps(eager, STACKED, xs, torch.float32)
-    reference = _plain_steps(plain, xs, torch.float32)
+    reference = sgd_steps(plain, None, xs, torch.float32, fp8=False)
     head = sgd_steps(compiled_model, STACKED, xs[:1], torch.float32)
     torch._dynamo.reset()
     frames = []
