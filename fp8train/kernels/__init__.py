@@ -75,16 +75,12 @@ def weight_tiles(x, out: torch.Tensor, scales: torch.Tensor, out_t: Optional[tor
     (block_kernel.MAX_PARTS at most, each but the last a multiple of 128 rows): the cast of
     their concatenation. On CUDA one Triton launch (block_kernel.weight_tiles_into), elsewhere
     its twin: block_cast, byte_transpose and copies."""
-    if not isinstance(x, torch.Tensor):
-        if x[0].is_cuda:
-            from .block_kernel import weight_tiles_into
-            weight_tiles_into(x, out, scales, out_t, scales_t, power_of_two, traced)
-            return
-        x = torch.cat(list(x))
-    if x.is_cuda:
+    if (x if isinstance(x, torch.Tensor) else x[0]).is_cuda:  # the kernel reads the parts in place
         from .block_kernel import weight_tiles_into
         weight_tiles_into(x, out, scales, out_t, scales_t, power_of_two, traced)
         return
+    if not isinstance(x, torch.Tensor):
+        x = torch.cat(list(x))
     from .block_reference import block_cast as twin
     data, scale_inv = twin(x.detach(), out.dtype, (128, 128), power_of_two)
     out.copy_(data)
