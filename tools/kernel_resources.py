@@ -64,9 +64,16 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
         tm, tk, warps = shapes.of(mode)
         yield name, compiled(block_kernel._block_cast_kernel, one, {"MODE": mode, "FP8_MAX": 448.0, "POW2": False,
                                                                    "TILE_M": tm, "TILE_K": tk}, warps)
-    both = {"x_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv", "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32",
-            "sinv_t_ptr": "*fp32", **{n: "i32" for n in _INTS}, "FP8_MAX": "constexpr", "POW2": "constexpr"}
-    yield "both", compiled(block_kernel._block_cast_both_kernel, both, {"FP8_MAX": 448.0, "POW2": False}, shapes.both)
+    both = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
+            "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
+            **{n: "i32" for n in ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "stride_sr",
+                                  "stride_sc", "out_t_cols")},
+            "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr"}
+    divisible = ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "out_t_cols")
+    yield "both", compiled(block_kernel._block_cast_both_kernel, both, {"FP8_MAX": 448.0, "POW2": False, "PARTS": 1},
+                           shapes.both, divisible)
+    yield "both 3 parts", compiled(block_kernel._block_cast_both_kernel, both,
+                                   {"FP8_MAX": 448.0, "POW2": False, "PARTS": 3}, shapes.both, divisible)
     weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
               "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
               **{n: "i32" for n in ("M", "K", "M1", "M2", "stride_xm", "out_t_cols")},
@@ -77,7 +84,7 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
 
 def _warps_and_tile(shapes: block_kernel.BlockShapes, name: str):
     """(warps, elements of the tile a program casts) of the kernel `name` under `shapes`."""
-    if name == "both":
+    if name.startswith("both"):
         return shapes.both, 128 * 128
     if name == "weight":
         return shapes.tiles[2], 128 * 128
@@ -95,7 +102,7 @@ def main(argv=None) -> None:
     from cast import BLOCK_VARIANTS  # benchmarks/cast.py: the variants the GPU sweep times
 
     default = block_kernel.BlockShapes()
-    wanted = {"rows": ("1x128",), "cols": ("128x1",), "tiles": ("128x128", "weight"), "both": ("both",)}
+    wanted = {"rows": ("1x128",), "cols": ("128x1",), "tiles": ("128x128", "weight"), "both": ("both", "both 3 parts")}
     print(f"block cast kernels, x {args.dtype}, sm_90a, triton {triton.__version__}")
     for field, values in [(None, [None])] + BLOCK_VARIANTS:
         for value in values:

@@ -50,16 +50,20 @@ def block_cast(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Tensor, 
     scale_inv_out.copy_(scale_inv)
 
 
-def block_cast_both(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
+def block_cast_both(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
                     scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False) -> None:
     """x (M, K) cast in 1 x 128 blocks (out, scale_inv_out) and in 128 x 1 blocks, transposed
     into out_t (K, Mp), Mp = M rounded up to 128, zero bytes beyond M (scale_inv_t_out (Mb, K)):
     on CUDA one Triton kernel reading x once (kernels/block_kernel.py), elsewhere its twin,
-    two block_reference.block_cast calls and a byte transpose."""
-    if x.is_cuda:
+    two block_reference.block_cast calls and a byte transpose. x may be a list of
+    column-stacked parts (block_kernel.MAX_PARTS at most, each but the last a multiple of 128
+    columns): the cast of their concatenation."""
+    if (x if isinstance(x, torch.Tensor) else x[0]).is_cuda:  # the kernel reads the parts in place
         from .block_kernel import block_cast_both_into
         block_cast_both_into(x, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two, traced)
         return
+    if not isinstance(x, torch.Tensor):
+        x = torch.cat(list(x), dim=1)
     block_cast(x, out, scale_inv_out, (1, 128), power_of_two)
     again = torch.empty_like(out)
     block_cast(x, again, scale_inv_t_out, (128, 1), power_of_two)

@@ -125,17 +125,22 @@ def _block_cast_kernel(
 
 @triton.jit
 def _block_cast_both_kernel(
-    x_ptr,       # (M, K) bf16/fp16/fp32, row stride stride_xm, unit column stride
+    x_ptr,       # (M, K1) bf16/fp16/fp32, row stride stride_xm, unit column stride: columns 0..K1 of x
+    x1_ptr,      # (M, K2 - K1) likewise, row stride stride_x1m: columns K1..K2 (PARTS > 1)
+    x2_ptr,      # (M, K - K2) likewise, row stride stride_x2m: columns K2..K (PARTS > 1)
     out_ptr,     # (M, K) fp8, row-major: x in 1 x 128 blocks
     out_t_ptr,   # (K, Mp) fp8, row-major: x in 128 x 1 blocks, transposed; zero in columns M..Mp
     sinv_ptr,    # (M, Kb) float32, strides (stride_sr, stride_sc)
     sinv_t_ptr,  # (Mb, K) float32, row-major
-    M, K, stride_xm, stride_sr, stride_sc, out_t_cols,
-    FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    M, K, K1, K2, stride_xm, stride_x1m, stride_x2m, stride_sr, stride_sc, out_t_cols,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
     second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
-    give).
+    give). With PARTS > 1, x comes as up to three column-stacked parts (a stacked tie's
+    output gradients, modules/stacked.py; K1 and K2 multiples of 128, so each tile reads one
+    part), read where they lie rather than from a concatenated copy; PARTS = 1 reads x_ptr
+    alone (the other parts' arguments unused).
 
     Each scale is computed once: a row's or column's amax, reduced in the tile's layout, sits
     in every thread that shares the row or column, and computing the scale there (two IEEE
@@ -151,7 +156,15 @@ def _block_cast_both_kernel(
     r = row0 + tl.arange(0, 128)
     c = col0 + tl.arange(0, 128)
     inside = (r < M)[:, None] & (c < K)[None, :]
-    x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    if PARTS == 1:
+        x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
+                    other=0.0).to(tl.float32)
+    else:
+        start = tl.where(col0 < K1, 0, tl.where(col0 < K2, K1, K2))
+        src = tl.where(col0 < K1, x_ptr, tl.where(col0 < K2, x1_ptr, x2_ptr))
+        stride = tl.where(col0 < K1, stride_xm, tl.where(col0 < K2, stride_x1m, stride_x2m))
+        x = tl.load(src + tl.cast(r, tl.int64)[:, None] * stride + (c - start)[None, :], mask=inside,
+                    other=0.0).to(tl.float32)
     bits = _abs_bits(x)
     row_slots = sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc
     col_slots = sinv_t_ptr + (row0 // 128) * K + c
@@ -241,8 +254,8 @@ def _weight_kernel(fp8_max: float, pow2: bool, transpose: bool, warps: int) -> D
 
 
 @functools.lru_cache(maxsize=None)
-def _both_kernel(fp8_max: float, pow2: bool, warps: int) -> DirectKernel:
-    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2)
+def _both_kernel(fp8_max: float, pow2: bool, warps: int, parts: int = 1) -> DirectKernel:
+    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, PARTS=parts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,9 +376,10 @@ def native_launch(shape, x_dtype: torch.dtype, fp8_dtype: torch.dtype, transpose
     elif transpose:
         kernel = _both_kernel(fp8_max, pow2, launch_shapes().both)
         grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-        ints = (m, k, k, 1, m, -(-m // 128) * 128)
-        samples = (like(x_dtype), like(fp8_dtype), like(fp8_dtype), like(torch.float32), like(torch.float32))
-        holes = (x, data, data_t, scale_inv, scale_inv_t)
+        ints = (m, k, k, k, k, k, k, 1, m, -(-m // 128) * 128)  # one part: K1 = K2 = K, strides K
+        samples = (like(x_dtype), like(x_dtype), like(x_dtype), like(fp8_dtype), like(fp8_dtype),
+                   like(torch.float32), like(torch.float32))
+        holes = (x, x, x, data, data_t, scale_inv, scale_inv_t)
     else:
         tiles = launch_shapes().of(_ROWS)
         kernel = _kernel(_ROWS, fp8_max, pow2, tiles)
@@ -418,35 +432,60 @@ def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Ten
         kernel(grid, *args)
 
 
-def block_cast_both_into(x: torch.Tensor, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
+def _stacked_cols(parts) -> Tuple[list, int, int, int]:
+    """(parts, K, K1, K2) of x given as one (M, K) tensor or up to MAX_PARTS column-stacked
+    parts of one dtype, device and M (each but the last a multiple of 128 columns), each with
+    a unit column stride: what _block_cast_both_kernel's x, x1, x2, K1, K2 take."""
+    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
+    if not parts or len(parts) > MAX_PARTS or any(p.dim() != 2 for p in parts):
+        raise ValueError(f"block_cast_both_into: x must be a 2-D tensor or 1 to {MAX_PARTS} 2-D parts, got "
+                         f"{[tuple(p.shape) for p in parts]}")
+    m, first = parts[0].shape[0], parts[0]
+    if any(p.shape[0] != m or p.dtype != first.dtype or p.device != first.device for p in parts):
+        raise ValueError("block_cast_both_into: x's parts must share their row count, dtype and device")
+    if any(p.shape[1] % 128 for p in parts[:-1]):
+        raise ValueError(f"block_cast_both_into: every part but the last needs a multiple of 128 columns, got "
+                         f"{[p.shape[1] for p in parts]}")
+    parts = [p.contiguous() if p.stride(1) != 1 and p.shape[1] > 1 else p for p in parts]
+    ends = [sum(p.shape[1] for p in parts[:i + 1]) for i in range(len(parts))]
+    k = ends[-1]
+    ends = (ends + [k, k])[:MAX_PARTS]
+    return parts, k, ends[0], ends[1]
+
+
+def block_cast_both_into(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
                          scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False) -> None:
     """x (M, K) in 1 x 128 blocks into out (M, K) and scale_inv_out (M, Kb), and in 128 x 1
     blocks transposed into out_t (K, Mp) (Mp = M rounded up to 128, zero bytes beyond M) and
     scale_inv_t_out (Mb, K): one read of x, by the Triton kernel (twin: two block_cast calls
-    and a byte transpose; kernels.block_cast_both dispatches). traced: as block_cast_into's."""
-    if x.dim() != 2:
-        raise ValueError(f"block_cast_both_into: x must be 2-D, got {tuple(x.shape)}")
-    m, k = x.shape
+    and a byte transpose; kernels.block_cast_both dispatches). x may be a list of up to
+    MAX_PARTS column-stacked parts (each but the last a multiple of 128 columns: a stacked
+    tie's output gradients, read in place). traced: as block_cast_into's."""
+    parts, k, k1, k2 = _stacked_cols(x)
+    x = parts[0]
+    m = x.shape[0]
     mp = -(-m // 128) * 128
+    x_shape = (m, k)
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if out.shape != x.shape or out.dtype not in fp8 or not out.is_contiguous():
-        raise ValueError(f"block_cast_both_into: out must be a contiguous fp8 tensor of x's shape {tuple(x.shape)}")
+    if out.shape != x_shape or out.dtype not in fp8 or not out.is_contiguous():
+        raise ValueError(f"block_cast_both_into: out must be a contiguous fp8 tensor of x's shape {x_shape}")
     if tuple(out_t.shape) != (k, mp) or out_t.dtype != out.dtype or not out_t.is_contiguous():
         raise ValueError(f"block_cast_both_into: out_t must be a contiguous {out.dtype} tensor of shape {(k, mp)}")
     for name, t, shape, dense in (
-            ("scale_inv_out", scale_inv_out, block_reference.blocks_of(x.shape, (1, 128)), _dense_2d(scale_inv_out)),
-            ("scale_inv_t_out", scale_inv_t_out, block_reference.blocks_of(x.shape, (128, 1)),
+            ("scale_inv_out", scale_inv_out, block_reference.blocks_of(x_shape, (1, 128)), _dense_2d(scale_inv_out)),
+            ("scale_inv_t_out", scale_inv_t_out, block_reference.blocks_of(x_shape, (128, 1)),
              scale_inv_t_out.is_contiguous())):
         if tuple(t.shape) != shape or t.dtype != torch.float32 or not dense:
             raise ValueError(f"block_cast_both_into: {name} must be a float32 tensor of shape {shape}"
                              + (", row- or column-major" if name == "scale_inv_out" else ", contiguous"))
-    if x.stride(1) != 1 and k > 1:
-        x = x.contiguous()
-    if x.numel() == 0:
+    if m * k == 0:
         return
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes().both)
-    args = (x, out, out_t, scale_inv_out, scale_inv_t_out, m, k, x.stride(0) if m > 1 else k, *scale_inv_out.stride(), mp)
+    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes().both, len(parts))
+    # absent parts: the last one again (no tile reads it); one part: x itself throughout
+    xs = (*parts, *parts[-1:] * (MAX_PARTS - len(parts)))
+    strides = tuple(p.stride(0) if m > 1 else p.shape[1] for p in xs)
+    args = (*xs, out, out_t, scale_inv_out, scale_inv_t_out, m, k, k1, k2, *strides, *scale_inv_out.stride(), mp)
     if traced:
         kernel.traced(grid, *args)
         return

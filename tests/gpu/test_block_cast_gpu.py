@@ -56,14 +56,18 @@ def test_block_cast_kernel_is_the_twin_on_the_gpu(block, kind, dtype, fp8, power
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("kind", INPUTS)
-def test_block_cast_both_kernel_is_the_twin_on_the_gpu(kind, dtype, fp8, power_of_two):
+@pytest.mark.parametrize("parts", [1, 2], ids=["whole", "2-parts"])
+def test_block_cast_both_kernel_is_the_twin_on_the_gpu(parts, kind, dtype, fp8, power_of_two):
+    # parts: x given as column-stacked parts (a stacked tie's output gradients), each a copy
+    # of its own (read where it lies), against the twin on x
     x = _input(kind, dtype)
     m, k = x.shape
+    source = x if parts == 1 else [p.clone() for p in x.split([128, k - 128], dim=1)]
     mp = -(-m // 128) * 128  # rows rounded up to 128: zero columns in the transposed copy
     out, out_t = torch.empty(x.shape, dtype=fp8, device=CUDA), torch.full((k, mp), 0x55, dtype=torch.uint8, device=CUDA)
     si = torch.full(br.blocks_of(x.shape, (1, 128)), -1.0, device=CUDA)
     si_t = torch.full(br.blocks_of(x.shape, (128, 1)), -1.0, device=CUDA)
-    kernels.block_cast_both(x, out, out_t.view(fp8), si, si_t, power_of_two)
+    kernels.block_cast_both(source, out, out_t.view(fp8), si, si_t, power_of_two)
     want, want_si = br.block_cast(x, fp8, (1, 128), power_of_two)
     cols, want_si_t = br.block_cast(x, fp8, (128, 1), power_of_two)
     want_t = torch.zeros((k, mp), dtype=torch.uint8, device=CUDA)

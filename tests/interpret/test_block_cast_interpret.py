@@ -86,10 +86,11 @@ def test_block_cast_into_checks_its_buffers():
 
 
 def _both_twin(x, fp8, power_of_two=False):
-    """kernels.block_cast_both's twin (CPU tensors: two block_reference casts and a byte transpose)."""
-    m, k = x.shape
-    data, data_t = torch.empty(x.shape, dtype=fp8), torch.empty((k, -(-m // 128) * 128), dtype=fp8)
-    si, si_t = torch.empty(br.blocks_of(x.shape, (1, 128))), torch.empty(br.blocks_of(x.shape, (128, 1)))
+    """kernels.block_cast_both's twin (CPU tensors: two block_reference casts and a byte
+    transpose); x a tensor or its column-stacked parts."""
+    m, k = x.shape if isinstance(x, torch.Tensor) else (x[0].shape[0], sum(p.shape[1] for p in x))
+    data, data_t = torch.empty((m, k), dtype=fp8), torch.empty((k, -(-m // 128) * 128), dtype=fp8)
+    si, si_t = torch.empty(br.blocks_of((m, k), (1, 128))), torch.empty(br.blocks_of((m, k), (128, 1)))
     kernels.block_cast_both(x, data, data_t, si, si_t, power_of_two)
     return data, si, data_t, si_t
 
@@ -128,6 +129,42 @@ def test_block_cast_both_kernel_reads_strided_rows(traced, exact_conversions):
     assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
     assert_fp8_equal(out, want)
     assert_fp8_equal(out_t, want_t)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("cols", [(256, 128, 77), (128, 300), (300,)], ids=["three", "two", "one"])
+def test_block_cast_both_kernel_reads_column_stacked_parts(cols, dtype, exact_conversions):
+    """A stacked tie's output gradient given as its members' parts (modules/stacked.py): each
+    tile read from the part that holds it, one part a strided view, the outputs those of the
+    parts' concatenation, bit for bit."""
+    m = 200  # a tail of 72 rows
+    parts = [_input((m, n + 40), dtype, seed=30 + i)[:, 40:] for i, n in enumerate(cols)]  # row stride n + 40
+    x = torch.cat(parts, dim=1)
+    k, mp = x.shape[1], 256
+    out, out_t = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.full((k, mp), 0x55, dtype=torch.uint8)
+    si = _scale_buffer(br.blocks_of(x.shape, (1, 128)), column_major=True)
+    si_t = torch.full(br.blocks_of(x.shape, (128, 1)), -1.0)
+    block_cast_both_into(parts, out, out_t.view(torch.float8_e4m3fn), si, si_t)
+    want, want_si, want_t, want_si_t = _both_twin(x, torch.float8_e4m3fn)
+    assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
+    assert_fp8_equal(out, want)
+    assert_fp8_equal(out_t.view(torch.float8_e4m3fn), want_t)
+    # kernels.block_cast_both's twin takes the parts too (their concatenation)
+    twin = _both_twin(parts, torch.float8_e4m3fn)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b)
+               for a, b in zip(twin, (want, want_si, want_t, want_si_t)))
+
+
+def test_block_cast_both_into_checks_its_parts():
+    out, out_t = torch.empty(64, 300, dtype=torch.float8_e4m3fn), torch.empty(300, 128, dtype=torch.float8_e4m3fn)
+    si, si_t = torch.empty(64, 3), torch.empty(1, 300)
+    with pytest.raises(ValueError, match="multiple of 128 columns"):
+        block_cast_both_into([torch.zeros(64, 100), torch.zeros(64, 200)], out, out_t, si, si_t)
+    with pytest.raises(ValueError, match="share their row count"):
+        block_cast_both_into([torch.zeros(64, 128), torch.zeros(32, 172)], out, out_t, si, si_t)
+    with pytest.raises(ValueError, match="1 to 3"):
+        block_cast_both_into([torch.zeros(64, 128)] * 4, out, out_t, si, si_t)
 
 
 def test_block_cast_both_into_checks_its_buffers():
