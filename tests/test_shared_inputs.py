@@ -310,7 +310,7 @@ def test_untied_checkpoint_loads_into_a_tied_model(recipe, monkeypatch):
 
 # --------------------------------------------------------------------------- compile
 
-_CAST_OPS = ("fp8train.cast_kernels", "fp8train.block_cast")
+_CAST_OPS = ("fp8train.cast_kernels", "fp8train.block_cast", "fp8train.block_cast_parts")
 
 
 def _cast_ops(gm: torch.fx.GraphModule) -> int:

@@ -254,10 +254,11 @@ def _aot_recording_backend(graphs: list, forwards: list):
 def test_compiled_stacked_siblings():
     """Compiled (fullgraph) after one eager step: one graph, no recompile, the eager stacked
     model's losses bit for bit, and no output kept past the trace. Per step 4 input and 4
-    gradient casts, 2 weight casts and 2 stacked weight casts against 4 + 7 + 7 apart, and 11
-    block GEMMs (18). The forward graph concatenates the weights twice, inside the stacked
-    casts' CPU bodies (on CUDA a Triton launch reads the parts in place): the concatenation
-    that feeds the autograd node (for dW's split) is dropped, not computed."""
+    gradient casts (2 of them the stacked members' gradients, cast as parts), 2 weight casts
+    and 2 stacked weight casts against 4 + 7 + 7 apart, and 11 block GEMMs (18). The forward
+    graph concatenates the weights twice, inside the stacked casts' CPU bodies (on CUDA a
+    Triton launch reads the parts in place): the concatenation that feeds the autograd node
+    (for dW's split) is dropped, not computed."""
     batches = _batches(3)
     eager = _block()
     want = _train(eager, STACKED, batches)
@@ -272,7 +273,29 @@ def test_compiled_stacked_siblings():
         assert all(q._traced_stack is None and q._traced_memo is None for q in model.modules()
                    if isinstance(q, Quantizer))
         counts[recipe.stack_siblings] = (_cast_ops(graphs[0]), _calls(graphs[0], "weight_tiles_stacked"),
-                                         _calls(graphs[0], "block_scaled_mm"), _calls(forwards[0], "aten.cat"))
+                                         _calls(graphs[0], "block_cast_parts"), _calls(graphs[0], "block_scaled_mm"),
+                                         _calls(forwards[0], "aten.cat"))
         if recipe is STACKED:
             assert torch.equal(got, want[1:]), (got, want)
-    assert counts == {True: (10, 2, 11, 2), False: (18, 0, 18, 0)}, counts
+    assert counts == {True: (10, 2, 2, 11, 2), False: (18, 0, 0, 18, 0)}, counts
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
+def test_cast_parts_is_the_cast_of_the_concatenation(power_of_two):
+    """BlockScalingQuantizer.cast_parts (a stacked tie's output gradients, given apart): the
+    bytes, scales, transposed copy and bias sums of cast(torch.cat(parts, -1)), bit for bit;
+    3-D parts (batch, tokens, width), the last one's width not a multiple of 128; beyond
+    three parts, the concatenation's cast."""
+    from fp8train.quantizer_factory import make_quantizer
+    from fp8train.recipe import TensorRole
+    q = make_quantizer(fp8train.BlockScaling(power_of_two_scales=power_of_two), TensorRole.GRAD_OUTPUT)
+    g = torch.Generator().manual_seed(5)
+    for widths in ((256, 128, 100), (128, 128, 128, 64)):
+        parts = [torch.randn(3, 50, n, generator=g).to(torch.bfloat16) * 10 ** i for i, n in enumerate(widths)]
+        got = q.cast_parts(parts, dbias=True)
+        want = q.cast(torch.cat(parts, dim=-1).reshape(150, -1), transpose=True, dbias=True)
+        assert got.data.shape == (150, sum(widths))
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.data_t.view(torch.uint8), want.data_t.view(torch.uint8))
+        assert torch.equal(got.scale_inv, want.scale_inv) and torch.equal(got.scale_inv_t, want.scale_inv_t)
+        assert torch.equal(got.dbias, want.dbias)

@@ -260,9 +260,9 @@ def _stacked_forward(layer: Linear, x, q_input: Quantizer, q_weight: Quantizer, 
     workspace = layer._stack_workspace
     if workspace is None:
         workspace = layer._stack_workspace = WeightWorkspace()
-    y = block_scaled_gemm(workspace, x, weight, bias, q_input, q_weight, q_grad, config, act_dtype, grad,
-                          is_first_microbatch, None if traced else layer._path, alone=True, parts=parts.weights)
-    outs = y.split(parts.widths, dim=-1)
+    outs = block_scaled_gemm(workspace, x, weight, bias, q_input, q_weight, q_grad, config, act_dtype, grad,
+                             is_first_microbatch, None if traced else layer._path, alone=True, parts=parts.weights,
+                             widths=tuple(parts.widths))
     stacked.keep(q_input, x, outs)
     return outs[0]
 
@@ -281,7 +281,7 @@ def refuse_per_tensor_fp8(layer: FP8Module, x, *weights) -> None:
 def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quantizer, q_weight: Quantizer,
                       q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
                       is_first_microbatch: Optional[bool], path: Optional[list] = None,
-                      alone: bool = False, parts: Optional[list] = None) -> torch.Tensor:
+                      alone: bool = False, parts: Optional[list] = None, widths: Optional[Tuple[int, ...]] = None):
     """One block-scaled GEMM (x @ weight^T + bias) with its backward, the weight's block cast
     kept in `workspace`: the C++ node where it takes the call (_native_block_forward), else the
     Python node. The fused modules under BlockScaling compose their norm and activation in
@@ -289,18 +289,19 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
     call notes which node ran, or why not (Linear._path). alone: x is cast for this GEMM
     alone, though q_input is tied (the tie's stacked GEMM: no sibling asks for the cast).
     parts: weight's row-stacked parts (the tie's weights; weight is their torch.cat), which
-    a traced call casts in place (WeightWorkspace.get)."""
+    a traced call casts in place (WeightWorkspace.get). widths: the output split along its
+    last dim (the tie's members' out_features), a tuple of tensors (_LinearFn's widths)."""
     if x.is_cuda and native.ENABLED:
         y = _native_block_forward(workspace, x, weight, bias, q_input, q_weight, q_grad, act_dtype, grad,
                                   is_first_microbatch, path if path is not None else [None], alone)
         if y is not None:
-            return y
+            return y if widths is None else y.split(widths, dim=-1)
     elif path is not None:
         path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
     w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad, parts=parts)
     need_wgrad = grad and weight.requires_grad
     shared = (None,) * 4 if alone else _shared_cast(x, q_input, need_wgrad)
-    return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad, *shared)
+    return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad, *shared, widths)
 
 
 def _shared_cast(x, q_input: Quantizer, need_wgrad: bool) -> Tuple[Optional[torch.Tensor], ...]:
@@ -444,13 +445,20 @@ class _LinearFn(torch.autograd.Function):
     Saved for backward: X's transposed FP8 copy (K, Mp) and its scale_inv (block scaling: the
     copy's own per-block scale_inv_t), not X itself. The weight workspace is kept by
     reference: it is rewritten in place only by a later forward.
+
+    widths: the output comes back split along its last dim, one output per width (a stacked
+    tie's members, modules/stacked.py), so that the backward receives their gradients apart
+    and casts them where they lie (BlockScalingQuantizer.cast_parts) rather than from a
+    concatenation that a compiled graph would compute in one pointwise kernel over all of
+    them (Inductor's pointwise cat: 0.3 ms a step at HF Llama h1024, fifty-fifth session).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], w_fp8: Float8Tensor,
                 q_input: Quantizer, q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype,
                 need_wgrad: bool, x_data: Optional[torch.Tensor] = None, x_t: Optional[torch.Tensor] = None,
-                x_scale_inv: Optional[torch.Tensor] = None, x_t_scale_inv: Optional[torch.Tensor] = None):
+                x_scale_inv: Optional[torch.Tensor] = None, x_t_scale_inv: Optional[torch.Tensor] = None,
+                widths: Optional[Tuple[int, ...]] = None):
         in_shape = x.shape
         if isinstance(x, Float8Tensor):
             x_data, x_scale_inv = _rows(x.fp8_data), x.scale_inv
@@ -467,16 +475,20 @@ class _LinearFn(torch.autograd.Function):
         ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
         ctx.in_shape, ctx.act_dtype, ctx.need_wgrad = in_shape, act_dtype, need_wgrad
         ctx.weight_dtype = weight.dtype
-        return y if len(in_shape) == 2 else unsafe_view(y, (*in_shape[:-1], y.shape[-1]))
+        ctx.widths = widths
+        y = y if len(in_shape) == 2 else unsafe_view(y, (*in_shape[:-1], y.shape[-1]))
+        return y if widths is None else y.split(widths, dim=-1)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        dy2 = _rows(dy)
-        if dy2.dtype != ctx.act_dtype:
-            dy2 = dy2.to(ctx.act_dtype)
+    def backward(ctx, *dys: torch.Tensor):
+        dys = [_rows(d) if d.dtype == ctx.act_dtype else _rows(d).to(ctx.act_dtype) for d in dys]
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.need_wgrad
         # (M, N), (N, Mp); db (N,) float32 from the same read of dY (autograd casts it to the bias dtype)
-        dyq = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[2])
+        if len(dys) > 1 and need_wgrad:  # a stacked tie's members' gradients, read where they lie
+            dyq = ctx.q_grad.cast_parts(dys, dbias=ctx.needs_input_grad[2])
+        else:
+            dy2 = dys[0] if len(dys) == 1 else torch.cat(dys, dim=1)
+            dyq = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[2])
         dx = dw = None
         if need_dgrad:
             dx = gemm.dgrad(dyq.data, dyq.scale_inv, *weight_transposed(ctx.w_fp8), ctx.config, ctx.act_dtype)
@@ -485,4 +497,4 @@ class _LinearFn(torch.autograd.Function):
         if need_wgrad:
             x_t, x_t_scale_inv = ctx.saved_tensors
             dw = gemm.wgrad(dyq.data_t, dyq.transposed_scale_inv, x_t, x_t_scale_inv, ctx.config, ctx.weight_dtype)
-        return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None, None
