@@ -475,7 +475,6 @@ class _LinearFn(torch.autograd.Function):
         ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
         ctx.in_shape, ctx.act_dtype, ctx.need_wgrad = in_shape, act_dtype, need_wgrad
         ctx.weight_dtype = weight.dtype
-        ctx.widths = widths
         y = y if len(in_shape) == 2 else unsafe_view(y, (*in_shape[:-1], y.shape[-1]))
         return y if widths is None else y.split(widths, dim=-1)
 
