@@ -268,26 +268,27 @@ def _kernel(mode: int, fp8_max: float, pow2: bool, shape: Tuple[int, int, int]) 
 MAX_PARTS = 3  # the most row-stacked parts one weight tile cast reads (q/k/v)
 
 
-def _stacked_rows(parts) -> Tuple[list, int, int, int]:
-    """(parts, M, M1, M2) of x given as one (M, K) tensor or up to MAX_PARTS row-stacked
-    parts of one dtype, device and K (each but the last a multiple of 128 rows), each made
-    contiguous: what _weight_tiles_kernel's x, x1, x2, M1, M2 take."""
+def _stacked(parts, dim: int, fn: str) -> Tuple[list, int, int, int]:
+    """(parts, total, end1, end2) of x given as one 2-D tensor or up to MAX_PARTS parts stacked
+    along `dim` (0: rows, 1: columns), of one dtype, device and size along the other dim, each
+    but the last a multiple of 128 along `dim`: the kernels' x, x1, x2, M or K, and M1, M2 or
+    K1, K2 (the first two parts' ends; the total where parts are absent). fn: the caller, for
+    the errors."""
     parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
     if not parts or len(parts) > MAX_PARTS or any(p.dim() != 2 for p in parts):
-        raise ValueError(f"weight_tiles_into: x must be a 2-D tensor or 1 to {MAX_PARTS} 2-D parts, got "
+        raise ValueError(f"{fn}: x must be a 2-D tensor or 1 to {MAX_PARTS} 2-D parts, got "
                          f"{[tuple(p.shape) for p in parts]}")
-    k, first = parts[0].shape[1], parts[0]
-    if any(p.shape[1] != k or p.dtype != first.dtype or p.device != first.device for p in parts):
-        raise ValueError("weight_tiles_into: x's parts must share their column count, dtype and device")
-    if any(p.shape[0] % 128 for p in parts[:-1]):
-        raise ValueError(f"weight_tiles_into: every part but the last needs a multiple of 128 rows, got "
-                         f"{[p.shape[0] for p in parts]}")
-    if len(parts) > 1:
-        parts = [p if p.is_contiguous() else p.contiguous() for p in parts]
-    ends = [sum(p.shape[0] for p in parts[:i + 1]) for i in range(len(parts))]
-    m = ends[-1]
-    ends = (ends + [m, m])[:MAX_PARTS]
-    return parts, m, ends[0], ends[1]
+    first = parts[0]
+    if any(p.shape[1 - dim] != first.shape[1 - dim] or p.dtype != first.dtype or p.device != first.device
+           for p in parts):
+        raise ValueError(f"{fn}: x's parts must share their {('column', 'row')[dim]} count, dtype and device")
+    if any(p.shape[dim] % 128 for p in parts[:-1]):
+        raise ValueError(f"{fn}: every part but the last needs a multiple of 128 {('rows', 'columns')[dim]}, got "
+                         f"{[p.shape[dim] for p in parts]}")
+    ends = [sum(p.shape[dim] for p in parts[:i + 1]) for i in range(len(parts))]
+    total = ends[-1]
+    ends = (ends + [total, total])[:MAX_PARTS]
+    return parts, total, ends[0], ends[1]
 
 
 def weight_tiles_into(x, out: torch.Tensor, scales: torch.Tensor, out_t=None, scales_t=None,
@@ -299,7 +300,9 @@ def weight_tiles_into(x, out: torch.Tensor, scales: torch.Tensor, out_t=None, sc
     MAX_PARTS row-stacked parts (each but the last a multiple of 128 rows: a stacked weight's
     members, read in place). One launch of the Triton kernel (twin: kernels.weight_tiles
     dispatches). traced: as block_cast_into's."""
-    parts, m, m1, m2 = _stacked_rows(x)
+    parts, m, m1, m2 = _stacked(x, 0, "weight_tiles_into")
+    if len(parts) > 1:  # one row stride for all
+        parts = [p if p.is_contiguous() else p.contiguous() for p in parts]
     x = parts[0]
     k = x.shape[1]
     x_shape = (m, k)
@@ -432,27 +435,6 @@ def block_cast_into(x: torch.Tensor, out: torch.Tensor, scale_inv_out: torch.Ten
         kernel(grid, *args)
 
 
-def _stacked_cols(parts) -> Tuple[list, int, int, int]:
-    """(parts, K, K1, K2) of x given as one (M, K) tensor or up to MAX_PARTS column-stacked
-    parts of one dtype, device and M (each but the last a multiple of 128 columns), each with
-    a unit column stride: what _block_cast_both_kernel's x, x1, x2, K1, K2 take."""
-    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
-    if not parts or len(parts) > MAX_PARTS or any(p.dim() != 2 for p in parts):
-        raise ValueError(f"block_cast_both_into: x must be a 2-D tensor or 1 to {MAX_PARTS} 2-D parts, got "
-                         f"{[tuple(p.shape) for p in parts]}")
-    m, first = parts[0].shape[0], parts[0]
-    if any(p.shape[0] != m or p.dtype != first.dtype or p.device != first.device for p in parts):
-        raise ValueError("block_cast_both_into: x's parts must share their row count, dtype and device")
-    if any(p.shape[1] % 128 for p in parts[:-1]):
-        raise ValueError(f"block_cast_both_into: every part but the last needs a multiple of 128 columns, got "
-                         f"{[p.shape[1] for p in parts]}")
-    parts = [p.contiguous() if p.stride(1) != 1 and p.shape[1] > 1 else p for p in parts]
-    ends = [sum(p.shape[1] for p in parts[:i + 1]) for i in range(len(parts))]
-    k = ends[-1]
-    ends = (ends + [k, k])[:MAX_PARTS]
-    return parts, k, ends[0], ends[1]
-
-
 def block_cast_both_into(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
                          scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False) -> None:
     """x (M, K) in 1 x 128 blocks into out (M, K) and scale_inv_out (M, Kb), and in 128 x 1
@@ -461,7 +443,8 @@ def block_cast_both_into(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_ou
     and a byte transpose; kernels.block_cast_both dispatches). x may be a list of up to
     MAX_PARTS column-stacked parts (each but the last a multiple of 128 columns: a stacked
     tie's output gradients, read in place). traced: as block_cast_into's."""
-    parts, k, k1, k2 = _stacked_cols(x)
+    parts, k, k1, k2 = _stacked(x, 1, "block_cast_both_into")
+    parts = [p.contiguous() if p.stride(1) != 1 and p.shape[1] > 1 else p for p in parts]  # each its own row stride
     x = parts[0]
     m = x.shape[0]
     mp = -(-m // 128) * 128
