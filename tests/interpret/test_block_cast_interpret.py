@@ -131,9 +131,10 @@ def test_block_cast_both_kernel_reads_strided_rows(traced, exact_conversions):
     assert_fp8_equal(out_t, want_t)
 
 
+@TRACED
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("cols", [(256, 128, 77), (128, 300), (300,)], ids=["three", "two", "one"])
-def test_block_cast_both_kernel_reads_column_stacked_parts(cols, dtype, exact_conversions):
+def test_block_cast_both_kernel_reads_column_stacked_parts(cols, dtype, traced, exact_conversions):
     """A stacked tie's output gradient given as its members' parts (modules/stacked.py): each
     tile read from the part that holds it, one part a strided view, the outputs those of the
     parts' concatenation, bit for bit."""
@@ -144,7 +145,7 @@ def test_block_cast_both_kernel_reads_column_stacked_parts(cols, dtype, exact_co
     out, out_t = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.full((k, mp), 0x55, dtype=torch.uint8)
     si = _scale_buffer(br.blocks_of(x.shape, (1, 128)), column_major=True)
     si_t = torch.full(br.blocks_of(x.shape, (128, 1)), -1.0)
-    block_cast_both_into(parts, out, out_t.view(torch.float8_e4m3fn), si, si_t)
+    block_cast_both_into(parts, out, out_t.view(torch.float8_e4m3fn), si, si_t, traced=traced)
     want, want_si, want_t, want_si_t = _both_twin(x, torch.float8_e4m3fn)
     assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
     assert_fp8_equal(out, want)
