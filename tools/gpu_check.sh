@@ -48,12 +48,12 @@
 #          side by side as far as GPU memory allows: 9 at h1024 and 5 at h2048 on an 80 GB H100, the rest
 #          start as others end)
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, the weight's one-launch
-#          cast, both GEMM paths, the compiled Linear, the C++ node's block path), then
-#          benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled
+#          cast, both GEMM paths, the compiled Linear, the C++ node's block path, stacked
+#          siblings), then benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled
 #   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
 #          variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a bf16 gradient
-#          (8192 x 5632)
+#          (8192 x 5632); then tools/probe_maxnreg.py (the two-way cast under a register cap)
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
@@ -173,7 +173,8 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
         numerics_${shape}_s*.log) && rm -f "$OUT"/numerics_${shape}_s*.json "$OUT"/numerics_${shape}_s*.log ;;
     block)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_scaling_gpu.py \
-        tests/gpu/test_block_cast_gpu.py tests/gpu/test_block_native_gpu.py 2>&1 | tee "$OUT/block_tests.log" \
+        tests/gpu/test_block_cast_gpu.py tests/gpu/test_block_native_gpu.py tests/gpu/test_stacked_siblings_gpu.py 2>&1 \
+        | tee "$OUT/block_tests.log" \
         | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
         --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 compile block}" --json "$OUT/hf_block.json" 2>&1 \
@@ -185,7 +186,8 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
       timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 2048 --input-dtype float32 \
         --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log" | grep -v "^  FlatConfig\|^  TileConfig"
       timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 5632 --json "$OUT/cast_block_bf16.json" \
-        2>&1 | tee "$OUT/cast_block_bf16.log" | grep -v "^  FlatConfig\|^  TileConfig" ;;
+        2>&1 | tee "$OUT/cast_block_bf16.log" | grep -v "^  FlatConfig\|^  TileConfig"
+      timeout 90 python3 tools/probe_maxnreg.py 2>&1 | tee "$OUT/probe_maxnreg.log" | grep -v -i "warn" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \
         --host-top "${HOST_TOP:-0}" 2>&1 \
