@@ -53,7 +53,7 @@
 #   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
 #          variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a bf16 gradient
-#          (8192 x 5632); then tools/probe_maxnreg.py (the two-way cast under a register cap)
+#          (8192 x 5632)
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
@@ -186,8 +186,7 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
       timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 2048 --input-dtype float32 \
         --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log" | grep -v "^  FlatConfig\|^  TileConfig"
       timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 5632 --json "$OUT/cast_block_bf16.json" \
-        2>&1 | tee "$OUT/cast_block_bf16.log" | grep -v "^  FlatConfig\|^  TileConfig"
-      timeout 90 python3 tools/probe_maxnreg.py 2>&1 | tee "$OUT/probe_maxnreg.log" | grep -v -i "warn" ;;
+        2>&1 | tee "$OUT/cast_block_bf16.log" | grep -v "^  FlatConfig\|^  TileConfig" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \
         --host-top "${HOST_TOP:-0}" 2>&1 \
