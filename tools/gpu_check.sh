@@ -49,7 +49,8 @@
 #          start as others end)
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, the weight's one-launch
 #          cast, both GEMM paths, the compiled Linear, the C++ node's block path, stacked
-#          siblings), then benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled
+#          siblings), then benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager
+#          and compiled
 #   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
 #          variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a bf16 gradient
