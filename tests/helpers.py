@@ -270,8 +270,10 @@ def make_input(shape, dtype, device="cuda") -> torch.Tensor:
 def sgd_steps(model, recipe, xs, params_dtype, fp8: bool = True):
     """Per step: (output, input grad, parameter grads) of a squared-mean loss under `recipe`
     (with torch.autocast to bf16 where the parameters are float32); SGD between steps.
-    fp8=False: fp8train's autocast off (recipe unused), the reference without FP8."""
+    fp8=False: fp8train's autocast off (recipe unused), the reference without FP8. A compiled
+    model's gradients are named as its original module's (without `_orig_mod.`)."""
     import fp8train
+    named = getattr(model, "_orig_mod", model).named_parameters
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for x in xs:
@@ -280,7 +282,7 @@ def sgd_steps(model, recipe, xs, params_dtype, fp8: bool = True):
                 (fp8train.autocast(recipe=recipe) if fp8 else fp8train.autocast(enabled=False)):
             y = model(x)
         y.float().pow(2).mean().backward()
-        out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        out.append((y.detach(), x.grad, {n: p.grad.clone() for n, p in named()}))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
