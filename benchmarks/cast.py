@@ -50,7 +50,7 @@ TILE_VARIANTS = [cast.TileConfig(bm, bn, warps, per_sm)
 BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))]),
                   ("cols", [(128, tk, w) for tk, w in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 8), (128, 8))]),
                   ("tiles", [(128, 128, w) for w in (4, 8, 32)]),
-                  ("both", [(2, False), (8, False), (16, False), (4, True), (8, True)])]
+                  ("both", [2, 8, 16])]
 
 
 def median_ms(fn, calls: int = 20, replays: int = 15) -> float:

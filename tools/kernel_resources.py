@@ -68,13 +68,12 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
             "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
             **{n: "i32" for n in ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "stride_sr",
                                   "stride_sc", "out_t_cols")},
-            "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr", "RELOAD": "constexpr"}
+            "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr"}
     divisible = ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "out_t_cols")
-    warps, reload = shapes.both
-    for parts in (1, 3):
-        yield "both" + (f" {parts} parts" if parts > 1 else ""), compiled(
-            block_kernel._block_cast_both_kernel, both,
-            {"FP8_MAX": 448.0, "POW2": False, "PARTS": parts, "RELOAD": reload}, warps, divisible)
+    yield "both", compiled(block_kernel._block_cast_both_kernel, both, {"FP8_MAX": 448.0, "POW2": False, "PARTS": 1},
+                           shapes.both, divisible)
+    yield "both 3 parts", compiled(block_kernel._block_cast_both_kernel, both,
+                                   {"FP8_MAX": 448.0, "POW2": False, "PARTS": 3}, shapes.both, divisible)
     weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
               "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
               **{n: "i32" for n in ("M", "K", "M1", "M2", "stride_xm", "out_t_cols")},
@@ -86,7 +85,7 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
 def _warps_and_tile(shapes: block_kernel.BlockShapes, name: str):
     """(warps, elements of the tile a program casts) of the kernel `name` under `shapes`."""
     if name.startswith("both"):
-        return shapes.both[0], 128 * 128
+        return shapes.both, 128 * 128
     if name == "weight":
         return shapes.tiles[2], 128 * 128
     tm, tk, warps = shapes.of({"1x128": 0, "128x1": 1, "128x128": 2}[name])

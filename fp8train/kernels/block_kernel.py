@@ -51,7 +51,7 @@ class BlockShapes:
     rows: Tuple[int, int, int] = (32, 128, 4)
     cols: Tuple[int, int, int] = (128, 64, 4)
     tiles: Tuple[int, int, int] = (128, 128, 16)
-    both: Tuple[int, bool] = (4, False)
+    both: int = 4
 
     def __post_init__(self):
         for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
@@ -60,10 +60,8 @@ class BlockShapes:
             if not pow2 or any(f is not None and v != f for v, f in zip((tm, tk), fixed)):
                 raise ValueError(f"BlockShapes.{name}: (tile rows, tile cols, warps) must be powers of two with "
                                  f"whole blocks per tile ({fixed}, None: any), got {(tm, tk, warps)}")
-        both = self.both
-        if (not isinstance(both, tuple) or len(both) != 2 or not isinstance(both[0], int) or both[0] < 1
-                or both[0] & (both[0] - 1) or both[0] > 32 or not isinstance(both[1], bool)):
-            raise ValueError(f"BlockShapes.both: (warps, a power of two up to 32; reload, a bool), got {both!r}")
+        if not isinstance(self.both, int) or self.both < 1 or self.both & (self.both - 1) or self.both > 32:
+            raise ValueError(f"BlockShapes.both: warps, a power of two up to 32, got {self.both!r}")
 
     def of(self, mode: int) -> Tuple[int, int, int]:
         return (self.rows, self.cols, self.tiles)[mode]
@@ -135,7 +133,7 @@ def _block_cast_both_kernel(
     sinv_ptr,    # (M, Kb) float32, strides (stride_sr, stride_sc)
     sinv_t_ptr,  # (Mb, K) float32, row-major
     M, K, K1, K2, stride_xm, stride_x1m, stride_x2m, stride_sr, stride_sc, out_t_cols,
-    FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr, RELOAD: tl.constexpr,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
     second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
@@ -150,12 +148,7 @@ def _block_cast_both_kernel(
     tile's own scale_inv slots and come back one per thread, whose scales go out and back
     the same way; the slots end with 1 / scale. bar.sync orders the CTA's global stores
     before its later loads; .cg reads them from L2, where they went. (H200, 2026-12-02: 34 ->
-    17 instructions an element, 58% -> 72-80% of a copy's bandwidth at h2048's sizes.)
-
-    RELOAD reads the tile a second time (from L2) for the casts instead of holding it across
-    the scale exchange: bf16 x at 4 warps in 168 registers instead of 251 (3 programs an SM
-    instead of 2), at 8 warps in 108 (2 instead of 1), for ~8% more instructions (sm_90a,
-    tools/kernel_resources.py). BlockShapes.both picks it."""
+    17 instructions an element, 58% -> 72-80% of a copy's bandwidth at h2048's sizes.)"""
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, 128)
     row0 = (pid // tiles_k) * 128
@@ -164,13 +157,14 @@ def _block_cast_both_kernel(
     c = col0 + tl.arange(0, 128)
     inside = (r < M)[:, None] & (c < K)[None, :]
     if PARTS == 1:
-        tile = x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :]
+        x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
+                    other=0.0).to(tl.float32)
     else:
         start = tl.where(col0 < K1, 0, tl.where(col0 < K2, K1, K2))
         src = tl.where(col0 < K1, x_ptr, tl.where(col0 < K2, x1_ptr, x2_ptr))
         stride = tl.where(col0 < K1, stride_xm, tl.where(col0 < K2, stride_x1m, stride_x2m))
-        tile = src + tl.cast(r, tl.int64)[:, None] * stride + (c - start)[None, :]
-    x = tl.load(tile, mask=inside, other=0.0).to(tl.float32)
+        x = tl.load(src + tl.cast(r, tl.int64)[:, None] * stride + (c - start)[None, :], mask=inside,
+                    other=0.0).to(tl.float32)
     bits = _abs_bits(x)
     row_slots = sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc
     col_slots = sinv_t_ptr + (row0 // 128) * K + c
@@ -187,8 +181,6 @@ def _block_cast_both_kernel(
     scale = _scale_of(amax_bits, FP8_MAX, POW2)
     tl.store(slot, scale, mask=used)
     tl.debug_barrier()
-    if RELOAD:  # the tile again, from L2: not held in registers across the scale exchange
-        x = tl.load(tile, mask=inside, other=0.0).to(tl.float32)
     row_scale = tl.load(row_slots, mask=r < M, other=1.0, cache_modifier=".cg")
     col_scale = tl.load(col_slots, mask=c < K, other=1.0, cache_modifier=".cg")
     y = _saturate(x, row_scale[:, None], FP8_MAX)
@@ -262,10 +254,8 @@ def _weight_kernel(fp8_max: float, pow2: bool, transpose: bool, warps: int) -> D
 
 
 @functools.lru_cache(maxsize=None)
-def _both_kernel(fp8_max: float, pow2: bool, shape: Tuple[int, bool], parts: int = 1) -> DirectKernel:
-    warps, reload = shape
-    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, PARTS=parts,
-                        RELOAD=reload)
+def _both_kernel(fp8_max: float, pow2: bool, warps: int, parts: int = 1) -> DirectKernel:
+    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, PARTS=parts)
 
 
 @functools.lru_cache(maxsize=None)

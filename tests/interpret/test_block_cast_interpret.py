@@ -16,7 +16,6 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
 pytest.importorskip("triton")
 
 from fp8train import kernels  # noqa: E402
-from fp8train.kernels import block_kernel  # noqa: E402
 from fp8train.kernels import block_reference as br  # noqa: E402
 from fp8train.kernels.block_kernel import block_cast_both_into, block_cast_into, weight_tiles_into  # noqa: E402
 
@@ -107,15 +106,6 @@ def test_block_cast_both_kernel_matches_the_twin(shape, dtype, fp8, power_of_two
     _check_both(shape, dtype, fp8, power_of_two)
 
 
-@pytest.mark.parametrize("reload", [(4, True), (8, True)], ids=["4-warps", "8-warps"])
-@pytest.mark.parametrize("shape, dtype", [((200, 300), torch.bfloat16), ((37, 144), torch.float32)],
-                         ids=["tails-bf16", "short-fp32"])
-def test_block_cast_both_kernel_reloading_its_tile_matches_the_twin(shape, dtype, reload, exact_conversions):
-    """The form that reads the tile again for the casts (BlockShapes.both's reload), at 4 and 8 warps."""
-    with block_kernel.override_shapes(block_kernel.BlockShapes(both=reload)):
-        _check_both(shape, dtype, torch.float8_e4m3fn, False)
-
-
 def _check_both(shape, dtype, fp8, power_of_two):
     x = _input(shape, dtype, seed=11)
     m, k = shape
@@ -142,18 +132,12 @@ def test_block_cast_both_kernel_reads_strided_rows(traced, exact_conversions):
 
 
 @TRACED
-@pytest.mark.parametrize("reload", [(4, False), (4, True)], ids=["held", "reload"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("cols", [(256, 128, 77), (128, 300), (300,)], ids=["three", "two", "one"])
-def test_block_cast_both_kernel_reads_column_stacked_parts(cols, dtype, reload, traced, exact_conversions):
+def test_block_cast_both_kernel_reads_column_stacked_parts(cols, dtype, traced, exact_conversions):
     """A stacked tie's output gradient given as its members' parts (modules/stacked.py): each
     tile read from the part that holds it, one part a strided view, the outputs those of the
-    parts' concatenation, bit for bit; with the tile held, and read again for the casts."""
-    with block_kernel.override_shapes(block_kernel.BlockShapes(both=reload)):
-        _check_column_parts(cols, dtype, traced)
-
-
-def _check_column_parts(cols, dtype, traced):
+    parts' concatenation, bit for bit."""
     m = 200  # a tail of 72 rows
     parts = [_input((m, n + 40), dtype, seed=30 + i)[:, 40:] for i, n in enumerate(cols)]  # row stride n + 40
     x = torch.cat(parts, dim=1)

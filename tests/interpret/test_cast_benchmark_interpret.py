@@ -61,6 +61,6 @@ def test_block_shapes_refuse_tiles_of_partial_blocks():
         block_kernel.BlockShapes(cols=(64, 32, 4))
     with pytest.raises(ValueError, match="tiles"):
         block_kernel.BlockShapes(tiles=(128, 128, 6))
-    for both in (4, (3, False), (0, False), (64, False), (4, 1), (4, False, 1)):  # (warps, reload)
+    for warps in (3, 0, 64, (64, 4)):
         with pytest.raises(ValueError, match="both"):
-            block_kernel.BlockShapes(both=both)
+            block_kernel.BlockShapes(both=warps)
