@@ -23,14 +23,11 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                instead of the extension's operator (an A/B of it)
   fp8 eager block, fp8 compile block, fp8 compile-ro block
                                                BlockScaling (1x128 / 128x128 block scales)
-  fp8 {compile,eager} block stacked            BlockScaling(stack_siblings=True): q/k/v and
-                                               gate/up each one GEMM each way (modules/stacked.py;
-                                               eager: modules.stacked.EAGER set around this
-                                               variant's steps too; an A/B of it)
-  fp8 compile block [stacked] concat           the same compiled with every torch.cat a
-                                               ConcatKernel (COMPILE_OPTIONS: is the pointwise
-                                               cat of the members' gradients what costs? RoPE's
-                                               own cat changes too: the unstacked one measures that)
+  fp8 compile block apart                      BlockScaling(stack_siblings=False): q/k/v and
+                                               gate/up each their own GEMMs (the default stacks
+                                               them: modules/stacked.py; an A/B of it)
+  fp8 eager block stacked                      eager calls stacked too (modules.stacked.EAGER set
+                                               around this variant's steps; an A/B of it)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -130,18 +127,19 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager delayed unfused", "fp8 eager current unfused-mlp", "fp8 eager delayed unfused-mlp",
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
-            "fp8 compile block stacked", "fp8 eager block stacked", "fp8 compile block stacked concat",
-            "fp8 compile block concat",
+            "fp8 compile block apart", "fp8 eager block stacked",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
             "fp8 compile current ckpt", "torchao compile ckpt"]
-# variant words that are torch.compile options (a user's choice, not fp8train's). concat:
-# Inductor lowers every torch.cat as a ConcatKernel (each input written into its slice by its
-# own producer), never as one pointwise kernel over all inputs; the limits for that are
-# max_pointwise_cat_inputs and, in newer torch, max_complex_pointwise_cat_inputs
-COMPILE_OPTIONS = {"combo": {"combo_kernels": True},
-                   "concat": {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0}}
+# variant words that are torch.compile options (a user's choice, not fp8train's)
+COMPILE_OPTIONS = {"combo": {"combo_kernels": True}}
+
+
+def recipe_of(words):
+    """The fp8 recipe a variant's words after "fp8 <mode>" name: its defaults, but `apart`
+    turns BlockScaling's stacked siblings off."""
+    return RECIPES[words[0]](**({"stack_siblings": False} if "apart" in words else {}))
 
 
 def compile_options(words) -> dict:
@@ -202,7 +200,7 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     if "ckpt" in rest:
         checkpointing(model)
     if kind == "fp8":
-        recipe = RECIPES[rest[0]](**({"stack_siblings": True} if "stacked" in rest else {}))
+        recipe = recipe_of(rest)
         fp8train.convert(model, recipe, filter_fn=not_lm_head, fuse_norms="unfused" not in rest,
                          fuse_mlps="unfused-mlp" not in rest)
     elif kind == "torchao":

@@ -167,10 +167,10 @@ class BlockScaling:
     stack only with modules.stacked.EAGER on): the same tiles and blocks,
     so the same FP8 bytes; the first sibling's call computes the others' outputs, which are
     then column slices of one (..., sum of out_features) tensor (strided views, the last dim
-    contiguous, as a fused QKV projection's split). False, the default: at HF Llama h1024
-    compiled the GEMM time saved went to Inductor's kernels around the slices
-    (docs/design.md, "Stacked siblings"); each sibling runs its own GEMMs and returns a
-    contiguous tensor.
+    contiguous, as a fused QKV projection's split: `.view` may split the last dim, not merge
+    it with others). True, the default: HF Llama compiled steps 0.92x (h1024) and 0.96x
+    (h2048) of the siblings apart (docs/benchmarks.md, N2). False: each sibling runs its own
+    GEMMs and returns a contiguous tensor.
 
     Taken by fp8train.Linear (and so by fp8train.convert's layers), LayerNormLinear and
     LayerNormMLP without tensor parallelism, eagerly and under torch.compile; tensor
@@ -180,7 +180,7 @@ class BlockScaling:
 
     fp8_format: Format = Format.E4M3
     power_of_two_scales: bool = False
-    stack_siblings: bool = False
+    stack_siblings: bool = True
 
     def __post_init__(self):
         _check_format("BlockScaling", self.fp8_format)

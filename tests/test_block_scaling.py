@@ -44,7 +44,7 @@ def test_recipe_defaults_and_validation():
     assert r.gemm == GemmConfig(fprop_fast_accum=False, dgrad_fast_accum=False, wgrad_fast_accum=False)
     assert r.auto_precision is False
     assert [f.name for f in dataclasses.fields(r)] == ["fp8_format", "power_of_two_scales", "stack_siblings"]
-    assert r.stack_siblings is False  # opt-in until the GPU has measured it
+    assert r.stack_siblings is True  # the default since HF Llama's compiled steps measured it
     with pytest.raises(ValueError, match="stack_siblings must be a bool"):
         BlockScaling(stack_siblings=1)
     assert check_recipe(r) is r and fp8train.autocast(recipe=r).recipe is r

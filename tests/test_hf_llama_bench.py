@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 import hf_llama  # noqa: E402
+import fp8train  # noqa: E402
 from fp8train.modules import gated_mlp, rms_norm  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a GPU benchmark's CPU smoke run: make test-all
@@ -83,15 +84,11 @@ def test_combo_variant_compiles_with_combo_kernels_on_cpu(tmp_path, monkeypatch)
     assert calls == [{"options": {"combo_kernels": True}}]
 
 
-def test_concat_variant_asks_inductor_for_concat_kernels():
-    """`concat` sets Inductor's pointwise-cat limits to 0 (those this torch has), so every
-    torch.cat lowers as a ConcatKernel; other words add nothing."""
-    import torch._inductor.config as inductor_config
-    options = hf_llama.compile_options(["block", "stacked", "concat"])
-    assert options and set(options.values()) == {0}
-    assert "max_pointwise_cat_inputs" in options
-    assert all(hasattr(inductor_config, k) for k in options)
-    assert hf_llama.compile_options(["block", "stacked"]) == {}
+def test_apart_variant_turns_stacking_off():
+    """BlockScaling stacks siblings by default; `apart` is its A/B, and names no other recipe."""
+    assert hf_llama.recipe_of(["block"]).stack_siblings is True
+    assert hf_llama.recipe_of(["block", "apart"]) == fp8train.BlockScaling(stack_siblings=False)
+    assert isinstance(hf_llama.recipe_of(["current"]), fp8train.CurrentScaling)
 
 
 def _one_step_rows(tmp_path, variants):
@@ -116,10 +113,10 @@ def test_ckpt_variants_train_with_checkpointed_layers_on_cpu(tmp_path):
 
 
 def test_block_stacked_variants_stack_gate_up_on_cpu(tmp_path, monkeypatch):
-    """`stacked`: BlockScaling(stack_siblings=True), eagerly with modules.stacked.EAGER set
-    around the variant's steps only (left off after). The tiny Llama's gate/up (128 wide) stack,
-    its q/k/v (64, 32, 32) do not; the loss is the unstacked variant's to float32 summation
-    order."""
+    """`stacked`: eager calls stack too, modules.stacked.EAGER set around the variant's steps
+    only (left off after; the default recipe stacks in compiled calls alone). The tiny Llama's
+    gate/up (128 wide) stack, its q/k/v (64, 32, 32) do not; the loss is the unstacked
+    variant's to float32 summation order."""
     from fp8train import gemm
     from fp8train.modules import stacked
 
