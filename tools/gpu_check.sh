@@ -50,7 +50,7 @@
 #   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, the weight's one-launch
 #          cast, both GEMM paths, the compiled Linear, the C++ node's block path, stacked
 #          siblings), then benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager
-#          and compiled
+#          (siblings apart, and stacked: modules.stacked.EAGER) and compiled (stacked, the default)
 #   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
 #          variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a bf16 gradient
@@ -178,7 +178,8 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
         | tee "$OUT/block_tests.log" \
         | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
-        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 compile block}" --json "$OUT/hf_block.json" 2>&1 \
+        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block stacked,fp8 compile block}" \
+        --json "$OUT/hf_block.json" 2>&1 \
         | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path)|failed" ;;
     blockcast)
