@@ -308,29 +308,56 @@ def _block_cast_op(rows: torch.Tensor, fp8_dtype: torch.dtype, tiles: bool, both
     """_new_cast (row blocks; both: the transposed 128 x 1 cast too) or _new_tiles (tiles;
     both: the transposed copy too, scales padded) as an operator for traced code: its body launches the
     Triton kernels through wrap_triton, so Inductor launches them from its own code (off CUDA:
-    ops.block_cast's torch ops, traced into the graph; the eager twin's copies into FP8
-    buffers fail Inductor's CPU code, torch 2.13). Absent outputs are empty (0,) tensors."""
-    if tiles:
-        if rows.is_cuda:
+    fp8train::block_cast_cpu). Absent outputs are empty (0,) tensors."""
+    if rows.is_cuda:
+        if tiles:
             data, scales, data_t, scales_t = _new_tiles(rows, fp8_dtype, both, power_of_two, traced=True)
         else:
-            data, _, scale_inv, _, _ = ops.block_cast(rows, fp8_dtype, TILE_BLOCKS, power_of_two, False, False)
-            mb, kb = scale_inv.shape
-            scales = F.pad(scale_inv, (0, _round4(kb) - kb), value=1.0)
-            if both:
-                data_t = ops.bytes_transposed(data, padded_rows(rows.shape[0]))
-                scales_t = F.pad(scale_inv.t(), (0, _round4(mb) - mb), value=1.0)
+            data, scales, data_t, scales_t = _new_cast(rows, fp8_dtype, both, power_of_two, traced=True)
         if not both:
             data_t, scales_t = rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
         return data, scales, data_t, scales_t
-    if rows.is_cuda:
-        data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, fp8_dtype, both, power_of_two, traced=True)
+    return torch.ops.fp8train.block_cast_cpu(rows, fp8_dtype, tiles, both, power_of_two)
+
+
+@torch.library.custom_op("fp8train::block_cast_cpu", mutates_args=())
+def _block_cast_cpu_op(rows: torch.Tensor, fp8_dtype: torch.dtype, tiles: bool, both: bool,
+                       power_of_two: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8train::block_cast off CUDA: ops.block_cast's torch ops run as one opaque operator,
+    which Inductor calls rather than fuses. Traced into the graph, Inductor's CPU code (torch
+    2.13) fused a tensor's 1 x 128 and 128 x 1 casts, whose loops differ ((M, Kb, 128) and
+    (K, Mb, 128)), and failed an assertion in its loop split wherever both dims held whole
+    blocks (a Linear after SiLU, widths 384, 128 tokens; tests/test_block_scaling_compile.py)."""
+    if tiles:
+        data, _, scale_inv, _, _ = ops.block_cast(rows, fp8_dtype, TILE_BLOCKS, power_of_two, False, False)
+        mb, kb = scale_inv.shape
+        scales = F.pad(scale_inv, (0, _round4(kb) - kb), value=1.0)
+        if both:
+            data_t = ops.bytes_transposed(data, padded_rows(rows.shape[0]))
+            scales_t = F.pad(scale_inv.t(), (0, _round4(mb) - mb), value=1.0)
     else:
-        data, data_t, scale_inv, _, scale_inv_t = ops.block_cast(rows, fp8_dtype, ROW_BLOCKS, power_of_two, both, False)
-        scale_inv_cols = scale_inv_t.t() if both else None
+        data, data_t, scales, _, scale_inv_t = ops.block_cast(rows, fp8_dtype, ROW_BLOCKS, power_of_two, both, False)
+        scales_t = scale_inv_t.t() if both else None
     if not both:
-        data_t, scale_inv_cols = rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
-    return data, scale_inv, data_t, scale_inv_cols
+        data_t, scales_t = rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
+    return tuple(t.contiguous() for t in (data, scales, data_t, scales_t))
+
+
+@_block_cast_cpu_op.register_fake
+def _(rows, fp8_dtype, tiles, both, power_of_two):
+    m, k = rows.shape
+    block = TILE_BLOCKS if tiles else ROW_BLOCKS
+    mb, kb = blocks_of((m, k), block)
+    data = rows.new_empty((m, k), dtype=fp8_dtype)
+    scales = rows.new_empty((mb, _round4(kb)) if tiles else (mb, kb), dtype=torch.float32)
+    if not both:
+        return data, scales, rows.new_empty(0, dtype=torch.float32), rows.new_empty(0, dtype=torch.float32)
+    if tiles:
+        return data, scales, rows.new_empty((k, padded_rows(m)), dtype=fp8_dtype), \
+            rows.new_empty((kb, _round4(mb)), dtype=torch.float32)
+    col_blocks = blocks_of((m, k), (128, 1))[0]
+    return data, scales, rows.new_empty((k, padded_rows(m, 128)), dtype=fp8_dtype), \
+        rows.new_empty((col_blocks, k), dtype=torch.float32)
 
 
 @torch.library.triton_op("fp8train::block_cast_parts", mutates_args=())

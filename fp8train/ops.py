@@ -166,7 +166,9 @@ def block_cast(x: Tensor, fp8_dtype: torch.dtype, block: Tuple[int, int], power_
                dbias: bool):
     """BlockScalingQuantizer.cast of x (M, K) as the twin's torch ops (kernels/block_reference.py;
     `_traced_block_cast`): (data, data_t or None, scale_inv, dbias or None, scale_inv_t or
-    None); the body of the operator fp8train::block_cast off CUDA, traced into the graph. The transposed copies are eager's:
+    None); off CUDA the body of the operator fp8train::block_cast (as fp8train::block_cast_cpu,
+    run eagerly: opaque to Inductor), and the torch-op form benchmarks/cast.py compiles against
+    the kernels. The transposed copies are eager's:
     128 x 128 tiles, the payload's bytes transposed (no second cast), and 1 x 128 blocks, x
     cast again in 128 x 1 blocks; zero padded to padded_rows(M) and padded_rows(M, 128)
     columns."""
@@ -187,11 +189,9 @@ def _traced_block_cast(x: Tensor, fp8_dtype: torch.dtype, block: Tuple[int, int]
     """block_reference.block_cast's (data, scale_inv). Where x holds whole blocks (the
     models' shapes) x is viewed as (block rows, rows per block, block cols, cols per block):
     each block's amax is one reduction and the cast one pointwise op broadcasting its block's
-    scale, which Inductor makes into one reduction kernel. The twin's form (its scales
-    spread over x by a concatenation) compiled to pointwise kernels that took ~0.5 ms per cast
-    at h1024 on the H200 (2026-12-02); it stays for tail blocks: padding x to whole blocks
-    and cutting back made Inductor (CPU, torch 2.13) cast float32 tail blocks wrong
-    (tests/test_block_scaling_compile.py)."""
+    scale, which Inductor makes into one reduction kernel (benchmarks/cast.py). The twin's
+    form (its scales spread over x by a concatenation) compiled to pointwise kernels that took
+    ~0.5 ms per cast at h1024 on the H200 (2026-12-02); it stays for tail blocks."""
     m, k = x.shape
     (br, bc), (nr, nc) = block, block_reference.blocks_of(x.shape, block)
     if (nr * br, nc * bc) != (m, k):
