@@ -141,6 +141,15 @@ def test_extension_gemm_on_cpu_is_scaled_mm(ext, out_dtype):
     assert (lt1 - lt0, fallback1 - fallback0) == (0, 1)
 
 
+def test_block_gemm_tuning_switch_and_record(ext):
+    """The switch takes bools and the record is a list of BlockGemmTuning: empty in a process
+    that ran no CUDA block GEMM (its tuning: tests/gpu/test_block_scaling_gpu.py)."""
+    native.set_block_gemm_tuning(False)
+    native.set_block_gemm_tuning(True)
+    assert native.block_gemm_tunings() == []
+    assert native.BlockGemmTuning._fields == ("m", "n", "k", "answers", "pick", "first_us", "pick_us")
+
+
 def test_extension_gemm_writes_out_in_place(ext):
     a, a_si, b, b_si = _fp8_operands(8, 32, 16, seed=2)
     full = torch.full((24, 16), 5.0, dtype=torch.float32)

@@ -120,12 +120,12 @@ torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'NCCL', torch.cuda
         2>&1 | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_h1024.json" 2>&1 \
-        | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path)|failed" ;;
+        | tee "$OUT/hf_h1024.log" | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path|  tune)|failed" ;;
     hf-h1024|hf-h2048|hf-h4096|hf-block4096)
       shape=${step#hf-}
       timeout "${HF_TIMEOUT:-560}" python3 benchmarks/hf_llama.py --shapes "$shape" --host-top "${HOST_TOP:-0}" --device-top "${DEVICE_TOP:-0}" \
         --rounds "${ROUNDS:-5}" --python-top "${PYTHON_TOP:-0}" --idle-top "${IDLE_TOP:-0}" --variants "${VARIANTS:-$HF_CORE}" --json "$OUT/hf_$shape.json" 2>&1 \
-        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  py|  idle|  round|  path)|failed" ;;
+        | tee "$OUT/hf_$shape.log" | grep -E "^($shape|variant|bf16|fp8|torchao|  host|  dev|  py|  idle|  round|  path|  tune)|failed" ;;
     gemm)
       timeout 300 python3 benchmarks/gemm.py --shapes "${GEMM_SHAPES:-h1024,h2048}" --json "$OUT/gemm.json" 2>&1 \
         | tee "$OUT/gemm.log" ;;
@@ -181,7 +181,7 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
         --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 eager block stacked,fp8 compile block}" \
         --json "$OUT/hf_block.json" 2>&1 \
         | tee "$OUT/hf_block.log" \
-        | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path)|failed" ;;
+        | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path|  tune)|failed" ;;
     blockcast)
       timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_cast_gpu.py 2>&1 \
         | grep -E "passed|failed|^(FAILED|ERROR)"

@@ -994,6 +994,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return block_scaled_mm(a, a_scale, b, b_scale, b_tiles, float_dtype(out_code), bias.value_or(at::Tensor()));
   });
   m.def("set_lt_gemm", &set_lt_gemm);
+  m.def("set_block_gemm_tuning", &set_block_gemm_tuning);
+  m.def("block_gemm_tunings", &block_gemm_tunings);
   m.def("lt_version", &lt_version);
   m.def("lt_counts", &lt_counts);
   m.def("launch", &launch);

@@ -13,6 +13,11 @@
 //
 // block_scaled_mm is the same call with cuBLASLt's block scale modes (1 x 128 vectors, 128 x
 // 128 tiles: BlockScaling), where torch's F.scaled_mm also asks the heuristic on every call.
+// Its first call of a problem for which the heuristic offers several algorithms (the wgrads:
+// 6-7 on the H200, fprop and dgrad one) times them on the call's own operands and keeps the
+// fastest where it takes under 0.9x the first answer's time, for the process (tune(); the
+// 2026-12-03 probe: h1024's down wgrad 86.5 -> 58.1 us). set_block_gemm_tuning(false) keeps
+// the heuristic's first answer, torch's.
 //
 // No CUDA headers on a CPU-only machine: the entry points come from libcublasLt at run time
 // (torch has loaded it) and the few types and values used are declared below as cublasLt.h
@@ -23,7 +28,9 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
+#include <limits>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -61,6 +68,9 @@ constexpr int kScaleScalar = 0, kScaleVec128 = 4, kScaleBlk128x128 = 5;
 constexpr int kEpilogueBias = 4;      // CUBLASLT_EPILOGUE_BIAS
 constexpr int kPrefMaxWorkspace = 1;  // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
 constexpr uint64_t kWorkspaceLimit = 1024 * 1024;  // torch's default (CUBLASLT_WORKSPACE_SIZE unset)
+constexpr int kTuneAnswers = 8;         // the heuristic's answers a block problem's tuning times
+constexpr int kTuneRuns = 5;            // timed runs of each (the fastest run counts), after one warm-up
+constexpr float kTuneMargin = 0.9f;     // another answer is kept only under this fraction of the first's time
 
 struct Lt {
   LtStatus (*create)(LtHandle*);
@@ -185,12 +195,35 @@ struct Choice {
   Problem problem;
   Descs descs;  // the problem's descriptors, kept: each call only sets its pointers
   bool found;   // false: no algorithm for it (the calls go to at::_scaled_mm)
-  LtAlgo algo;
+  LtAlgo algo;       // the tuned pick (the first answer until tuned, and where there is one answer)
   size_t workspace;
+  LtHeuristic first;  // the heuristic's first answer: torch's, what runs with tuning off
+  std::vector<LtHeuristic> answers;  // a block problem's answers while its tuning is pending, else empty
 };
 
-std::atomic<bool> g_on{true};
+std::atomic<bool> g_on{true}, g_tune{true};
 std::atomic<int64_t> g_lt_calls{0}, g_fallback_calls{0}, g_choices{0};
+
+// A tuned problem's pick, for every thread (the descriptors are per thread, the pick is not:
+// a problem met in forward and in backward runs one algorithm).
+struct Tuning {
+  Problem problem;
+  int answers, pick;
+  float first_us, pick_us;
+};
+std::mutex g_tunings_mu;
+std::vector<Tuning> g_tunings;
+
+const Tuning* find_tuning(const Problem& p) {  // under g_tunings_mu
+  for (const Tuning& t : g_tunings)
+    if (t.problem == p) return &t;
+  return nullptr;
+}
+
+void take(Choice& c, const LtHeuristic& answer) {
+  c.algo = answer.algo;
+  c.workspace = answer.workspace_size;
+}
 
 // The problem's descriptors and the heuristic's first answer: made once per problem and thread
 // (a thread's own list, no lock; a training step has a handful of problems). Variable sequence
@@ -212,16 +245,116 @@ Choice& choose(const Problem& p, const void* scale_a, const void* scale_b, const
   lt_check(l.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
   const uint64_t limit = kWorkspaceLimit;
   LtStatus st = l.pref_set(pref, kPrefMaxWorkspace, &limit, sizeof(limit));
-  LtHeuristic result{};
+  // per-tensor problems: the heuristic's first answer only, torch's query; block problems
+  // (cuBLASLt's block scale modes) with tuning on: up to kTuneAnswers to time
+  const bool tunable = p.mode_a != kScaleScalar || p.mode_b != kScaleScalar;
+  std::vector<LtHeuristic> results(tunable ? kTuneAnswers : 1);
   int count = 0;
   Descs& s = c.descs;
-  if (st == 0) st = l.heuristic(handle(p.device), &s.op, &s.a, &s.b, &s.d, &s.d, pref, 1, &result, &count);
+  if (st == 0)
+    st = l.heuristic(handle(p.device), &s.op, &s.a, &s.b, &s.d, &s.d, pref, static_cast<int>(results.size()),
+                     results.data(), &count);
   l.pref_destroy(pref);
   c.found = st == 0 && count > 0;
-  c.algo = result.algo;
-  c.workspace = result.workspace_size;
+  c.first = results[0];
+  take(c, results[0]);
+  if (c.found && count > 1) {
+    std::lock_guard<std::mutex> lock(g_tunings_mu);
+    const Tuning* t = find_tuning(p);
+    if (t != nullptr && t->pick < count) {
+      take(c, results[t->pick]);
+    } else if (t == nullptr) {
+      results.resize(count);
+      c.answers = std::move(results);
+    }
+  }
   g_choices += 1;
   return c;
+}
+
+// ------------------------------------------------------------------------ tuning
+using CUevent = void*;
+struct Events {  // the driver's event timing, from libcuda (loaded by torch)
+  int (*create)(CUevent*, unsigned);
+  int (*record)(CUevent, CUstream);
+  int (*synchronize)(CUevent);
+  int (*elapsed)(float*, CUevent, CUevent);
+  int (*destroy)(CUevent);
+  int (*is_capturing)(CUstream, int*);
+};
+
+const Events* events() {
+  static const Events* loaded = []() -> const Events* {
+    void* lib = open_library({"libcuda.so.1"});
+    if (lib == nullptr) return nullptr;
+    static Events e;
+    bool found = true;
+    auto sym = [&](const char* name) {
+      void* p = dlsym(lib, name);
+      found = found && p != nullptr;
+      return p;
+    };
+    e.create = reinterpret_cast<decltype(e.create)>(sym("cuEventCreate"));
+    e.record = reinterpret_cast<decltype(e.record)>(sym("cuEventRecord"));
+    e.synchronize = reinterpret_cast<decltype(e.synchronize)>(sym("cuEventSynchronize"));
+    e.elapsed = reinterpret_cast<decltype(e.elapsed)>(sym("cuEventElapsedTime"));
+    e.destroy = reinterpret_cast<decltype(e.destroy)>(sym("cuEventDestroy_v2"));
+    e.is_capturing = reinterpret_cast<decltype(e.is_capturing)>(sym("cuStreamIsCapturing"));
+    return found ? &e : nullptr;
+  }();
+  return loaded;
+}
+
+// Time each of c's pending answers on the call's operands (`run` launches one on `stream`)
+// and keep the fastest where it takes under kTuneMargin of the first's time; the pick is
+// recorded for every thread. Not while `stream` is being captured into a CUDA graph (no
+// timing there): the first answer then runs, and a later call tunes.
+template <typename Run>
+void tune(Choice& c, CUstream stream, Run run) {
+  const Events* e = events();
+  int capturing = 0;
+  if (e == nullptr || e->is_capturing(stream, &capturing) != 0 || capturing != 0) return;
+  {
+    std::lock_guard<std::mutex> lock(g_tunings_mu);
+    const Tuning* t = find_tuning(c.problem);
+    if (t != nullptr) {  // another thread tuned it meanwhile
+      if (t->pick < static_cast<int>(c.answers.size())) take(c, c.answers[t->pick]);
+      c.answers.clear();
+      return;
+    }
+  }
+  const int n = static_cast<int>(c.answers.size());
+  std::vector<float> best(n, std::numeric_limits<float>::infinity());
+  CUevent marks[kTuneRuns + 1];
+  for (CUevent& m : marks) TORCH_CHECK(e->create(&m, 0) == 0, "fp8train native: cuEventCreate failed");
+  for (int i = 0; i < n; ++i) {
+    if (!run(c.answers[i])) continue;  // this answer does not run here: never picked
+    for (int r = 0; r < kTuneRuns; ++r) {
+      e->record(marks[r], stream);
+      run(c.answers[i]);
+    }
+    e->record(marks[kTuneRuns], stream);
+    e->synchronize(marks[kTuneRuns]);
+    for (int r = 0; r < kTuneRuns; ++r) {
+      float ms = 0;
+      if (e->elapsed(&ms, marks[r], marks[r + 1]) == 0) best[i] = std::min(best[i], ms);
+    }
+  }
+  for (CUevent m : marks) e->destroy(m);
+  int pick = 0;
+  for (int i = 1; i < n; ++i)
+    if (best[i] < best[pick]) pick = i;
+  if (!(best[pick] < kTuneMargin * best[0])) pick = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_tunings_mu);
+    const Tuning* t = find_tuning(c.problem);
+    if (t == nullptr)
+      g_tunings.push_back({c.problem, n, pick, best[0] * 1e3f, best[pick] * 1e3f});
+    else if (t->pick < n)  // another thread's tuning of it finished first: its pick holds
+      pick = t->pick;
+  }
+  take(c, c.answers[pick]);
+  c.answers.clear();
 }
 
 int lt_type(c10::ScalarType t) {
@@ -293,21 +426,32 @@ bool lt_matmul(const at::Tensor& a, const at::Tensor& a_si, const at::Tensor& b,
   Descs& s = c.descs;
   point(s, p.bias, b_si.data_ptr(), a_si.data_ptr(), bias_ptr);
   FP8_STAGE_STOP(kGemmDescribe, t_describe);
-  FP8_STAGE_START(t_alloc);
-  if (!out.defined()) out = at::empty({M, N}, a.options().dtype(out_dtype));
-  at::Tensor workspace;
-  if (c.workspace > 0)
-    workspace = at::empty({static_cast<int64_t>(c.workspace)}, a.options().dtype(at::kByte));
-  FP8_STAGE_STOP(kGemmAlloc, t_alloc);
   FP8_STAGE_START(t_handle);
   LtHandle h = handle(device);
   CUstream stream = current_stream(device);
   FP8_STAGE_STOP(kGemmHandle, t_handle);
-  FP8_STAGE_START(t_matmul);
+  FP8_STAGE_START(t_alloc);
+  if (!out.defined()) out = at::empty({M, N}, a.options().dtype(out_dtype));
   const float alpha = 1.0f, beta = 0.0f;
+  const bool tuned = g_tune.load(std::memory_order_relaxed);
+  if (tuned && !c.answers.empty()) {  // a block problem's first call: its answers timed here, into `out`
+    size_t most = 0;
+    for (const LtHeuristic& r : c.answers) most = std::max(most, r.workspace_size);
+    at::Tensor scratch = at::empty({static_cast<int64_t>(most)}, a.options().dtype(at::kByte));
+    tune(c, stream, [&](const LtHeuristic& r) {
+      return lt()->matmul(h, &s.op, &alpha, b.data_ptr(), &s.a, a.data_ptr(), &s.b, &beta, nullptr, &s.d,
+                          out.data_ptr(), &s.d, &r.algo, r.workspace_size > 0 ? scratch.data_ptr() : nullptr,
+                          r.workspace_size, stream) == 0;
+    });
+  }
+  const LtAlgo& algo = tuned ? c.algo : c.first.algo;
+  const size_t ws = tuned ? c.workspace : c.first.workspace_size;
+  at::Tensor workspace;
+  if (ws > 0) workspace = at::empty({static_cast<int64_t>(ws)}, a.options().dtype(at::kByte));
+  FP8_STAGE_STOP(kGemmAlloc, t_alloc);
+  FP8_STAGE_START(t_matmul);
   lt_check(lt()->matmul(h, &s.op, &alpha, b.data_ptr(), &s.a, a.data_ptr(), &s.b, &beta, nullptr, &s.d,
-                        out.data_ptr(), &s.d, &c.algo, c.workspace > 0 ? workspace.data_ptr() : nullptr,
-                        c.workspace, stream),
+                        out.data_ptr(), &s.d, &algo, ws > 0 ? workspace.data_ptr() : nullptr, ws, stream),
            "cublasLtMatmul");
   FP8_STAGE_STOP(kGemmMatmul, t_matmul);
   return true;
@@ -388,6 +532,16 @@ at::Tensor block_scaled_mm(const at::Tensor& a_in, const at::Tensor& a_scale, co
 }
 
 void set_lt_gemm(bool on) { g_on = on; }
+
+void set_block_gemm_tuning(bool on) { g_tune = on; }
+
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>> block_gemm_tunings() {
+  std::lock_guard<std::mutex> lock(g_tunings_mu);
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>> out;
+  for (const Tuning& t : g_tunings)  // cuBLAS's (m, n) are the output's (N, M)
+    out.emplace_back(t.problem.n, t.problem.m, t.problem.k, t.answers, t.pick, t.first_us, t.pick_us);
+  return out;
+}
 
 int64_t lt_version() { return lt() == nullptr ? 0 : static_cast<int64_t>(lt()->version()); }
 

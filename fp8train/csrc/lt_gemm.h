@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -37,6 +39,12 @@ at::Tensor block_scaled_mm(const at::Tensor& a, const at::Tensor& a_scale, const
 
 // The cuBLASLt path on or off for the process (off: every call is at::_scaled_mm's).
 void set_lt_gemm(bool on);
+// Whether block_scaled_mm's calls from now on run each problem's tuned algorithm, timing the
+// heuristic's answers on a problem's first such call (on by default), or the heuristic's first
+// answer, torch's (off); and the problems tuned so far: (M, N, K, answers timed, the pick's
+// index, the first answer's and the pick's fastest run in us).
+void set_block_gemm_tuning(bool on);
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>> block_gemm_tunings();
 // Whether libcublasLt was found (the path can run at all), and its version (0 if not found).
 int64_t lt_version();
 // Calls so far through cuBLASLt and through at::_scaled_mm, and algorithms cached (all threads).

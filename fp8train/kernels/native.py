@@ -24,6 +24,14 @@ The extension's FP8 GEMM (`scaled_mm`, lt_gemm.cpp: cuBLASLt with the algorithm 
 problem, torch._scaled_mm's bytes at a fraction of its host time) serves the C++ nodes and
 gemm.scaled_mm alike, so the Python path and the nodes run the same kernels whether or not
 the node is on. `set_lt_gemm(False)` sends every one of those calls to at::_scaled_mm.
+
+BlockScaling's GEMMs are tuned: the first call of a problem for which cuBLASLt's heuristic
+offers several algorithms (on the H200, the wgrads) times them on its own operands and keeps
+the fastest for the process where it takes under 0.9x the heuristic's first answer's time
+(`block_gemm_tunings()` lists the problems; after `set_block_gemm_tuning(False)` every call
+runs the first answer, torch's, until it is turned on again: an A/B switch, and the way to
+torch's bytes). Algorithms sum in different orders, so a tuned GEMM's bytes may differ from
+torch's and, where two answers time within noise of the margin, between processes.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ import shutil
 import sys
 import time
 import warnings
-from typing import Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -236,4 +244,33 @@ def set_lt_gemm(enabled: bool) -> None:
         ext.set_lt_gemm(bool(enabled))
 
 
-__all__ = ["DTYPE_CODES", "ENABLED", "GEMM_OP", "SOURCES", "gemm", "gemm_op_loaded", "set_lt_gemm", "cast_plan", "fixed_launch", "launch_for", "launch_spec", "extension", "failure", "hooks_installed"]
+def set_block_gemm_tuning(enabled: bool) -> None:
+    """Whether block_scaled_mm's calls from now on run each problem's tuned algorithm (True,
+    the default: a problem's first such call times the heuristic's answers) or the heuristic's
+    first answer, torch's (a no-op without the extension)."""
+    ext = extension()
+    if ext is not None:
+        ext.set_block_gemm_tuning(bool(enabled))
+
+
+class BlockGemmTuning(NamedTuple):
+    """One tuned block GEMM problem: a (M, K) @ b (K, N); the answers timed, the pick's index
+    among them (0: the heuristic's first), and the fastest run of the first and of the pick."""
+    m: int
+    n: int
+    k: int
+    answers: int
+    pick: int
+    first_us: float
+    pick_us: float
+
+
+def block_gemm_tunings() -> List[BlockGemmTuning]:
+    """The block GEMM problems tuned so far in this process (none without the extension)."""
+    ext = extension()
+    return [] if ext is None else [BlockGemmTuning(*t) for t in ext.block_gemm_tunings()]
+
+
+__all__ = ["DTYPE_CODES", "ENABLED", "GEMM_OP", "SOURCES", "BlockGemmTuning", "block_gemm_tunings", "gemm",
+           "gemm_op_loaded", "set_block_gemm_tuning", "set_lt_gemm", "cast_plan", "fixed_launch", "launch_for",
+           "launch_spec", "extension", "failure", "hooks_installed"]

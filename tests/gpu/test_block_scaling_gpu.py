@@ -5,7 +5,8 @@
 * the blockwise GEMMs (gemm.fprop / dgrad / wgrad -> the extension's cuBLASLt block scaling,
   csrc/lt_gemm.cpp, and without it torch.nn.functional.scaled_mm's BlockWise1x128 x
   BlockWise128x128 and 1x128 x 1x128) against the CPU emulation
-  (gemm.emulated_block_scaled_mm) on the same FP8 operands, both paths;
+  (gemm.emulated_block_scaled_mm) on the same FP8 operands, both paths; the extension's
+  tuning of a problem's algorithm (one pick per process) and, with it off, torch's bytes;
 * fp8train.Linear forward and backward on CUDA against float64, by SQNR;
 * Linear under torch.compile against eager, bit for bit.
 
@@ -13,6 +14,7 @@ The GEMM and Linear tests need torch's blockwise scaled_mm (torch >= 2.10, CUDA 
 SM90): `_blockwise_reason` skips them elsewhere, saying why.
 """
 import copy
+import threading
 
 import pytest
 import torch
@@ -121,6 +123,60 @@ def test_blockwise_gemms_match_the_emulation(m, k, n, out_dtype, path, monkeypat
     want = gemm.emulated_block_scaled_mm(*_cpu(qdy.data_t, qdy.scale_inv_t), ROW,
                                          *_cpu(qx.data_t.t(), qx.scale_inv_t.t()), (128, 1), out_dtype)
     assert dw.shape == (n, k) and rel_err(dw.cpu(), want) < TOL[out_dtype]
+
+
+def _wgrad(qx, qdy, out_dtype=torch.float32):
+    return gemm.wgrad(qdy.data_t, qdy.scale_inv_t, qx.data_t, qx.scale_inv_t, GemmConfig(), out_dtype)
+
+
+@needs_blockwise
+def test_block_gemm_tuning_picks_one_algorithm_per_problem():
+    """A wgrad (h1024's o projection: 1024 x 1024 over 8192 tokens; cuBLASLt offered 6-7
+    algorithms for the block wgrads on the H200) is tuned on its first call: the pick is
+    recorded once, no slower than the heuristic's first answer, its output within the
+    emulation's tolerance, and later calls, in this thread or another, give the same bytes."""
+    if native.extension() is None:
+        pytest.fail(f"the C++ extension did not build on the GPU machine: {native.failure()}")
+    native.set_block_gemm_tuning(True)
+    torch.manual_seed(0)
+    qx, _, qdy = _operands(8192, 1024, 1024)
+    dw = _wgrad(qx, qdy)
+    want = gemm.emulated_block_scaled_mm(*_cpu(qdy.data_t, qdy.scale_inv_t), ROW,
+                                         *_cpu(qx.data_t.t(), qx.scale_inv_t.t()), (128, 1), torch.float32)
+    assert rel_err(dw.cpu(), want) < TOL[torch.float32]
+    tuned = [t for t in native.block_gemm_tunings() if (t.m, t.n, t.k) == (1024, 1024, 8192)]
+    assert len(tuned) == 1, f"no tuning recorded for the wgrad (cuBLASLt's answers: one?): {native.block_gemm_tunings()}"
+    t = tuned[0]
+    assert t.answers > 1 and 0 <= t.pick < t.answers and 0 < t.pick_us <= t.first_us, t
+    assert t.pick == 0 or t.pick_us < 0.9 * t.first_us, t
+    assert torch.equal(_wgrad(qx, qdy), dw)
+    other = {}
+    thread = threading.Thread(target=lambda: other.setdefault("dw", _wgrad(qx, qdy)))
+    thread.start()
+    thread.join()
+    assert torch.equal(other["dw"], dw), "another thread ran another algorithm"
+
+
+@needs_blockwise
+def test_block_gemm_without_tuning_is_torchs():
+    """Tuning off: the heuristic's first answer, the kernel torch's blockwise scaled_mm runs
+    (the same descriptors), so the same bytes; nothing tuned while it is off."""
+    if native.extension() is None:
+        pytest.fail(f"the C++ extension did not build on the GPU machine: {native.failure()}")
+    torch.manual_seed(1)
+    qx, _, qdy = _operands(2048, 768, 640)  # a problem no other test meets
+    native.set_block_gemm_tuning(False)
+    try:
+        dw = _wgrad(qx, qdy)
+    finally:
+        native.set_block_gemm_tuning(True)
+    assert not [t for t in native.block_gemm_tunings() if (t.m, t.n, t.k) == (640, 768, 2048)]
+    native.BLOCK_GEMM = False
+    try:
+        want = _wgrad(qx, qdy)
+    finally:
+        native.BLOCK_GEMM = True
+    assert torch.equal(dw, want), f"max |diff| {(dw - want).abs().max():.3g}"
 
 
 @needs_blockwise
