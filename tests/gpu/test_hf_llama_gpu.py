@@ -4,7 +4,8 @@ as benchmarks/hf_llama.py trains it) on the GPU, both recipes:
 * eager: every Linear runs the C++ node once its launches are prepared, float32 inputs (the
   RMSNorm outputs that feed q/k/v and gate/up) included;
 * torch.compile (Inductor) and mode="reduce-overhead" (CUDA graphs around the step) train
-  with the eager loss trajectory, with no recompile after the warm-up.
+  with the eager loss trajectory, with no recompile after the warm-up: both recipes and
+  BlockScaling (its sibling Linears stacked when compiled, eager apart).
 
 Tolerance: Inductor generates its own kernels for the casts and for HF's ops around the
 GEMMs (it keeps float32 where eager rounds intermediates to bf16), so the compiled losses are
@@ -68,7 +69,8 @@ def test_every_linear_takes_the_cpp_node(recipe):
 
 @pytest.mark.parametrize("mode, eager_first", [(None, True), ("reduce-overhead", True), (None, False)],
                          ids=["default", "reduce-overhead", "default-compiled-first"])
-@pytest.mark.parametrize("recipe", RECIPES)
+# BlockScaling compiled: sibling Linears stacked (its default), also inside CUDA graphs
+@pytest.mark.parametrize("recipe", RECIPES + [pytest.param(fp8train.BlockScaling(), id="block")])
 def test_compiled_losses_follow_eager(recipe, mode, eager_first):
     """compiled-first: torch.compile(model) from the first step (convert's first-call pass
     runs the forward once eagerly without gradients: quantizers, shared input ties)."""
