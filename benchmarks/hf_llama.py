@@ -28,9 +28,9 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                them: modules/stacked.py; an A/B of it)
   fp8 eager block stacked                      eager calls stacked too (modules.stacked.EAGER set
                                                around this variant's steps; an A/B of it)
-  fp8 compile block untuned                    the block GEMMs on cuBLASLt's first answer, untuned
-                                               (native.set_block_gemm_tuning(False) around this
-                                               variant's steps; an A/B of the tuning)
+  fp8 compile block tuned                      the block GEMMs tuned per problem
+                                               (native.set_block_gemm_tuning(True) around this
+                                               variant's steps; opt-in: an A/B of the tuning)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -130,7 +130,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager delayed unfused", "fp8 eager current unfused-mlp", "fp8 eager delayed unfused-mlp",
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
-            "fp8 compile block apart", "fp8 compile block untuned", "fp8 eager block stacked",
+            "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block stacked",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
@@ -241,7 +241,7 @@ class Runner:
         self.call_kwargs = {"use_cache": False} if "ckpt" in variant.split() else {}
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
         self.eager_stacked = "stacked" in variant.split()
-        self.untuned = "untuned" in variant.split()
+        self.tuned = "tuned" in variant.split()
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -277,14 +277,14 @@ class Runner:
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
         native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = not self.aten_mm, self.block_gemm, self.eager_stacked
-        if self.untuned:  # read by the extension at each call, not traced
-            native.set_block_gemm_tuning(False)
+        if self.tuned:  # read by the extension at each call, not traced
+            native.set_block_gemm_tuning(True)
         try:
             return self._step(m, recipe)
         finally:
             native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = True, _BLOCK_GEMM, _EAGER_STACKED
-            if self.untuned:
-                native.set_block_gemm_tuning(True)
+            if self.tuned:
+                native.set_block_gemm_tuning(False)
 
     def _step(self, m, recipe):
         x, y = self.batches[self.count % len(self.batches)]

@@ -144,8 +144,8 @@ def test_extension_gemm_on_cpu_is_scaled_mm(ext, out_dtype):
 def test_block_gemm_tuning_switch_and_record(ext):
     """The switch takes bools and the record is a list of BlockGemmTuning: empty in a process
     that ran no CUDA block GEMM (its tuning: tests/gpu/test_block_scaling_gpu.py)."""
-    native.set_block_gemm_tuning(False)
     native.set_block_gemm_tuning(True)
+    native.set_block_gemm_tuning(False)  # the default
     assert native.block_gemm_tunings() == []
     assert native.BlockGemmTuning._fields == ("m", "n", "k", "answers", "pick", "first_us", "pick_us")
 

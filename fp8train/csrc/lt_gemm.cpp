@@ -13,10 +13,11 @@
 //
 // block_scaled_mm is the same call with cuBLASLt's block scale modes (1 x 128 vectors, 128 x
 // 128 tiles: BlockScaling), where torch's F.scaled_mm also asks the heuristic on every call.
-// Its first call of a problem for which the heuristic offers several algorithms (the wgrads:
-// 6-7 on the H200, fprop and dgrad one) times them on the call's own operands and keeps the
+// With set_block_gemm_tuning(true) (opt-in: built, not yet run on a GPU), its first call of a
+// problem for which the heuristic offers several algorithms (the wgrads: 6-7 on the H200,
+// fprop and dgrad one) times them on the call's own operands and keeps the
 // fastest where it takes under 0.9x the first answer's time, for the process (tune(); the
-// 2026-12-03 probe: h1024's down wgrad 86.5 -> 58.1 us). set_block_gemm_tuning(false) keeps
+// 2026-12-03 probe: h1024's down wgrad 86.5 -> 58.1 us). Off (the default), every call runs
 // the heuristic's first answer, torch's.
 //
 // No CUDA headers on a CPU-only machine: the entry points come from libcublasLt at run time
@@ -201,7 +202,7 @@ struct Choice {
   std::vector<LtHeuristic> answers;  // a block problem's answers while its tuning is pending, else empty
 };
 
-std::atomic<bool> g_on{true}, g_tune{true};
+std::atomic<bool> g_on{true}, g_tune{false};  // tuning: opt-in until a GPU run has measured it
 std::atomic<int64_t> g_lt_calls{0}, g_fallback_calls{0}, g_choices{0};
 
 // A tuned problem's pick, for every thread (the descriptors are per thread, the pick is not:

@@ -25,12 +25,12 @@ problem, torch._scaled_mm's bytes at a fraction of its host time) serves the C++
 gemm.scaled_mm alike, so the Python path and the nodes run the same kernels whether or not
 the node is on. `set_lt_gemm(False)` sends every one of those calls to at::_scaled_mm.
 
-BlockScaling's GEMMs are tuned: the first call of a problem for which cuBLASLt's heuristic
-offers several algorithms (on the H200, the wgrads) times them on its own operands and keeps
-the fastest for the process where it takes under 0.9x the heuristic's first answer's time
-(`block_gemm_tunings()` lists the problems; after `set_block_gemm_tuning(False)` every call
-runs the first answer, torch's, until it is turned on again: an A/B switch, and the way to
-torch's bytes). Algorithms sum in different orders, so a tuned GEMM's bytes may differ from
+BlockScaling's GEMMs can be tuned (opt-in, `set_block_gemm_tuning(True)`; off by default
+until a GPU run has measured it): then the first call of a problem for which cuBLASLt's
+heuristic offers several algorithms (on the H200, the wgrads) times them on its own operands
+and keeps the fastest for the process where it takes under 0.9x the heuristic's first
+answer's time (`block_gemm_tunings()` lists the problems). Off, every call runs the first
+answer, torch's kernel and bytes. Algorithms sum in different orders, so a tuned GEMM's bytes may differ from
 torch's and, where two answers time within noise of the margin, between processes.
 """
 from __future__ import annotations
@@ -245,9 +245,9 @@ def set_lt_gemm(enabled: bool) -> None:
 
 
 def set_block_gemm_tuning(enabled: bool) -> None:
-    """Whether block_scaled_mm's calls from now on run each problem's tuned algorithm (True,
-    the default: a problem's first such call times the heuristic's answers) or the heuristic's
-    first answer, torch's (a no-op without the extension)."""
+    """Whether block_scaled_mm's calls from now on run each problem's tuned algorithm (True:
+    a problem's first such call times the heuristic's answers) or the heuristic's first
+    answer, torch's (False, the default; a no-op without the extension)."""
     ext = extension()
     if ext is not None:
         ext.set_block_gemm_tuning(bool(enabled))

@@ -6,7 +6,8 @@
   csrc/lt_gemm.cpp, and without it torch.nn.functional.scaled_mm's BlockWise1x128 x
   BlockWise128x128 and 1x128 x 1x128) against the CPU emulation
   (gemm.emulated_block_scaled_mm) on the same FP8 operands, both paths; the extension's
-  tuning of a problem's algorithm (one pick per process) and, with it off, torch's bytes;
+  opt-in tuning of a problem's algorithm (one pick per process) and, with it off (the
+  default), torch's bytes;
 * fp8train.Linear forward and backward on CUDA against float64, by SQNR;
 * Linear under torch.compile against eager, bit for bit.
 
@@ -137,9 +138,16 @@ def test_block_gemm_tuning_picks_one_algorithm_per_problem():
     emulation's tolerance, and later calls, in this thread or another, give the same bytes."""
     if native.extension() is None:
         pytest.fail(f"the C++ extension did not build on the GPU machine: {native.failure()}")
-    native.set_block_gemm_tuning(True)
     torch.manual_seed(0)
     qx, _, qdy = _operands(8192, 1024, 1024)
+    native.set_block_gemm_tuning(True)  # opt-in
+    try:
+        _check_tuned_wgrad(qx, qdy)
+    finally:
+        native.set_block_gemm_tuning(False)
+
+
+def _check_tuned_wgrad(qx, qdy):
     dw = _wgrad(qx, qdy)
     want = gemm.emulated_block_scaled_mm(*_cpu(qdy.data_t, qdy.scale_inv_t), ROW,
                                          *_cpu(qx.data_t.t(), qx.scale_inv_t.t()), (128, 1), torch.float32)
@@ -165,11 +173,8 @@ def test_block_gemm_without_tuning_is_torchs():
         pytest.fail(f"the C++ extension did not build on the GPU machine: {native.failure()}")
     torch.manual_seed(1)
     qx, _, qdy = _operands(2048, 768, 640)  # a problem no other test meets
-    native.set_block_gemm_tuning(False)
-    try:
-        dw = _wgrad(qx, qdy)
-    finally:
-        native.set_block_gemm_tuning(True)
+    native.set_block_gemm_tuning(False)  # the default, set in case another test left it on
+    dw = _wgrad(qx, qdy)
     assert not [t for t in native.block_gemm_tunings() if (t.m, t.n, t.k) == (640, 768, 2048)]
     native.BLOCK_GEMM = False
     try:
