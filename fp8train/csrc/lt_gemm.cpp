@@ -13,7 +13,7 @@
 //
 // block_scaled_mm is the same call with cuBLASLt's block scale modes (1 x 128 vectors, 128 x
 // 128 tiles: BlockScaling), where torch's F.scaled_mm also asks the heuristic on every call.
-// With set_block_gemm_tuning(true) (opt-in: built, not yet run on a GPU), its first call of a
+// With set_block_gemm_tuning(true) (opt-in: off until the whole GPU suite has run with it on), its first call of a
 // problem for which the heuristic offers several algorithms (the wgrads: 6-7 on the H200,
 // fprop and dgrad one) times them on the call's own operands and keeps the
 // fastest where it takes under 0.9x the first answer's time, for the process (tune(); the
@@ -202,7 +202,7 @@ struct Choice {
   std::vector<LtHeuristic> answers;  // a block problem's answers while its tuning is pending, else empty
 };
 
-std::atomic<bool> g_on{true}, g_tune{false};  // tuning: opt-in until a GPU run has measured it
+std::atomic<bool> g_on{true}, g_tune{false};  // tuning: opt-in until the GPU suite runs with it on
 std::atomic<int64_t> g_lt_calls{0}, g_fallback_calls{0}, g_choices{0};
 
 // A tuned problem's pick, for every thread (the descriptors are per thread, the pick is not:

@@ -26,7 +26,8 @@ gemm.scaled_mm alike, so the Python path and the nodes run the same kernels whet
 the node is on. `set_lt_gemm(False)` sends every one of those calls to at::_scaled_mm.
 
 BlockScaling's GEMMs can be tuned (opt-in, `set_block_gemm_tuning(True)`; off by default
-until a GPU run has measured it): then the first call of a problem for which cuBLASLt's
+until the whole GPU suite has run with it on; at h1024 it saves ~0.14 ms of a step's device
+time, docs/benchmarks.md): then the first call of a problem for which cuBLASLt's
 heuristic offers several algorithms (on the H200, the wgrads) times them on its own operands
 and keeps the fastest for the process where it takes under 0.9x the heuristic's first
 answer's time (`block_gemm_tunings()` lists the problems). Off, every call runs the first
