@@ -13,11 +13,11 @@
 //
 // block_scaled_mm is the same call with cuBLASLt's block scale modes (1 x 128 vectors, 128 x
 // 128 tiles: BlockScaling), where torch's F.scaled_mm also asks the heuristic on every call.
-// With set_block_gemm_tuning(true) (opt-in: off until the whole GPU suite has run with it on), its first call of a
-// problem for which the heuristic offers several algorithms (the wgrads: 6-7 on the H200,
-// fprop and dgrad one) times them on the call's own operands and keeps the
-// fastest where it takes under 0.9x the first answer's time, for the process (tune(); the
-// 2026-12-03 probe: h1024's down wgrad 86.5 -> 58.1 us). Off (the default), every call runs
+// With set_block_gemm_tuning(true) (opt-in: off until the whole GPU suite has run with it
+// on), its first call of a problem for which the heuristic offers several algorithms (the
+// wgrads: 6-8 on Hopper, fprop and dgrad one) times them on the call's own operands and keeps
+// the fastest where it takes under 0.9x the first answer's time, for the process (tune();
+// 2026-12-07, H100: h1024's down wgrad 87.2 -> 59.9 us). Off (the default), every call runs
 // the heuristic's first answer, torch's.
 //
 // No CUDA headers on a CPU-only machine: the entry points come from libcublasLt at run time

@@ -31,8 +31,9 @@ time, docs/benchmarks.md): then the first call of a problem for which cuBLASLt's
 heuristic offers several algorithms (on the H200, the wgrads) times them on its own operands
 and keeps the fastest for the process where it takes under 0.9x the heuristic's first
 answer's time (`block_gemm_tunings()` lists the problems). Off, every call runs the first
-answer, torch's kernel and bytes. Algorithms sum in different orders, so a tuned GEMM's bytes may differ from
-torch's and, where two answers time within noise of the margin, between processes.
+answer, torch's kernel and bytes. Algorithms sum in different orders, so a tuned GEMM's
+bytes may differ from torch's and, where two answers time within noise of the margin,
+between processes.
 """
 from __future__ import annotations
 
