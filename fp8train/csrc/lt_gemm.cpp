@@ -202,7 +202,7 @@ struct Choice {
   std::vector<LtHeuristic> answers;  // a block problem's answers while its tuning is pending, else empty
 };
 
-std::atomic<bool> g_on{true}, g_tune{false};  // tuning: opt-in until the GPU suite runs with it on
+std::atomic<bool> g_on{true}, g_tune{false};  // tuning: opt-in (a pick rests on timings, see native.py)
 std::atomic<int64_t> g_lt_calls{0}, g_fallback_calls{0}, g_choices{0};
 
 // A tuned problem's pick, for every thread (the descriptors are per thread, the pick is not:
