@@ -1,4 +1,4 @@
-"""DirectKernel's check of its constexprs, on CPU (no launch): the kernel's trailing
+"""DirectKernel's check of its constexprs and options, on CPU (no launch): the kernel's trailing
 tl.constexpr parameters must be given exactly, whether the kernel's module reads its
 annotations as strings (`from __future__ import annotations`, as fp8train's kernels do) or
 as the tl.constexpr class itself (as a kernel annotated with it does)."""
@@ -35,6 +35,16 @@ def test_wrong_constexprs_are_a_clear_error(constexprs):
 def test_wrong_string_annotated_constexprs_are_a_clear_error():
     with pytest.raises(ValueError, match="trailing constexpr parameters"):
         DirectKernel(_transpose_kernel, num_warps=4, BLOCK_M=64, BLOCK_N=32)
+
+
+def test_a_register_cap_is_a_launch_option_and_no_traced_launch():
+    # maxnreg goes to Triton with num_warps (eager launches); a traced launch (wrap_triton)
+    # cannot pass it to Inductor, so it says so rather than dropping the cap
+    k = DirectKernel(_class_annotated, num_warps=8, maxnreg=128, BLOCK=128, FLAG=1)
+    assert k._options["maxnreg"] == 128 and k.tail == (128, 1)
+    assert "maxnreg" not in DirectKernel(_class_annotated, num_warps=8, BLOCK=128, FLAG=1)._options
+    with pytest.raises(NotImplementedError, match="register cap"):
+        k.traced(1, None, 1)
 
 
 def _kernel_modules():

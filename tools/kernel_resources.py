@@ -33,12 +33,14 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INTS = ("M", "K", "stride_xm", "stride_sr", "stride_sc", "out_t_cols")
 
 
-def compiled(fn, signature: dict, constexprs: dict, warps: int, divisible=("M", "K", "stride_xm", "out_t_cols")):
+def compiled(fn, signature: dict, constexprs: dict, warps: int, divisible=("M", "K", "stride_xm", "out_t_cols"),
+             maxnreg: int = 0):
     names = list(signature)
     aligned = [n for n, t in signature.items() if t.startswith("*")] + [n for n in divisible if n in signature]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def resources(kernel) -> dict:
@@ -68,12 +70,12 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
             "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
             **{n: "i32" for n in ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "stride_sr",
                                   "stride_sc", "out_t_cols")},
-            "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr"}
+            "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr", "CLAMP": "constexpr"}
     divisible = ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "out_t_cols")
-    yield "both", compiled(block_kernel._block_cast_both_kernel, both, {"FP8_MAX": 448.0, "POW2": False, "PARTS": 1},
-                           shapes.both, divisible)
-    yield "both 3 parts", compiled(block_kernel._block_cast_both_kernel, both,
-                                   {"FP8_MAX": 448.0, "POW2": False, "PARTS": 3}, shapes.both, divisible)
+    for parts, name in ((1, "both"), (3, "both 3 parts")):
+        yield name, compiled(block_kernel._block_cast_both_kernel, both,
+                             {"FP8_MAX": 448.0, "POW2": False, "PARTS": parts, "CLAMP": shapes.both_clamp},
+                             shapes.both, divisible, shapes.both_regs)
     weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
               "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
               **{n: "i32" for n in ("M", "K", "M1", "M2", "stride_xm", "out_t_cols")},
@@ -106,7 +108,8 @@ def main(argv=None) -> None:
     print(f"block cast kernels, x {args.dtype}, sm_90a, triton {triton.__version__}")
     for field, values in [(None, [None])] + BLOCK_VARIANTS:
         for value in values:
-            shapes = dataclasses.replace(default, **{field: value}) if field else default
+            shapes = dataclasses.replace(default, **(value if isinstance(value, dict) else {field: value})) \
+                if field else default
             for name, kernel in block_kernels(shapes, args.dtype):
                 if field and name not in wanted[field]:
                     continue

@@ -43,7 +43,7 @@ _MODES = {(1, 128): _ROWS, (128, 1): _COLS, (128, 128): _TILE}
 class BlockShapes:
     """Launch shapes of the block cast kernels: (tile rows, tile cols, warps) per mode, each
     tile whole blocks (1 x 128: 128 columns; 128 x 1: 128 rows; 128 x 128: the block), and the
-    warps of block_cast_both's 128 x 128 tiles."""
+    warps, register cap and clamp of block_cast_both's 128 x 128 tiles."""
 
     # the fastest of benchmarks/cast.py --block --variants on the H200 (2026-12-02) over a
     # float32 8192 x 1024 and a bf16 8192 x 2816 input; both: at HF Llama h2048's sizes
@@ -52,6 +52,14 @@ class BlockShapes:
     cols: Tuple[int, int, int] = (128, 64, 4)
     tiles: Tuple[int, int, int] = (128, 128, 16)
     both: int = 4
+    # The two-way cast's register cap a thread (0: ptxas's choice; 128 at 8 warps: two programs
+    # an SM) and whether it clamps before the FP8 conversion. On the GPU Triton's conversion
+    # saturates by itself (cvt.rn.satfinite: out-of-range and inf to the largest finite value,
+    # NaN kept), so the clamp repeats it (same bytes, 2 of ~18 instructions an element); the
+    # interpreter's conversion does not saturate, so there it always clamps. H100, fifty-ninth
+    # session: without the clamp 3-5% faster; bf16 at 8 warps capped at 128 another 2-4%.
+    both_regs: int = 0
+    both_clamp: bool = True
 
     def __post_init__(self):
         for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
@@ -62,6 +70,11 @@ class BlockShapes:
                                  f"whole blocks per tile ({fixed}, None: any), got {(tm, tk, warps)}")
         if not isinstance(self.both, int) or self.both < 1 or self.both & (self.both - 1) or self.both > 32:
             raise ValueError(f"BlockShapes.both: warps, a power of two up to 32, got {self.both!r}")
+        if isinstance(self.both_regs, bool) or not isinstance(self.both_regs, int) or \
+                not (self.both_regs == 0 or 24 <= self.both_regs <= 255):
+            raise ValueError(f"BlockShapes.both_regs: 0 (no cap) or a register cap from 24 to 255, got {self.both_regs!r}")
+        if not isinstance(self.both_clamp, bool):
+            raise ValueError(f"BlockShapes.both_clamp: a bool, got {self.both_clamp!r}")
 
     def of(self, mode: int) -> Tuple[int, int, int]:
         return (self.rows, self.cols, self.tiles)[mode]
@@ -133,7 +146,7 @@ def _block_cast_both_kernel(
     sinv_ptr,    # (M, Kb) float32, strides (stride_sr, stride_sc)
     sinv_t_ptr,  # (Mb, K) float32, row-major
     M, K, K1, K2, stride_xm, stride_x1m, stride_x2m, stride_sr, stride_sc, out_t_cols,
-    FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr, CLAMP: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
     second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
@@ -183,10 +196,15 @@ def _block_cast_both_kernel(
     tl.debug_barrier()
     row_scale = tl.load(row_slots, mask=r < M, other=1.0, cache_modifier=".cg")
     col_scale = tl.load(col_slots, mask=c < K, other=1.0, cache_modifier=".cg")
-    y = _saturate(x, row_scale[:, None], FP8_MAX)
+    if CLAMP:
+        y = _saturate(x, row_scale[:, None], FP8_MAX)
+        y_t = _saturate(x, col_scale[None, :], FP8_MAX)
+    else:  # the conversion saturates (BlockShapes.both_clamp)
+        y = x * row_scale[:, None]
+        y_t = x * col_scale[None, :]
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
     # rows M..Mp of the tile loaded 0: their bytes are out_t's zero padding
-    y_t = tl.trans(_saturate(x, col_scale[None, :], FP8_MAX).to(out_t_ptr.dtype.element_ty))  # (columns, rows)
+    y_t = tl.trans(y_t.to(out_t_ptr.dtype.element_ty))  # (columns, rows)
     tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
     tl.debug_barrier()  # every thread has read its scales before the slots change
     tl.store(slot, tl.math.div_rn(1.0, scale), mask=used)
@@ -253,9 +271,17 @@ def _weight_kernel(fp8_max: float, pow2: bool, transpose: bool, warps: int) -> D
     return DirectKernel(_weight_tiles_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, TRANSPOSE=transpose)
 
 
+def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, parts: int = 1) -> DirectKernel:
+    """The two-way cast under `shapes` (its warps, register cap and clamp)."""
+    # the interpreter's FP8 conversion does not saturate: it always clamps
+    clamp = shapes.both_clamp or not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFunction)
+    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts)
+
+
 @functools.lru_cache(maxsize=None)
-def _both_kernel(fp8_max: float, pow2: bool, warps: int, parts: int = 1) -> DirectKernel:
-    return DirectKernel(_block_cast_both_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, PARTS=parts)
+def _both_binary(fp8_max: float, pow2: bool, warps: int, regs, clamp: bool, parts: int) -> DirectKernel:
+    return DirectKernel(_block_cast_both_kernel, num_warps=warps, maxnreg=regs, FP8_MAX=fp8_max, POW2=pow2,
+                        PARTS=parts, CLAMP=clamp)
 
 
 @functools.lru_cache(maxsize=None)
@@ -377,7 +403,7 @@ def native_launch(shape, x_dtype: torch.dtype, fp8_dtype: torch.dtype, transpose
         holes = (x, x, x, data, data_t, scale_inv, scale_inv_t) if transpose else \
             (x, x, x, data, data, scale_inv, scale_inv)
     elif transpose:
-        kernel = _both_kernel(fp8_max, pow2, launch_shapes().both)
+        kernel = _both_kernel(fp8_max, pow2, launch_shapes())
         grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
         ints = (m, k, k, k, k, k, k, 1, m, -(-m // 128) * 128)  # one part: K1 = K2 = K, strides K
         samples = (like(x_dtype), like(x_dtype), like(x_dtype), like(fp8_dtype), like(fp8_dtype),
@@ -464,7 +490,7 @@ def block_cast_both_into(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_ou
     if m * k == 0:
         return
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes().both, len(parts))
+    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes(), len(parts))
     # absent parts: the last one again (no tile reads it); one part: x itself throughout
     xs = (*parts, *parts[-1:] * (MAX_PARTS - len(parts)))
     strides = tuple(p.stride(0) if m > 1 else p.shape[1] for p in xs)

@@ -77,7 +77,7 @@ class DirectKernel:
     Runtime arguments are tensors (on the current CUDA device), ints and floats.
     """
 
-    def __init__(self, fn, num_warps: int, cooperative: bool = False, **constexprs):
+    def __init__(self, fn, num_warps: int, cooperative: bool = False, maxnreg: Optional[int] = None, **constexprs):
         params = inspect.signature(fn.fn).parameters
         names = list(params)
         wanted = [n for n, p in params.items() if _is_constexpr(p.annotation)]
@@ -89,6 +89,8 @@ class DirectKernel:
         self._options: Dict[str, Any] = dict(constexprs, num_warps=num_warps)
         if cooperative:  # every program resident at once (a kernel with a grid-wide barrier)
             self._options["launch_cooperative_grid"] = True
+        if maxnreg is not None:  # ptxas's register cap a thread (more programs an SM, or spills)
+            self._options["maxnreg"] = maxnreg
         self._n_runtime = n_runtime
         self.tail = tuple(constexprs[name] for name in names[n_runtime:])  # appended to every launch
         self._direct = isinstance(fn, triton.runtime.jit.JITFunction)  # not under TRITON_INTERPRET
@@ -111,6 +113,11 @@ class DirectKernel:
         which Inductor turns into a launch from its own generated code (eager calls it as
         Triton's `kernel[grid]`)."""
         from torch.library import wrap_triton
+        if "maxnreg" in self._options:
+            # torch 2.13's wrap_triton takes num_warps and num_stages as launch options of a
+            # plain @triton.jit kernel, not maxnreg (it would pass it as a kernel argument)
+            raise NotImplementedError(f"DirectKernel.traced: {self._fn.fn.__name__} has a register cap (maxnreg), "
+                                      "which a traced launch cannot pass to Inductor")
         wrap_triton(self._fn)[(grid,)](*args, **self._options)
 
     def binary_for(self, *args):

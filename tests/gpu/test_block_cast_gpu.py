@@ -6,10 +6,13 @@ pattern in shapes with tails, and fresh random values whose float32 mantissas go
 compiles each apart); float32 and float16 inputs, both formats, power-of-two scales; the
 one-read kernel (1 x 128 and transposed 128 x 1 casts) against the twin's composition; the
 one-launch weight kernel against the twin's cast, byte transpose and padded scales."""
+import dataclasses
+
 import pytest
 import torch
 
 from fp8train import kernels
+from fp8train.kernels import block_kernel
 from fp8train.kernels import block_reference as br
 from fp8train.tensor import padded_rows
 from helpers import all_bf16_values
@@ -60,6 +63,28 @@ def test_block_cast_kernel_is_the_twin_on_the_gpu(block, kind, dtype, fp8, power
 def test_block_cast_both_kernel_is_the_twin_on_the_gpu(parts, kind, dtype, fp8, power_of_two):
     # parts: x given as column-stacked parts (a stacked tie's output gradients), each a copy
     # of its own (read where it lies), against the twin on x
+    _check_both_kernel(parts, kind, dtype, fp8, power_of_two)
+
+
+# the two-way cast's other forms (BlockShapes: no clamp, the conversion saturating alone; 8
+# warps capped at 128 registers): the twin's bytes too, every bf16 pattern's inf, NaN and
+# values past the format's largest saturating in blocks whose scale is 1
+BOTH_FORMS = [pytest.param({"both_clamp": False}, id="no-clamp"),
+              pytest.param({"both": 8, "both_regs": 128}, id="8-warps-128-regs"),
+              pytest.param({"both": 8, "both_regs": 128, "both_clamp": False}, id="8-warps-128-regs-no-clamp")]
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("kind", INPUTS)
+@pytest.mark.parametrize("form", BOTH_FORMS)
+def test_block_cast_both_forms_are_the_twin_on_the_gpu(form, kind, dtype, fp8, power_of_two):
+    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), **form)):
+        _check_both_kernel(1, kind, dtype, fp8, power_of_two)
+
+
+def _check_both_kernel(parts, kind, dtype, fp8, power_of_two):
     x = _input(kind, dtype)
     m, k = x.shape
     source = x if parts == 1 else [p.clone() for p in x.split([128, k - 128], dim=1)]

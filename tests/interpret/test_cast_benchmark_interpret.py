@@ -49,7 +49,7 @@ def test_every_block_variant_gives_the_twins_bytes(exact_conversions):
         if "both" in name:
             want_t, _ = block_reference.block_cast(b.x, cast_bench.FP8, (128, 1))
             assert torch.equal(b.out_t_blocks[:, :130].view(torch.uint8), want_t.t().view(torch.uint8))
-        seen.add((field, value))
+        seen.add((field, repr(value)))
     # every variant once; a field's own list leaves out its default, which comes first
     assert len(seen) == sum(len(values) + 1 for field, values in cast_bench.BLOCK_VARIANTS)
 
@@ -64,3 +64,9 @@ def test_block_shapes_refuse_tiles_of_partial_blocks():
     for warps in (3, 0, 64, (64, 4)):
         with pytest.raises(ValueError, match="both"):
             block_kernel.BlockShapes(both=warps)
+    for regs in (-1, 16, 256, True, 128.0):
+        with pytest.raises(ValueError, match="both_regs"):
+            block_kernel.BlockShapes(both_regs=regs)
+    with pytest.raises(ValueError, match="both_clamp"):
+        block_kernel.BlockShapes(both_clamp=0)
+    block_kernel.BlockShapes(both=8, both_regs=128, both_clamp=False)  # the sweep's capped form
