@@ -101,6 +101,15 @@ def _scale_of(bits, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, scale, FP8_MAX: tl.constexpr, CLAMP: tl.constexpr):
+    """x * scale for an FP8 conversion: clamped (_saturate), or not where the conversion
+    saturates by itself (BlockShapes.both_clamp)."""
+    if CLAMP:
+        return _saturate(x, scale, FP8_MAX)
+    return x * scale
+
+
+@triton.jit
 def _block_cast_kernel(
     x_ptr,      # (M, K) bf16/fp16/fp32, row stride stride_xm, unit column stride
     out_ptr,    # (M, K) fp8, row-major
@@ -196,15 +205,10 @@ def _block_cast_both_kernel(
     tl.debug_barrier()
     row_scale = tl.load(row_slots, mask=r < M, other=1.0, cache_modifier=".cg")
     col_scale = tl.load(col_slots, mask=c < K, other=1.0, cache_modifier=".cg")
-    if CLAMP:
-        y = _saturate(x, row_scale[:, None], FP8_MAX)
-        y_t = _saturate(x, col_scale[None, :], FP8_MAX)
-    else:  # the conversion saturates (BlockShapes.both_clamp)
-        y = x * row_scale[:, None]
-        y_t = x * col_scale[None, :]
+    y = _scaled(x, row_scale[:, None], FP8_MAX, CLAMP)
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
     # rows M..Mp of the tile loaded 0: their bytes are out_t's zero padding
-    y_t = tl.trans(y_t.to(out_t_ptr.dtype.element_ty))  # (columns, rows)
+    y_t = tl.trans(_scaled(x, col_scale[None, :], FP8_MAX, CLAMP).to(out_t_ptr.dtype.element_ty))  # (columns, rows)
     tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
     tl.debug_barrier()  # every thread has read its scales before the slots change
     tl.store(slot, tl.math.div_rn(1.0, scale), mask=used)
