@@ -31,6 +31,10 @@ Variants (`--variants`, all by default; every one from the same initial weights 
   fp8 compile block tuned                      the block GEMMs tuned per problem
                                                (native.set_block_gemm_tuning(True) around this
                                                variant's steps; opt-in: an A/B of the tuning)
+  fp8 {eager,compile} block unclamped          the two-way block cast without its clamp (the
+                                               GPU's FP8 conversion saturates by itself:
+                                               block_kernel.BlockShapes.both_clamp off around
+                                               this variant's steps, compiles included; an A/B)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -89,7 +93,7 @@ import json
 import statistics
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -131,6 +135,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
             "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block stacked",
+            "fp8 eager block unclamped", "fp8 compile block unclamped",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
@@ -242,6 +247,7 @@ class Runner:
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
         self.eager_stacked = "stacked" in variant.split()
         self.tuned = "tuned" in variant.split()
+        self.unclamped = "unclamped" in variant.split()
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -279,8 +285,13 @@ class Runner:
         native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = not self.aten_mm, self.block_gemm, self.eager_stacked
         if self.tuned:  # read by the extension at each call, not traced
             native.set_block_gemm_tuning(True)
+        shapes = contextlib.nullcontext()
+        if self.unclamped:  # read where a cast's launch is made: eager calls, a compile's trace (baked in)
+            from fp8train.kernels import block_kernel  # needs triton
+            shapes = block_kernel.override_shapes(replace(block_kernel.BlockShapes(), both_clamp=False))
         try:
-            return self._step(m, recipe)
+            with shapes:
+                return self._step(m, recipe)
         finally:
             native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = True, _BLOCK_GEMM, _EAGER_STACKED
             if self.tuned:
