@@ -275,11 +275,13 @@ def _weight_kernel(fp8_max: float, pow2: bool, transpose: bool, warps: int) -> D
     return DirectKernel(_weight_tiles_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, TRANSPOSE=transpose)
 
 
+# the Triton interpreter's FP8 conversion does not saturate: there the two-way cast always clamps
+_CLAMP_ALWAYS = not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFunction)
+
+
 def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, parts: int = 1) -> DirectKernel:
     """The two-way cast under `shapes` (its warps, register cap and clamp)."""
-    # the interpreter's FP8 conversion does not saturate: it always clamps
-    clamp = shapes.both_clamp or not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFunction)
-    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts)
+    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, shapes.both_clamp or _CLAMP_ALWAYS, parts)
 
 
 @functools.lru_cache(maxsize=None)

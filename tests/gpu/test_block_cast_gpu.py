@@ -55,10 +55,17 @@ def test_block_cast_kernel_is_the_twin_on_the_gpu(block, kind, dtype, fp8, power
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
 
 
-@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
-@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("kind", INPUTS)
+def _cast_params(test):
+    """Every input, input dtype, FP8 format and scale kind."""
+    for name, values, ids in (("power_of_two", [False, True], ["scale", "pow2"]),
+                              ("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ["e4m3", "e5m2"]),
+                              ("dtype", [torch.bfloat16, torch.float16, torch.float32], ["bf16", "fp16", "fp32"]),
+                              ("kind", INPUTS, None)):
+        test = pytest.mark.parametrize(name, values, ids=ids)(test)
+    return test
+
+
+@_cast_params
 @pytest.mark.parametrize("parts", [1, 2], ids=["whole", "2-parts"])
 def test_block_cast_both_kernel_is_the_twin_on_the_gpu(parts, kind, dtype, fp8, power_of_two):
     # parts: x given as column-stacked parts (a stacked tie's output gradients), each a copy
@@ -74,10 +81,7 @@ BOTH_FORMS = [pytest.param({"both_clamp": False}, id="no-clamp"),
               pytest.param({"both": 8, "both_regs": 128, "both_clamp": False}, id="8-warps-128-regs-no-clamp")]
 
 
-@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
-@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("kind", INPUTS)
+@_cast_params
 @pytest.mark.parametrize("form", BOTH_FORMS)
 def test_block_cast_both_forms_are_the_twin_on_the_gpu(form, kind, dtype, fp8, power_of_two):
     with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), **form)):
