@@ -54,7 +54,9 @@ BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2)
                   # saturates on the GPU, so the clamp only repeats it; 8 warps capped at 128
                   # registers fit two programs an SM)
                   ("both", [2, 8, 16, {"both_clamp": False}, {"both": 8, "both_regs": 128},
-                            {"both": 8, "both_regs": 128, "both_clamp": False}])]
+                            {"both": 8, "both_regs": 128, "both_clamp": False}]),
+                  # the gated forms (bf16 inputs only): 4 warps spill, 16 hold the tile in 85 / 128 registers
+                  ("gated", [4, 16, {"both_clamp": False}])]
 
 
 def median_ms(fn, calls: int = 20, replays: int = 15) -> float:
@@ -105,6 +107,18 @@ class Buffers:
         self.sinv_tiles = torch.empty(mb, kb, device=device)         # (Mb, Kb)
         self.sinv_cols = torch.empty(mb, cols, device=device)        # (Mb, K)
         self.out_t_blocks = torch.empty(cols, mb * 128, device=device, dtype=FP8)  # (K, Mp) fp8
+        # a gated MLP's casts (bf16 x only): x as g (forward) or da (backward), u, and the
+        # backward's outputs, dg | du side by side (M, 2K); the unfused kernels' products
+        self.gated = dtype == torch.bfloat16
+        if self.gated:
+            self.u = torch.randn_like(self.x)
+            self.g2 = torch.randn_like(self.x)
+            self.prod = torch.empty_like(self.x)
+            self.dg, self.du = torch.empty_like(self.x), torch.empty_like(self.x)
+            self.out2 = torch.empty(rows, 2 * cols, device=device, dtype=FP8)
+            self.out2_t = torch.empty(2 * cols, mb * 128, device=device, dtype=FP8)
+            self.sinv2_rows = torch.empty(2 * kb, rows, device=device).t()
+            self.sinv2_cols = torch.empty(mb, 2 * cols, device=device)
 
 
 def triton_cases(b: Buffers):
@@ -134,6 +148,38 @@ def block_cases(b: Buffers):
         ("triton block cast both (1x128 + 128x1 t)",
          lambda: block_kernel.block_cast_both_into(b.x, b.out, b.out_t_blocks, b.sinv_rows, b.sinv_cols),
          (r + 2) * n + row_scales + 4 * b.sinv_cols.numel()),
+    ] + (gated_cases(b) if b.gated else [])
+
+
+GATED_FWD = "triton gated block cast both: act(g) * u"
+GATED_GRAD = "triton gated block cast both: dg | du"
+
+
+def gated_cases(b: Buffers):
+    """The gated MLP's two-way casts (a compiled BlockScaling step's GatedMLP: the product and
+    its gradients computed in the cast's read, never stored), each beside the unfused pair
+    it replaces (gated.py's kernel writing the product or dg and du, then the two-way cast of
+    it), with the bytes each moves: the fused ones' ratio to the unfused time is the saving."""
+    n, r = b.numel, b.in_bytes
+    both_scales = 4 * (b.sinv_rows.numel() + b.sinv_cols.numel())
+    from fp8train.kernels import gated
+
+    def unfused_fwd():
+        gated.gated_fwd(b.x, b.u, "silu", b.prod)
+        block_kernel.block_cast_both_into(b.prod, b.out, b.out_t_blocks, b.sinv_rows, b.sinv_cols)
+
+    def unfused_grad():
+        gated.gated_bwd(b.x, b.g2, b.u, "silu", b.dg, b.du)
+        block_kernel.block_cast_both_into([b.dg, b.du], b.out2, b.out2_t, b.sinv2_rows, b.sinv2_cols)
+
+    return [
+        (GATED_FWD, lambda: block_kernel.gated_block_cast_into(b.x, b.u, "silu", b.out, b.out_t_blocks, b.sinv_rows,
+                                                               b.sinv_cols), (2 * r + 2) * n + both_scales),
+        ("unfused: gated fwd, then block cast both", unfused_fwd, (4 * r + 2) * n + both_scales),
+        (GATED_GRAD, lambda: block_kernel.gated_grad_block_cast_into(b.x, b.g2, b.u, "silu", b.out2, b.out2_t,
+                                                                     b.sinv2_rows, b.sinv2_cols),
+         (3 * r + 4) * n + 2 * both_scales),
+        ("unfused: gated bwd, then block cast both of dg | du", unfused_grad, (7 * r + 4) * n + 2 * both_scales),
     ]
 
 
@@ -178,25 +224,27 @@ def block_variant_calls(b: Buffers):
     kernels: each variant changes one field of the default BlockShapes, or the fields of a
     dict value (the default first); the callable launches under it."""
     cases = {name: (fn, nbytes) for name, fn, nbytes in block_cases(b)}
-    kernel_of = {"rows": "triton block cast 1x128", "cols": None, "tiles": "triton block cast 128x128",
-                 "both": "triton block cast both (1x128 + 128x1 t)"}
+    kernel_of = {"rows": ("triton block cast 1x128",), "cols": (None,), "tiles": ("triton block cast 128x128",),
+                 "both": ("triton block cast both (1x128 + 128x1 t)",), "gated": (GATED_FWD, GATED_GRAD)}
     default = block_kernel.BlockShapes()
     for field, values in BLOCK_VARIANTS:
-        name = kernel_of[field]
-        if name is None:  # 128 x 1 alone is no layer's cast: timed as a plain cast of its own
-            sinv = torch.empty(block_reference.blocks_of(b.x.shape, (128, 1)), device=b.x.device)
-            fn, nbytes = (lambda s=sinv: block_kernel.block_cast_into(b.x, b.out, s, (128, 1))), \
-                (b.in_bytes + 1) * b.numel + 4 * sinv.numel()
-            name = "triton block cast 128x1"
-        else:
-            fn, nbytes = cases[name]
-        for value in [getattr(default, field)] + values:
-            shapes = dataclasses.replace(default, **(value if isinstance(value, dict) else {field: value}))
+        for name in kernel_of[field]:
+            if name is None:  # 128 x 1 alone is no layer's cast: timed as a plain cast of its own
+                sinv = torch.empty(block_reference.blocks_of(b.x.shape, (128, 1)), device=b.x.device)
+                fn, nbytes = (lambda s=sinv: block_kernel.block_cast_into(b.x, b.out, s, (128, 1))), \
+                    (b.in_bytes + 1) * b.numel + 4 * sinv.numel()
+                name = "triton block cast 128x1"
+            elif name not in cases:  # the gated forms with a float32 x
+                continue
+            else:
+                fn, nbytes = cases[name]
+            for value in [getattr(default, field)] + values:
+                shapes = dataclasses.replace(default, **(value if isinstance(value, dict) else {field: value}))
 
-            def launch(fn=fn, shapes=shapes):
-                with block_kernel.override_shapes(shapes):
-                    fn()
-            yield field, value, shapes, name, launch, nbytes
+                def launch(fn=fn, shapes=shapes):
+                    with block_kernel.override_shapes(shapes):
+                        fn()
+                yield field, value, shapes, name, launch, nbytes
 
 
 BLOCK_OF = {"triton block cast 1x128": (1, 128), "triton block cast 128x128": (128, 128),
@@ -206,6 +254,8 @@ BLOCK_OF = {"triton block cast 1x128": (1, 128), "triton block cast 128x128": (1
 def variant_gives_the_twins_bytes(b: Buffers, name: str) -> bool:
     """After a variant's launch: its payload (and the two-way cast's transposed one) equal the twin's."""
     same = lambda p, q: bool(torch.equal(p.view(torch.uint8), q.view(torch.uint8)))
+    if name in (GATED_FWD, GATED_GRAD):
+        return gated_gives_the_twins_bytes(b, name == GATED_GRAD)
     want, _ = block_reference.block_cast(b.x, FP8, BLOCK_OF[name])
     if not same(b.out, want):
         return False
@@ -215,14 +265,30 @@ def variant_gives_the_twins_bytes(b: Buffers, name: str) -> bool:
     return True
 
 
+def gated_gives_the_twins_bytes(b: Buffers, grad: bool) -> bool:
+    """After a gated form's launch: its two payloads equal the unfused kernels' (gated.py's
+    product or gradients, then the two-way cast), byte for byte."""
+    from fp8train.kernels import gated
+    out, out_t = (b.out2, b.out2_t) if grad else (b.out, b.out_t_blocks)
+    got, got_t = out.clone(), out_t.clone()
+    if grad:
+        gated.gated_bwd(b.x, b.g2, b.u, "silu", b.dg, b.du)
+        block_kernel.block_cast_both_into([b.dg, b.du], b.out2, b.out2_t, b.sinv2_rows, b.sinv2_cols)
+    else:
+        gated.gated_fwd(b.x, b.u, "silu", b.prod)
+        block_kernel.block_cast_both_into(b.prod, b.out, b.out_t_blocks, b.sinv_rows, b.sinv_cols)
+    return bool(torch.equal(got.view(torch.uint8), out.view(torch.uint8))
+                and torch.equal(got_t.view(torch.uint8), out_t.view(torch.uint8)))
+
+
 def sweep_block_variants(b: Buffers, copy_gbps: float) -> dict:
     """Time every launch-shape variant of the block kernels (each checked against the twin's
     bytes on this input first); the fastest first per kernel."""
     results: dict = {}
     for field, value, shapes, name, launch, nbytes in block_variant_calls(b):
         try:
-            b.out.view(torch.uint8).fill_(0xAB)  # no twin's byte here: a kernel that writes nothing fails
-            b.out_t_blocks.view(torch.uint8).fill_(0xAB)
+            for t in (b.out, b.out_t_blocks) + ((b.out2, b.out2_t) if b.gated else ()):
+                t.view(torch.uint8).fill_(0xAB)  # no twin's byte here: a kernel that writes nothing fails
             launch()
             bitwise = variant_gives_the_twins_bytes(b, name)
             ms = median_ms(launch)

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from fp8train.kernels import block_kernel  # noqa: E402
+from fp8train.kernels import block_kernel, gated  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INTS = ("M", "K", "stride_xm", "stride_sr", "stride_sc", "out_t_cols")
@@ -70,12 +70,15 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
             "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
             **{n: "i32" for n in ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "stride_sr",
                                   "stride_sc", "out_t_cols")},
-            "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr", "CLAMP": "constexpr"}
+            "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr", "CLAMP": "constexpr",
+            "GATED": "constexpr", "ACT": "constexpr"}
     divisible = ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "out_t_cols")
-    for parts, name in ((1, "both"), (3, "both 3 parts")):
+    silu = gated._ACT_CODES["silu"]
+    for parts, gate, name in ((1, 0, "both"), (3, 0, "both 3 parts"), (1, 1, "both gated"), (1, 2, "both gated grad")):
         yield name, compiled(block_kernel._block_cast_both_kernel, both,
-                             {"FP8_MAX": 448.0, "POW2": False, "PARTS": parts, "CLAMP": shapes.both_clamp},
-                             shapes.both, divisible, shapes.both_regs)
+                             {"FP8_MAX": 448.0, "POW2": False, "PARTS": parts, "CLAMP": shapes.both_clamp,
+                              "GATED": gate, "ACT": silu}, shapes.gated if gate else shapes.both, divisible,
+                             0 if gate else shapes.both_regs)
     weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
               "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
               **{n: "i32" for n in ("M", "K", "M1", "M2", "stride_xm", "out_t_cols")},
@@ -87,7 +90,7 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
 def _warps_and_tile(shapes: block_kernel.BlockShapes, name: str):
     """(warps, elements of the tile a program casts) of the kernel `name` under `shapes`."""
     if name.startswith("both"):
-        return shapes.both, 128 * 128
+        return (shapes.gated if "gated" in name else shapes.both), 128 * 128
     if name == "weight":
         return shapes.tiles[2], 128 * 128
     tm, tk, warps = shapes.of({"1x128": 0, "128x1": 1, "128x128": 2}[name])
@@ -104,7 +107,8 @@ def main(argv=None) -> None:
     from cast import BLOCK_VARIANTS  # benchmarks/cast.py: the variants the GPU sweep times
 
     default = block_kernel.BlockShapes()
-    wanted = {"rows": ("1x128",), "cols": ("128x1",), "tiles": ("128x128", "weight"), "both": ("both", "both 3 parts")}
+    wanted = {"rows": ("1x128",), "cols": ("128x1",), "tiles": ("128x128", "weight"), "both": ("both", "both 3 parts"),
+              "gated": ("both gated", "both gated grad")}
     print(f"block cast kernels, x {args.dtype}, sm_90a, triton {triton.__version__}")
     for field, values in [(None, [None])] + BLOCK_VARIANTS:
         for value in values:

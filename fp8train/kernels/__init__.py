@@ -70,6 +70,40 @@ def block_cast_both(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: to
     byte_transpose(again, out_t)
 
 
+def gated_block_cast(g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor, out_t: torch.Tensor,
+                     scale_inv_out: torch.Tensor, scale_inv_t_out: torch.Tensor, power_of_two: bool = False,
+                     traced: bool = False) -> None:
+    """block_cast_both of a gated MLP's product act(g) * u, rounded to g's dtype (the gated
+    kernel's output, gated_reference.gated_fwd): on CUDA computed inside the cast's one read
+    of g and u (block_kernel.gated_block_cast_into), never stored; elsewhere the twin, the
+    product then block_cast_both. g, u: (M, K), one dtype."""
+    if g.is_cuda:
+        from .block_kernel import gated_block_cast_into
+        gated_block_cast_into(g, u, act, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two, traced)
+        return
+    from .gated_reference import check_cast_args, gated_forward
+    check_cast_args("gated_block_cast", act, g, u)
+    block_cast_both(gated_forward(g.detach(), u.detach(), act).to(g.dtype), out, out_t, scale_inv_out,
+                    scale_inv_t_out, power_of_two)
+
+
+def gated_grad_block_cast(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor,
+                          out_t: torch.Tensor, scale_inv_out: torch.Tensor, scale_inv_t_out: torch.Tensor,
+                          power_of_two: bool = False, traced: bool = False) -> None:
+    """block_cast_both of the gated product's gradients side by side, dg | du (M, 2K), each
+    rounded to g's dtype (gated_reference.gated_bwd): on CUDA computed inside the cast's reads
+    of da, g and u (block_kernel.gated_grad_block_cast_into), never stored; elsewhere the twin.
+    da, g, u: (M, K), one dtype, K a multiple of 128."""
+    if g.is_cuda:
+        from .block_kernel import gated_grad_block_cast_into
+        gated_grad_block_cast_into(da, g, u, act, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two, traced)
+        return
+    from .gated_reference import check_cast_args, gated_grads
+    check_cast_args("gated_grad_block_cast", act, da, g, u, whole_blocks=True)
+    dg, du = gated_grads(da.detach(), g.detach(), u.detach(), act)
+    block_cast_both([dg.to(g.dtype), du.to(g.dtype)], out, out_t, scale_inv_out, scale_inv_t_out, power_of_two)
+
+
 def weight_tiles(x, out: torch.Tensor, scales: torch.Tensor, out_t: Optional[torch.Tensor] = None,
                  scales_t: Optional[torch.Tensor] = None, power_of_two: bool = False, traced: bool = False) -> None:
     """x (M, K) in 128 x 128 tiles into out and scales (Mb, round_up(Kb, 4)): the tiles'

@@ -28,8 +28,10 @@ import triton
 import triton.language as tl
 
 from .. import scaling
-from . import block_reference
+from . import block_reference, gated_reference
 from .cast import _INF_BITS, _abs_bits, _saturate
+from .gated import _ACT_CODES as _GATED_ACT_CODES
+from .gated import _gated_act, _gated_dg, _gated_du
 from .launcher import DirectKernel, LaunchOverride, device_guard
 from .scale_update import compute_scale
 from .transpose import store_transposed_tile
@@ -60,6 +62,11 @@ class BlockShapes:
     # session: without the clamp 3-5% faster; bf16 at 8 warps capped at 128 another 2-4%.
     both_regs: int = 0
     both_clamp: bool = True
+    # The warps of the two-way cast's gated forms (GATED: a gated MLP's product or its
+    # gradients computed in the cast's read). Their tile holds two or three inputs: at 4 warps
+    # ptxas spills (56 and 616 bytes), at 8 it holds them in 191 and 255 registers (sm_90a,
+    # triton 3.9, tools/kernel_resources.py); not timed yet.
+    gated: int = 8
 
     def __post_init__(self):
         for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
@@ -68,8 +75,10 @@ class BlockShapes:
             if not pow2 or any(f is not None and v != f for v, f in zip((tm, tk), fixed)):
                 raise ValueError(f"BlockShapes.{name}: (tile rows, tile cols, warps) must be powers of two with "
                                  f"whole blocks per tile ({fixed}, None: any), got {(tm, tk, warps)}")
-        if not isinstance(self.both, int) or self.both < 1 or self.both & (self.both - 1) or self.both > 32:
-            raise ValueError(f"BlockShapes.both: warps, a power of two up to 32, got {self.both!r}")
+        for name in ("both", "gated"):
+            warps = getattr(self, name)
+            if isinstance(warps, bool) or not isinstance(warps, int) or warps < 1 or warps & (warps - 1) or warps > 32:
+                raise ValueError(f"BlockShapes.{name}: warps, a power of two up to 32, got {warps!r}")
         if isinstance(self.both_regs, bool) or not isinstance(self.both_regs, int) or \
                 not (self.both_regs == 0 or 24 <= self.both_regs <= 255):
             raise ValueError(f"BlockShapes.both_regs: 0 (no cap) or a register cap from 24 to 255, got {self.both_regs!r}")
@@ -146,6 +155,27 @@ def _block_cast_kernel(
 
 
 @triton.jit
+def _gated_tile(x_ptr, x1_ptr, x2_ptr, r, c, col0, inside, K1, stride_xm, stride_x1m, stride_x2m,
+                GATED: tl.constexpr, ACT: tl.constexpr):
+    """The two-way cast's tile from a gated MLP's tensors (_block_cast_both_kernel's GATED),
+    float32, each value rounded to x_ptr's dtype first: gated.py's kernels' arithmetic."""
+    if GATED == 1:  # act(g) * u; g at x_ptr, u at x1_ptr
+        g = tl.load(x_ptr + r * stride_xm + c[None, :], mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(x1_ptr + r * stride_x1m + c[None, :], mask=inside, other=0.0).to(tl.float32)
+        x = _gated_act(g, ACT) * u
+    else:  # columns 0..K1: dg, K1..2 K1: du, of one (M, K1) element each; da, g, u at x_ptr, x1_ptr, x2_ptr
+        k = c - tl.where(col0 < K1, 0, K1)
+        d = tl.load(x_ptr + r * stride_xm + k[None, :], mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(x1_ptr + r * stride_x1m + k[None, :], mask=inside, other=0.0).to(tl.float32)
+        if col0 < K1:
+            u = tl.load(x2_ptr + r * stride_x2m + k[None, :], mask=inside, other=0.0).to(tl.float32)
+            x = _gated_dg(d, g, u, ACT)
+        else:
+            x = _gated_du(d, g, ACT)
+    return x.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _block_cast_both_kernel(
     x_ptr,       # (M, K1) bf16/fp16/fp32, row stride stride_xm, unit column stride: columns 0..K1 of x
     x1_ptr,      # (M, K2 - K1) likewise, row stride stride_x1m: columns K1..K2 (PARTS > 1)
@@ -156,6 +186,7 @@ def _block_cast_both_kernel(
     sinv_t_ptr,  # (Mb, K) float32, row-major
     M, K, K1, K2, stride_xm, stride_x1m, stride_x2m, stride_sr, stride_sc, out_t_cols,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr, CLAMP: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
     second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
@@ -163,6 +194,12 @@ def _block_cast_both_kernel(
     output gradients, modules/stacked.py; K1 and K2 multiples of 128, so each tile reads one
     part), read where they lie rather than from a concatenated copy; PARTS = 1 reads x_ptr
     alone (the other parts' arguments unused).
+
+    GATED computes the tile from a gated MLP's tensors instead of loading it (ACT: the
+    activation's code, gated.py's), each value rounded to x_ptr's dtype first, as the
+    unfused kernels store it (gated_reference): 1, the forward's act(g) * u, g at x_ptr and u
+    at x1_ptr, (M, K) each; 2, the backward's dg | du side by side (K = 2 K1), from da at
+    x_ptr, g at x1_ptr, u at x2_ptr, (M, K1) each.
 
     Each scale is computed once: a row's or column's amax, reduced in the tile's layout, sits
     in every thread that shares the row or column, and computing the scale there (two IEEE
@@ -178,7 +215,10 @@ def _block_cast_both_kernel(
     r = row0 + tl.arange(0, 128)
     c = col0 + tl.arange(0, 128)
     inside = (r < M)[:, None] & (c < K)[None, :]
-    if PARTS == 1:
+    if GATED != 0:
+        x = _gated_tile(x_ptr, x1_ptr, x2_ptr, tl.cast(r, tl.int64)[:, None], c, col0, inside, K1,
+                        stride_xm, stride_x1m, stride_x2m, GATED, ACT)
+    elif PARTS == 1:
         x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
                     other=0.0).to(tl.float32)
     else:
@@ -279,15 +319,21 @@ def _weight_kernel(fp8_max: float, pow2: bool, transpose: bool, warps: int) -> D
 _CLAMP_ALWAYS = not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFunction)
 
 
-def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, parts: int = 1) -> DirectKernel:
-    """The two-way cast under `shapes` (its warps, register cap and clamp)."""
-    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, shapes.both_clamp or _CLAMP_ALWAYS, parts)
+def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, parts: int = 1, gated: int = 0,
+                 act: int = 0) -> DirectKernel:
+    """The two-way cast under `shapes` (its warps, register cap and clamp; gated forms: their
+    warps, no cap, as a traced launch cannot pass one)."""
+    clamp = shapes.both_clamp or _CLAMP_ALWAYS
+    if gated:
+        return _both_binary(fp8_max, pow2, shapes.gated, None, clamp, parts, gated, act)
+    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0)
 
 
 @functools.lru_cache(maxsize=None)
-def _both_binary(fp8_max: float, pow2: bool, warps: int, regs, clamp: bool, parts: int) -> DirectKernel:
+def _both_binary(fp8_max: float, pow2: bool, warps: int, regs, clamp: bool, parts: int, gated: int,
+                 act: int) -> DirectKernel:
     return DirectKernel(_block_cast_both_kernel, num_warps=warps, maxnreg=regs, FP8_MAX=fp8_max, POW2=pow2,
-                        PARTS=parts, CLAMP=clamp)
+                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act)
 
 
 @functools.lru_cache(maxsize=None)
@@ -476,37 +522,69 @@ def block_cast_both_into(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_ou
     MAX_PARTS column-stacked parts (each but the last a multiple of 128 columns: a stacked
     tie's output gradients, read in place). traced: as block_cast_into's."""
     parts, k, k1, k2 = _stacked(x, 1, "block_cast_both_into")
-    parts = [p.contiguous() if p.stride(1) != 1 and p.shape[1] > 1 else p for p in parts]  # each its own row stride
-    x = parts[0]
-    m = x.shape[0]
+    _launch_both(parts, (parts[0].shape[0], k), k1, k2, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two,
+                 traced, "block_cast_both_into", len(parts))
+
+
+def gated_block_cast_into(g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor, out_t: torch.Tensor,
+                          scale_inv_out: torch.Tensor, scale_inv_t_out: torch.Tensor, power_of_two: bool = False,
+                          traced: bool = False) -> None:
+    """block_cast_both_into of a gated MLP's product act(g) * u (g's dtype, as gated.py's
+    kernel rounds it), computed in the cast's own read of g and u, so the product is never
+    stored: g and u (M, K) of one dtype, row strides of their own (the stacked gate/up GEMM's
+    halves). Twin: gated_reference.gated_forward rounded to g's dtype, then block_cast_both."""
+    gated_reference.check_cast_args("gated_block_cast_into", act, g, u)
+    _launch_both((g, u, u), tuple(g.shape), g.shape[1], g.shape[1], out, out_t, scale_inv_out, scale_inv_t_out,
+                 power_of_two, traced, "gated_block_cast_into", 1, 1, _GATED_ACT_CODES[act])
+
+
+def gated_grad_block_cast_into(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor,
+                               out_t: torch.Tensor, scale_inv_out: torch.Tensor, scale_inv_t_out: torch.Tensor,
+                               power_of_two: bool = False, traced: bool = False) -> None:
+    """block_cast_both_into of the gated product's gradients side by side, dg | du (M, 2 K),
+    each in g's dtype (gated.py's backward kernel rounds them so), computed in the cast's own
+    reads of da, g and u (M, K each, K a multiple of 128: every tile is one side's), so
+    neither gradient is stored. Twin: gated_reference.gated_grads rounded, concatenated, then
+    block_cast_both."""
+    gated_reference.check_cast_args("gated_grad_block_cast_into", act, da, g, u, whole_blocks=True)
+    k = g.shape[1]
+    _launch_both((da, g, u), (g.shape[0], 2 * k), k, k, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two,
+                 traced, "gated_grad_block_cast_into", 1, 2, _GATED_ACT_CODES[act])
+
+
+def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two: bool,
+                 traced: bool, fn: str, parts: int, gated: int = 0, act: int = 0) -> None:
+    """The two-way cast kernel over a tile grid of x_shape (M, K) into the checked buffers, its
+    inputs xs (up to MAX_PARTS tensors, each with its own row stride)."""
+    xs = [p.contiguous() if p.stride(1) != 1 and p.shape[1] > 1 else p for p in xs]
+    m, k = x_shape
     mp = -(-m // 128) * 128
-    x_shape = (m, k)
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     if out.shape != x_shape or out.dtype not in fp8 or not out.is_contiguous():
-        raise ValueError(f"block_cast_both_into: out must be a contiguous fp8 tensor of x's shape {x_shape}")
+        raise ValueError(f"{fn}: out must be a contiguous fp8 tensor of x's shape {x_shape}")
     if tuple(out_t.shape) != (k, mp) or out_t.dtype != out.dtype or not out_t.is_contiguous():
-        raise ValueError(f"block_cast_both_into: out_t must be a contiguous {out.dtype} tensor of shape {(k, mp)}")
+        raise ValueError(f"{fn}: out_t must be a contiguous {out.dtype} tensor of shape {(k, mp)}")
     for name, t, shape, dense in (
             ("scale_inv_out", scale_inv_out, block_reference.blocks_of(x_shape, (1, 128)), _dense_2d(scale_inv_out)),
             ("scale_inv_t_out", scale_inv_t_out, block_reference.blocks_of(x_shape, (128, 1)),
              scale_inv_t_out.is_contiguous())):
         if tuple(t.shape) != shape or t.dtype != torch.float32 or not dense:
-            raise ValueError(f"block_cast_both_into: {name} must be a float32 tensor of shape {shape}"
+            raise ValueError(f"{fn}: {name} must be a float32 tensor of shape {shape}"
                              + (", row- or column-major" if name == "scale_inv_out" else ", contiguous"))
     if m * k == 0:
         return
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes(), len(parts))
+    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes(), parts, gated, act)
     # absent parts: the last one again (no tile reads it); one part: x itself throughout
-    xs = (*parts, *parts[-1:] * (MAX_PARTS - len(parts)))
+    xs = (*xs, *xs[-1:] * (MAX_PARTS - len(xs)))
     strides = tuple(p.stride(0) if m > 1 else p.shape[1] for p in xs)
     args = (*xs, out, out_t, scale_inv_out, scale_inv_t_out, m, k, k1, k2, *strides, *scale_inv_out.stride(), mp)
     if traced:
         kernel.traced(grid, *args)
         return
-    with device_guard(x.device):
+    with device_guard(xs[0].device):
         kernel(grid, *args)
 
 
-__all__ = ["BlockShapes", "MAX_PARTS", "block_cast_both_into", "block_cast_into", "launch_shapes", "native_launch",
-           "override_shapes", "weight_tiles_into"]
+__all__ = ["BlockShapes", "MAX_PARTS", "block_cast_both_into", "block_cast_into", "gated_block_cast_into",
+           "gated_grad_block_cast_into", "launch_shapes", "native_launch", "override_shapes", "weight_tiles_into"]

@@ -65,6 +65,28 @@ def _gated_act(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _gated_dg(d, x, up, ACT: tl.constexpr):
+    """ref.gated_grads' dg = d * up * act'(x) (float32)."""
+    if ACT == _SWIGLU:
+        s, e = _sigmoid(x)
+        dg = (d * up) * (s * tl.math.fma(x, _sigmoid_complement(x, s, e), 1.0))
+    else:
+        dg = _act_grad(d * up, x, ACT)
+    return dg
+
+
+@triton.jit
+def _gated_du(d, x, ACT: tl.constexpr):
+    """ref.gated_grads' du = d * act(x) (float32)."""
+    if ACT == _SWIGLU:
+        s, _ = _sigmoid(x)
+        du = d * (x * s)
+    else:
+        du = d * _act(x, ACT)
+    return du
+
+
+@triton.jit
 def _gated_fwd_kernel(g_ptr, u_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.cast(tl.program_id(0), tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -80,13 +102,8 @@ def _gated_bwd_kernel(da_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, ACT: tl.constexpr
     d = tl.load(da_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACT == _SWIGLU:
-        s, e = _sigmoid(x)
-        dg = (d * up) * (s * tl.math.fma(x, _sigmoid_complement(x, s, e), 1.0))
-        du = d * (x * s)
-    else:
-        dg = _act_grad(d * up, x, ACT)
-        du = d * _act(x, ACT)
+    dg = _gated_dg(d, x, up, ACT)
+    du = _gated_du(d, x, ACT)
     tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
 

@@ -115,5 +115,19 @@ def check_bwd_args(fn: str, da, g, u, act, dg_out, du_out) -> None:
     _check_dtype(fn, "du_out", du_out, "u", u)
 
 
+def check_cast_args(fn: str, act, *tensors, whole_blocks: bool = False) -> None:
+    """The gated block casts' inputs (kernels.gated_block_cast, gated_grad_block_cast): 2-D
+    tensors of one shape, dtype (bf16, fp16, float32) and device, any row stride; with
+    whole_blocks, columns a multiple of 128 (each of the gradients' tiles is one side's)."""
+    _check_act(fn, act)
+    first = tensors[0]
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != first.shape or t.dtype != first.dtype
+           or t.device != first.device for t in tensors) or first.dtype not in _DTYPES:
+        raise ValueError(f"{fn}: the inputs must be 2-D bf16, fp16 or float32 tensors of one shape, dtype and "
+                         f"device, got {[(tuple(t.shape), t.dtype) for t in tensors]}")
+    if whole_blocks and first.shape[1] % 128:
+        raise ValueError(f"{fn}: the inputs' columns must be a multiple of 128, got {first.shape[1]}")
+
+
 __all__ = ["GATED_ACTIVATIONS", "gated_forward", "gated_grads", "gated_fwd", "gated_bwd", "check_fwd_args",
-           "check_bwd_args"]
+           "check_bwd_args", "check_cast_args"]

@@ -28,8 +28,6 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
     pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
-from triton.runtime import interpreter as _interpreter  # noqa: E402
-
 from fp8train.kernels import gated  # noqa: E402
 from fp8train.kernels import gated_reference as ref  # noqa: E402
 from fp8train.kernels.activation_reference import TANH_2K, TANH_C  # noqa: E402
@@ -68,31 +66,6 @@ def config(request, exact_conversions):
     """Both launch shapes, with exact bf16 conversions."""
     with gated.override_config(request.param):
         yield request.param
-
-
-def _exact_exp2(data: np.ndarray) -> np.ndarray:
-    """exp2 of float32 values in float64, rounded to float32: correctly rounded but where the
-    float64 value lies within its own few ulps of a float32 rounding boundary (~2^-28 of
-    inputs), and the same for an element wherever it sits in a tensor."""
-    return np.exp2(np.asarray(data, dtype=np.float64)).astype(np.float32)
-
-
-@pytest.fixture
-def same_exp2(monkeypatch, exact_conversions):
-    """One exp2 for kernel and twin (_exact_exp2): the interpreter's tl.exp2 and the twin's
-    torch.exp2 (float32 tensors), so that what is left between them is their formulas alone.
-    (torch's own float32 exp2 is no fixed function of the element either: on the CPU its
-    vectorized body and scalar tail may differ in the last bit.)"""
-    original = torch.exp2
-
-    def exp2(t, *args, **kwargs):
-        if args or kwargs or t.dtype != torch.float32:
-            return original(t, *args, **kwargs)
-        return torch.from_numpy(_exact_exp2(t.detach().cpu().numpy())).reshape(t.shape)
-
-    monkeypatch.setattr(torch, "exp2", exp2)
-    monkeypatch.setattr(_interpreter.InterpreterBuilder, "create_exp2",
-                        lambda self, arg: self.unary_op(arg, _exact_exp2))
 
 
 def make(shape, dtype, spread, specials=True, window=None) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""The gated forms of the two-way block cast (block_kernel.gated_block_cast_into and
+gated_grad_block_cast_into: a gated MLP's product, or its gradients dg | du, computed inside
+the cast's read) under the Triton interpreter, against their twin (kernels.gated_block_cast
+and gated_grad_block_cast on CPU tensors: gated_reference's arithmetic, rounded to the
+inputs' dtype, then the two-way cast's twin), bit for bit: both payloads, both scale grids,
+the transposed copy's zero padding. One exp2 on both sides (conftest `same_exp2`: the kernels
+and twins otherwise differ by exp2's last bit, test_gated_interpret.py) and exact conversions."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "on"):
+    pytest.skip("Triton interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
+pytest.importorskip("triton")
+
+from fp8train import kernels  # noqa: E402
+from fp8train.kernels import block_reference as br  # noqa: E402
+from fp8train.kernels.block_kernel import gated_block_cast_into, gated_grad_block_cast_into  # noqa: E402
+from fp8train.kernels import gated_reference  # noqa: E402
+from fp8train.kernels.gated_reference import GATED_ACTIVATIONS  # noqa: E402
+
+ACTS = [pytest.param(a, id=a) for a in GATED_ACTIVATIONS]
+TRACED = pytest.mark.parametrize("traced", [False, True], ids=["direct", "wrap_triton"])
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                        "ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:divide by zero encountered:RuntimeWarning")
+E4M3 = torch.float8_e4m3fn
+
+
+def _halves(m: int, k: int, dtype, seed: int):
+    """g and u as the stacked gate/up GEMM leaves them: the two halves of one (m, 2k) tensor
+    (row stride 2k), with blocks of very different sizes, a NaN, infs and a zero block."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randn(m, 2 * k, generator=gen) * torch.logspace(-6, 6, 2 * k)[torch.randperm(2 * k, generator=gen)]
+    y[0, 3] = float("nan")
+    y[min(m - 1, 130), 1] = float("inf")
+    y[2, k + 5] = -float("inf")
+    y[:, k - 3:k] = 0.0
+    y = y.to(dtype)
+    return y[:, :k], y[:, k:]
+
+
+def _buffers(m: int, k: int, fp8=E4M3):
+    mp = -(-m // 128) * 128
+    out = torch.empty((m, k), dtype=fp8)
+    out_t = torch.full((k, mp), 0x55, dtype=torch.uint8).view(fp8)  # padding bytes must become zero
+    si = torch.full(br.blocks_of((m, k), (1, 128))[::-1], -1.0).t()  # column-major, as the layers' are
+    si_t = torch.full(br.blocks_of((m, k), (128, 1)), -1.0)
+    return out, out_t, si, si_t
+
+
+def _assert_same(got, want):
+    for a, b in zip(got, want):
+        if a.dtype == torch.float32:
+            assert torch.equal(a, b)
+        else:  # any NaN encoding matches any other
+            nan = b.float().isnan()
+            assert torch.equal(a.float().isnan(), nan)
+            assert torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+
+
+@TRACED
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shape, dtype", [((200, 300), torch.bfloat16), ((128, 256), torch.float32),
+                                          ((37, 144), torch.float16)], ids=["tails-bf16", "whole-fp32", "short-fp16"])
+def test_gated_block_cast_kernel_matches_the_twin(shape, dtype, act, traced, same_exp2):
+    g, u = _halves(*shape, dtype, seed=3)
+    got = _buffers(*shape)
+    gated_block_cast_into(g, u, act, *got, traced=traced)
+    want = _buffers(*shape)
+    kernels.gated_block_cast(g, u, act, *want)
+    _assert_same(got, want)
+    # the twin is the two-way cast of the product the gated kernel's twin stores
+    prod = torch.empty_like(g)
+    gated_reference.gated_fwd(g.contiguous(), u.contiguous(), act, prod)
+    plain = _buffers(*shape)
+    kernels.block_cast_both(prod, *plain)
+    _assert_same(want, plain)
+
+
+@TRACED
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shape, dtype", [((200, 256), torch.bfloat16), ((128, 128), torch.float32),
+                                          ((37, 384), torch.bfloat16)], ids=["tails-bf16", "whole-fp32", "short-bf16"])
+def test_gated_grad_block_cast_kernel_matches_the_twin(shape, dtype, act, traced, same_exp2):
+    m, k = shape
+    g, u = _halves(m, k, dtype, seed=5)
+    da = (torch.randn(m, k, generator=torch.Generator().manual_seed(6)) * 1e-3).to(dtype)
+    da[1, 7] = float("inf")
+    got = _buffers(m, 2 * k)
+    gated_grad_block_cast_into(da, g, u, act, *got, traced=traced)
+    want = _buffers(m, 2 * k)
+    kernels.gated_grad_block_cast(da, g, u, act, *want)
+    _assert_same(got, want)
+    # the twin is the two-way cast of dg | du as the gated backward kernel's twin stores them
+    dg, du = torch.empty_like(g.contiguous()), torch.empty_like(u.contiguous())
+    gated_reference.gated_bwd(da, g.contiguous(), u.contiguous(), act, dg, du)
+    plain = _buffers(m, 2 * k)
+    kernels.block_cast_both(torch.cat([dg, du], dim=1), *plain)
+    _assert_same(want, plain)
+
+
+def test_gated_block_casts_check_their_inputs():
+    g = torch.zeros(64, 200)
+    with pytest.raises(ValueError, match="act must be one of"):
+        gated_block_cast_into(g, g, "relu", *_buffers(64, 200))
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        gated_block_cast_into(g, g.bfloat16(), "silu", *_buffers(64, 200))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gated_grad_block_cast_into(g, g, g, "silu", *_buffers(64, 400))
+    with pytest.raises(ValueError, match="out must be"):
+        gated_grad_block_cast_into(*(torch.zeros(64, 128),) * 3, "silu", *_buffers(64, 128))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        kernels.gated_grad_block_cast(g, g, g, "silu", *_buffers(64, 400))
