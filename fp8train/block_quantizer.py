@@ -118,6 +118,32 @@ class BlockScalingQuantizer(Quantizer):
         db = torch.cat([r.sum(0, dtype=torch.float32) for r in rows]) if dbias else None
         return BlockCast(data, data_t, scale_inv, db, scale_inv_cols.t())
 
+    def cast_gated(self, g: torch.Tensor, u: torch.Tensor, act: str) -> BlockCast:
+        """cast(act(g) * u, transpose=True) for an INPUT quantizer (1 x 128 blocks), the product
+        rounded to g's dtype as the gated kernel stores it (kernels/gated_reference.py), but
+        computed inside the cast's own read of g and u and never stored (kernels.gated_block_cast;
+        traced: the operator fp8train::gated_block_cast). g, u (M, K): a gated MLP's gate and
+        up outputs, any row stride (the halves of the stacked gate/up GEMM's output)."""
+        return self._gated((g, u), act)
+
+    def cast_gated_grad(self, da: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str) -> BlockCast:
+        """cast_parts([dg, du]) for a GRAD quantizer, dg and du the gradients of act(g) * u
+        given da (kernels/gated_reference.py, each rounded to g's dtype), computed inside the
+        cast's reads of da, g and u and never stored (kernels.gated_grad_block_cast; traced:
+        fp8train::gated_block_cast). data is (M, 2K); K a multiple of 128."""
+        return self._gated((da, g, u), act)
+
+    def _gated(self, inputs, act: str) -> BlockCast:
+        if self.block != ROW_BLOCKS:
+            raise ValueError(f"{type(self).__name__}({self.role.name}): the gated casts take 1 x 128 blocks")
+        inputs = [self._checked(t).detach() for t in inputs]
+        if torch.compiler.is_compiling():
+            data, scale_inv, data_t, scale_inv_cols = torch.ops.fp8train.gated_block_cast(
+                inputs, act, self.dtype, self.power_of_two)
+        else:
+            data, scale_inv, data_t, scale_inv_cols = _new_gated(inputs, act, self.dtype, self.power_of_two)
+        return BlockCast(data, data_t, scale_inv, None, scale_inv_cols.t())
+
     def _native_cast(self, rows: torch.Tensor, transpose: bool, dbias: bool):
         """rows (M, K) cast by the C++ launcher through native_plan's plan (ext.cast_with: the
         outputs in one allocation, one launch, no Python launch path; the bytes and layouts of
@@ -252,6 +278,21 @@ def _new_cast(rows, dtype: torch.dtype, both: bool, power_of_two: bool, traced: 
     return data, scale_inv, data_t, scale_inv_cols
 
 
+def _new_gated(inputs, act: str, dtype: torch.dtype, power_of_two: bool, traced: bool = False):
+    """_new_cast(..., both=True)'s buffers and layouts, filled by a gated cast: inputs (g, u),
+    the product act(g) * u (M, K); or (da, g, u), its gradients dg | du (M, 2K)."""
+    first = inputs[0]
+    m, k = first.shape
+    k = k if len(inputs) == 2 else 2 * k
+    data = torch.empty((m, k), dtype=dtype, device=first.device)
+    scale_inv = _scales((m, k), first.device, ROW_BLOCKS)
+    data_t = torch.empty((k, padded_rows(m, 128)), dtype=dtype, device=first.device)
+    scale_inv_cols = _scales((m, k), first.device, (128, 1))
+    cast = kernels.gated_block_cast if len(inputs) == 2 else kernels.gated_grad_block_cast
+    cast(*inputs, act, data, data_t, scale_inv, scale_inv_cols, power_of_two, traced)
+    return data, scale_inv, data_t, scale_inv_cols
+
+
 def _rows(rows: torch.Tensor, dtype: torch.dtype, transpose: bool, power_of_two: bool, traced: bool):
     """rows (M, K) in 1 x 128 blocks: (data, scale_inv, data_t, scale_inv_t), the last two
     with transpose (rows also in 128 x 1 blocks, transposed: BlockScalingQuantizer.cast) else None."""
@@ -383,6 +424,34 @@ def _weight_tiles_stacked_op(parts: List[torch.Tensor], fp8_dtype: torch.dtype, 
             data_t, scales_t = data.new_empty(0, dtype=torch.float32), data.new_empty(0, dtype=torch.float32)
         return data, scales, data_t, scales_t
     return _block_cast_op(torch.cat(parts), fp8_dtype, True, both, power_of_two)
+
+
+@torch.library.triton_op("fp8train::gated_block_cast", mutates_args=())
+def _gated_block_cast_op(inputs: List[torch.Tensor], act: str, fp8_dtype: torch.dtype, power_of_two: bool
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_new_gated as an operator for traced code (BlockScalingQuantizer.cast_gated and
+    cast_gated_grad: inputs (g, u) or (da, g, u)): on CUDA one Triton launch from Inductor's
+    code; elsewhere fp8train::gated_block_cast_cpu."""
+    if inputs[0].is_cuda:
+        return _new_gated(inputs, act, fp8_dtype, power_of_two, traced=True)
+    return torch.ops.fp8train.gated_block_cast_cpu(inputs, act, fp8_dtype, power_of_two)
+
+
+@torch.library.custom_op("fp8train::gated_block_cast_cpu", mutates_args=())
+def _gated_block_cast_cpu_op(inputs: List[torch.Tensor], act: str, fp8_dtype: torch.dtype, power_of_two: bool
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8train::gated_block_cast off CUDA: the twin, opaque to Inductor (as block_cast_cpu)."""
+    return tuple(t.contiguous() for t in _new_gated(inputs, act, fp8_dtype, power_of_two))
+
+
+@_gated_block_cast_cpu_op.register_fake
+def _(inputs, act, fp8_dtype, power_of_two):
+    m, k = inputs[0].shape
+    k = k if len(inputs) == 2 else 2 * k
+    like = inputs[0]
+    return (like.new_empty((m, k), dtype=fp8_dtype), like.new_empty(blocks_of((m, k), ROW_BLOCKS), dtype=torch.float32),
+            like.new_empty((k, padded_rows(m, 128)), dtype=fp8_dtype),
+            like.new_empty(blocks_of((m, k), (128, 1)), dtype=torch.float32))
 
 
 def transpose_padded(data: torch.Tensor, cols: int) -> torch.Tensor:

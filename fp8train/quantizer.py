@@ -67,6 +67,7 @@ class Quantizer(nn.Module):
         # first compiled step's write would move them from the class, a recompile.
         self._traced_memo = None
         self._traced_stack = None
+        self._offered = None
 
     def quantize(self, x: torch.Tensor, *, transpose: bool = False,
                  out: Optional[Float8Tensor] = None) -> Float8Tensor:
@@ -137,6 +138,9 @@ class Quantizer(nn.Module):
     # x._version, outputs), traced (x, outputs); an output None once taken
     _stack_memo = None
     _traced_stack = None
+    # modules/stacked.py's offer: a cast of x made upstream for this quantizer's layer, (x, cast
+    # as _LinearFn's four shared-cast arguments), taken by that layer's next call on x
+    _offered = None
 
     def cast_shared(self, x: torch.Tensor, *, transpose: bool = False) -> "Cast":
         """cast(x as (rows, x.shape[-1]), transpose=transpose) for an input that `sharing`
@@ -383,7 +387,8 @@ class Quantizer(nn.Module):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_prepared"] = {}  # compiled kernels and views of this copy's buffers stay behind
-        state["_memo"] = state["_stack_memo"] = None  # the stack memo's outputs are graph tensors of this process
+        # the stack memo's outputs and an offered cast are graph tensors of this process
+        state["_memo"] = state["_stack_memo"] = state["_offered"] = None
         state.pop("_state_mark", None)  # an alias of a buffer of the original
         return state
 

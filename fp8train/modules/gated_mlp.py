@@ -13,10 +13,12 @@ from torch import nn
 from .. import kernels
 from ..autocast import active_recipe, call_recipe
 from ..kernels import replay
-from .linear import Linear
+from .linear import Linear, gated_stacked_forward
 
 # How an eager forward inside fp8train.autocast ran (GatedMLP._path, fp8train.inspect.mlp_paths)
 FUSED = "kernel: act(gate) * up in one launch, its backward in one"
+GATED_NODE = ("stacked gate/up node: act(gate) * up computed in the down projection's input cast, dg | du in "
+              "the node's gradient cast (BlockScaling, modules/stacked.py GATED)")
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # The gate's activations (gated_reference.GATED_ACTIVATIONS) as torch computes them: silu
 # (SwiGLU: Llama, Mistral, Qwen2) and the tanh approximation of gelu (GeGLU: Gemma's
@@ -131,6 +133,12 @@ class GatedMLP(nn.Module):
                 f"activation={self.activation}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BlockScaling with gate/up stacked: the product cast inside their node (stacked.GATED)
+        y = gated_stacked_forward(self.gate_proj, self.up_proj, self.down_proj, x, self.activation)
+        if y is not None:
+            if not torch.compiler.is_compiling():
+                self._path[0] = GATED_NODE
+            return y
         g = self.gate_proj(x)
         u = self.up_proj(x)
         act = ACTIVATIONS[self.activation]

@@ -267,6 +267,56 @@ def _stacked_forward(layer: Linear, x, q_input: Quantizer, q_weight: Quantizer, 
     return outs[0]
 
 
+def gated_stacked_forward(gate: Linear, up: Linear, down: Linear, x: torch.Tensor, act: str) -> Optional[torch.Tensor]:
+    """down(act(gate(x)) * up(x)) under BlockScaling, with gate and up a stacked tie
+    (modules/stacked.py GATED): one GEMM for gate and up, whose node casts the product for
+    down from the GEMM's output in one kernel and, backward, dg | du from down's dX; or None
+    with nothing computed, where it cannot run so (the caller runs the layers one by one):
+    stacking off or not tied yet (the first FP8 call ties them), another recipe, TP layers,
+    hooks, biases on gate or up, auto precision, GATED off."""
+    layers = (gate, up, down)
+    if (not stacked.GATED or not (stacked.EAGER or torch.compiler.is_compiling())
+            or any(type(m) is not Linear or m.tp is not None or not m._fp8_dims or _hooked(m) for m in layers)):
+        return None
+    weight = gate.weight
+    recipe, act_dtype = gate.fp8_plan(x, weight.shape[-1])
+    if recipe is None or not getattr(recipe, "stack_siblings", False) or recipe.auto_precision \
+            or down.call_recipe() is not recipe:
+        return None
+    q_input, q_weight, q_grad = gate.quantizers(recipe, weight.device, x=x)
+    up.quantizers(recipe, weight.device, x=x)  # what up's own call would do: keeps the tie
+    if not q_weight.blockwise or q_input.sharing != 2 or tuple(q_input.members) != (gate, up):
+        return None
+    parts = stacked.parts(gate, q_input)
+    if parts is None or parts.biases is not None or parts.widths[0] != parts.widths[1]:
+        return None
+    q_next = down.quantizers(recipe, down.weight.device)[0]
+    if not q_next.blockwise or q_next.sharing != 1:
+        return None
+    refuse_per_tensor_fp8(gate, x)
+    traced = torch.compiler.is_compiling()
+    workspace = gate._stack_workspace
+    if workspace is None:
+        workspace = gate._stack_workspace = WeightWorkspace()
+    standin, *cast = block_scaled_gemm(workspace, x, torch.cat(parts.weights), None, q_input, q_weight, q_grad,
+                                       recipe.gemm, act_dtype, torch.is_grad_enabled(), None,
+                                       None if traced else gate._path, alone=True, parts=parts.weights,
+                                       gated=(act, q_next))
+    if not traced:
+        up._path[0] = gate._path[0]
+    stacked.offer(q_next, standin, tuple(cast))
+    y = down(standin)
+    if stacked.offered(q_next):  # down ran another path: its output would read the uninitialized stand-in
+        q_next._offered = None
+        raise RuntimeError(f"{down.describe()}: did not take its input's cast from the gated MLP's stacked "
+                           "gate/up node (fp8train bug); set fp8train.modules.stacked.GATED = False to run around it")
+    return y
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
 def refuse_per_tensor_fp8(layer: FP8Module, x, *weights) -> None:
     """BlockScaling casts the high-precision tensors itself, block by block: the per-tensor
     scaled FP8 forms (a Float8Tensor input, a weight FSDP2 gathered in FP8) are refused."""
@@ -281,7 +331,8 @@ def refuse_per_tensor_fp8(layer: FP8Module, x, *weights) -> None:
 def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quantizer, q_weight: Quantizer,
                       q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
                       is_first_microbatch: Optional[bool], path: Optional[list] = None,
-                      alone: bool = False, parts: Optional[list] = None, widths: Optional[Tuple[int, ...]] = None):
+                      alone: bool = False, parts: Optional[list] = None, widths: Optional[Tuple[int, ...]] = None,
+                      gated: Optional[Tuple[str, Quantizer]] = None):
     """One block-scaled GEMM (x @ weight^T + bias) with its backward, the weight's block cast
     kept in `workspace`: the C++ node where it takes the call (_native_block_forward), else the
     Python node. The fused modules under BlockScaling compose their norm and activation in
@@ -290,8 +341,12 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
     alone, though q_input is tied (the tie's stacked GEMM: no sibling asks for the cast).
     parts: weight's row-stacked parts (the tie's weights; weight is their torch.cat), which
     a traced call casts in place (WeightWorkspace.get). widths: the output split along its
-    last dim (the tie's members' out_features), a tuple of tensors (_LinearFn's widths)."""
-    if x.is_cuda and native.ENABLED:
+    last dim (the tie's members' out_features), a tuple of tensors (_LinearFn's widths).
+    gated: (act, the next layer's input quantizer): the output (M, 2F) is a gated MLP's g | u,
+    and comes back as act(g) * u's stand-in and cast (_LinearFn's gated). A cast offered for x
+    (modules/stacked.py: a gated MLP's product) is taken instead of casting x."""
+    given = None if alone else stacked.take_offer(q_input, x)
+    if x.is_cuda and native.ENABLED and given is None and gated is None:
         y = _native_block_forward(workspace, x, weight, bias, q_input, q_weight, q_grad, act_dtype, grad,
                                   is_first_microbatch, path if path is not None else [None], alone)
         if y is not None:
@@ -300,8 +355,9 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
         path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
     w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad, parts=parts)
     need_wgrad = grad and weight.requires_grad
-    shared = (None,) * 4 if alone else _shared_cast(x, q_input, need_wgrad)
-    return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad, *shared, widths)
+    shared = given or ((None,) * 4 if alone else _shared_cast(x, q_input, need_wgrad))
+    return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad, *shared, widths,
+                           gated)
 
 
 def _shared_cast(x, q_input: Quantizer, need_wgrad: bool) -> Tuple[Optional[torch.Tensor], ...]:
@@ -451,6 +507,14 @@ class _LinearFn(torch.autograd.Function):
     and casts them where they lie (BlockScalingQuantizer.cast_parts) rather than from a
     concatenation that a compiled graph would compute in one pointwise kernel over all of
     them (Inductor's pointwise cat: 0.3 ms a step at HF Llama h1024, fifty-fifth session).
+
+    gated: (act, q_next), for a stacked gate/up tie whose output (M, 2F) is a gated MLP's
+    g | u (linear.gated_stacked_forward): the forward returns, instead of g and u, a stand-in
+    for act(g) * u (uninitialized, of its shape: the down projection reads only its shape and
+    takes its gradient) and the product's two-way cast by q_next (BlockScalingQuantizer.
+    cast_gated: computed in the cast's read, never stored), as the down projection's four
+    shared-cast arguments. Saved too: g | u. The backward receives dA, the product's gradient,
+    and casts dg | du from dA, g and u in one kernel (cast_gated_grad): neither is stored.
     """
 
     @staticmethod
@@ -458,7 +522,7 @@ class _LinearFn(torch.autograd.Function):
                 q_input: Quantizer, q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype,
                 need_wgrad: bool, x_data: Optional[torch.Tensor] = None, x_t: Optional[torch.Tensor] = None,
                 x_scale_inv: Optional[torch.Tensor] = None, x_t_scale_inv: Optional[torch.Tensor] = None,
-                widths: Optional[Tuple[int, ...]] = None):
+                widths: Optional[Tuple[int, ...]] = None, gated: Optional[Tuple[str, Quantizer]] = None):
         in_shape = x.shape
         if isinstance(x, Float8Tensor):
             x_data, x_scale_inv = _rows(x.fp8_data), x.scale_inv
@@ -470,20 +534,34 @@ class _LinearFn(torch.autograd.Function):
             xq = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
             x_data, x_t, x_scale_inv, x_t_scale_inv = xq.data, xq.data_t, xq.scale_inv, xq.transposed_scale_inv
         y = gemm.fprop(x_data, x_scale_inv, *weight_operands(w_fp8), config, act_dtype, bias)  # (M, N)
-        if need_wgrad:
-            ctx.save_for_backward(x_t, x_t_scale_inv)
         ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
         ctx.in_shape, ctx.act_dtype, ctx.need_wgrad = in_shape, act_dtype, need_wgrad
         ctx.weight_dtype = weight.dtype
+        ctx.act = None if gated is None else gated[0]
+        saved = (x_t, x_t_scale_inv) if need_wgrad else ()
+        if gated is not None:
+            ctx.save_for_backward(*saved, y)
+            f = y.shape[1] // 2
+            hq = gated[1].cast_gated(y[:, :f], y[:, f:], gated[0])
+            ctx.mark_non_differentiable(hq.data, hq.data_t, hq.scale_inv, hq.scale_inv_t)
+            ctx.set_materialize_grads(False)  # the cast's outputs take no gradient
+            return y.new_empty(*in_shape[:-1], f), hq.data, hq.data_t, hq.scale_inv, hq.scale_inv_t
+        ctx.save_for_backward(*saved)
         y = y if len(in_shape) == 2 else unsafe_view(y, (*in_shape[:-1], y.shape[-1]))
         return y if widths is None else y.split(widths, dim=-1)
 
     @staticmethod
     def backward(ctx, *dys: torch.Tensor):
+        if ctx.act is not None:
+            dys = dys[:1]  # dA; the cast's outputs take none
         dys = [_rows(d) if d.dtype == ctx.act_dtype else _rows(d).to(ctx.act_dtype) for d in dys]
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.need_wgrad
         # (M, N), (N, Mp); db (N,) float32 from the same read of dY (autograd casts it to the bias dtype)
-        if len(dys) > 1 and need_wgrad:  # a stacked tie's members' gradients, read where they lie
+        if ctx.act is not None:  # dg | du from dA, g and u (the saved g | u)
+            y = ctx.saved_tensors[-1]
+            f = y.shape[1] // 2
+            dyq = ctx.q_grad.cast_gated_grad(dys[0], y[:, :f], y[:, f:], ctx.act)
+        elif len(dys) > 1 and need_wgrad:  # a stacked tie's members' gradients, read where they lie
             dyq = ctx.q_grad.cast_parts(dys, dbias=ctx.needs_input_grad[2])
         else:
             dy2 = dys[0] if len(dys) == 1 else torch.cat(dys, dim=1)
@@ -494,6 +572,6 @@ class _LinearFn(torch.autograd.Function):
             if len(ctx.in_shape) != 2:
                 dx = dx.view(*ctx.in_shape)  # ints, not a torch.Size: parsed ~2 us faster
         if need_wgrad:
-            x_t, x_t_scale_inv = ctx.saved_tensors
+            x_t, x_t_scale_inv = ctx.saved_tensors[:2]
             dw = gemm.wgrad(dyq.data_t, dyq.transposed_scale_inv, x_t, x_t_scale_inv, ctx.config, ctx.weight_dtype)
-        return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None, None, None

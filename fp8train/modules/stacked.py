@@ -38,6 +38,15 @@ TILE = 128
 EAGER = False
 
 
+# Whether a stacked gate/up tie of a GatedMLP (modules/gated_mlp.py) computes the MLP's
+# product inside its cast (linear.gated_stacked_forward): the product's two-way cast for the
+# down projection comes out of the gate/up node, and its backward casts dg | du from the
+# down projection's dX, g and u in one kernel; neither the product nor dg and du are stored.
+# Wherever stacking runs (compiled calls; eager ones with EAGER). An A/B switch for tests and
+# benchmarks/hf_llama.py ("unfused" variants).
+GATED = True
+
+
 _PLAIN = (nn.Parameter, torch.Tensor)
 
 
@@ -114,4 +123,24 @@ def take(layer: nn.Module, q: Quantizer, x: torch.Tensor) -> Optional[torch.Tens
     return out
 
 
-__all__ = ["EAGER", "Parts", "TILE", "keep", "parts", "take"]
+def offer(q: Quantizer, x: torch.Tensor, cast: Tuple[torch.Tensor, ...]) -> None:
+    """Hand q's layer the cast of its next input x, made upstream (a gated MLP's product, cast
+    inside the gate/up GEMM's node: GATED): `cast` as _LinearFn's four shared-cast arguments."""
+    q._offered = (x, cast)
+
+
+def take_offer(q: Quantizer, x: torch.Tensor) -> Optional[Tuple[torch.Tensor, ...]]:
+    """The cast offered to q for this same x, now taken (dropped from q), or None."""
+    memo = q._offered
+    if memo is None or memo[0] is not x:
+        return None
+    q._offered = None
+    return memo[1]
+
+
+def offered(q: Quantizer) -> bool:
+    """Whether a cast offered to q is still untaken."""
+    return q._offered is not None
+
+
+__all__ = ["EAGER", "GATED", "Parts", "TILE", "keep", "offer", "offered", "parts", "take", "take_offer"]
