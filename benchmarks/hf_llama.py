@@ -35,6 +35,10 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                GPU's FP8 conversion saturates by itself:
                                                block_kernel.BlockShapes.both_clamp off around
                                                this variant's steps, compiles included; an A/B)
+  fp8 compile block ungated                    the gated MLP's product and its gradients stored
+                                               and cast apart (modules.stacked.GATED off around
+                                               this variant's steps; the default casts them inside
+                                               the stacked gate/up node: an A/B of it)
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -126,6 +130,7 @@ SHAPES = {
 # the library's defaults, restored after each step
 _BLOCK_GEMM = native.BLOCK_GEMM
 _EAGER_STACKED = stacked.EAGER
+_GATED = stacked.GATED
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile-ro current",
@@ -135,7 +140,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
             "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block stacked",
-            "fp8 eager block unclamped", "fp8 compile block unclamped",
+            "fp8 eager block unclamped", "fp8 compile block unclamped", "fp8 compile block ungated",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
@@ -246,6 +251,7 @@ class Runner:
         self.call_kwargs = {"use_cache": False} if "ckpt" in variant.split() else {}
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
         self.eager_stacked = "stacked" in variant.split()
+        self.gated = "ungated" not in variant.split() and _GATED
         self.tuned = "tuned" in variant.split()
         self.unclamped = "unclamped" in variant.split()
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
@@ -283,6 +289,7 @@ class Runner:
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
         native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = not self.aten_mm, self.block_gemm, self.eager_stacked
+        stacked.GATED = self.gated
         if self.tuned:  # read by the extension at each call, not traced
             native.set_block_gemm_tuning(True)
         shapes = contextlib.nullcontext()
@@ -293,7 +300,7 @@ class Runner:
             with shapes:
                 return self._step(m, recipe)
         finally:
-            native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = True, _BLOCK_GEMM, _EAGER_STACKED
+            native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER, stacked.GATED = True, _BLOCK_GEMM, _EAGER_STACKED, _GATED
             if self.tuned:
                 native.set_block_gemm_tuning(False)
 

@@ -51,7 +51,8 @@
 #          cast, both GEMM paths, the compiled Linear, the C++ node's block path, stacked
 #          siblings), then benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager
 #          (siblings apart, and stacked: modules.stacked.EAGER) and compiled (stacked, the default)
-#   blockcast  the block cast kernels' GPU tests, then benchmarks/cast.py --block: their bandwidth
+#   blockcast  the block cast kernels' GPU tests (and the gated forms' and GatedMLP's, modules/stacked.py
+#          GATED), then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
 #          variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a bf16 gradient
 #          (8192 x 5632)
@@ -183,7 +184,8 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
         | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path|  tune)|failed" ;;
     blockcast)
-      timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_cast_gpu.py 2>&1 \
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_cast_gpu.py \
+        tests/gpu/test_gated_stacked_gpu.py 2>&1 \
         | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 2048 --input-dtype float32 \
         --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log" | grep -v "^  FlatConfig\|^  TileConfig"
