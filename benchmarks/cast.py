@@ -109,7 +109,7 @@ class Buffers:
         self.out_t_blocks = torch.empty(cols, mb * 128, device=device, dtype=FP8)  # (K, Mp) fp8
         # a gated MLP's casts (bf16 x only): x as g (forward) or da (backward), u, and the
         # backward's outputs, dg | du side by side (M, 2K); the unfused kernels' products
-        self.gated = dtype == torch.bfloat16
+        self.gated = dtype == torch.bfloat16 and cols % 128 == 0  # the gradients' tiles: each one side's
         if self.gated:
             self.u = torch.randn_like(self.x)
             self.g2 = torch.randn_like(self.x)

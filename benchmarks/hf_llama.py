@@ -39,6 +39,10 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                and cast apart (modules.stacked.GATED off around
                                                this variant's steps; the default casts them inside
                                                the stacked gate/up node: an A/B of it)
+  fp8 compile block unnormed                   the RMSNorms' outputs stored and cast by their
+                                               stacked readers (modules.stacked.NORMS off; the
+                                               default casts them inside the norm: an A/B of it)
+  fp8 compile block ungated unnormed           both off: the stacked step before either
   fp8 {eager,compile} block torch-gemm         the same, the block GEMMs through
                                                torch.nn.functional.scaled_mm instead of the
                                                extension's cuBLASLt call (native.BLOCK_GEMM off;
@@ -130,7 +134,7 @@ SHAPES = {
 # the library's defaults, restored after each step
 _BLOCK_GEMM = native.BLOCK_GEMM
 _EAGER_STACKED = stacked.EAGER
-_GATED = stacked.GATED
+_GATED, _NORMS = stacked.GATED, stacked.NORMS
 RECIPES = {"delayed": fp8train.DelayedScaling, "current": fp8train.CurrentScaling, "block": fp8train.BlockScaling}
 VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed", "fp8 eager current",
             "fp8 compile delayed", "fp8 compile current", "fp8 compile-ro delayed", "fp8 compile-ro current",
@@ -141,6 +145,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 compile-ro block",
             "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block stacked",
             "fp8 eager block unclamped", "fp8 compile block unclamped", "fp8 compile block ungated",
+            "fp8 compile block unnormed", "fp8 compile block ungated unnormed",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
@@ -252,6 +257,7 @@ class Runner:
         self.block_gemm = "torch-gemm" not in variant.split() and _BLOCK_GEMM
         self.eager_stacked = "stacked" in variant.split()
         self.gated = "ungated" not in variant.split() and _GATED
+        self.norms = "unnormed" not in variant.split() and _NORMS
         self.tuned = "tuned" in variant.split()
         self.unclamped = "unclamped" in variant.split()
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
@@ -289,7 +295,7 @@ class Runner:
     def step(self, m, recipe):
         # the A/B switches are set around each of this variant's steps: Dynamo guards on them
         native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = not self.aten_mm, self.block_gemm, self.eager_stacked
-        stacked.GATED = self.gated
+        stacked.GATED, stacked.NORMS = self.gated, self.norms
         if self.tuned:  # read by the extension at each call, not traced
             native.set_block_gemm_tuning(True)
         shapes = contextlib.nullcontext()
@@ -300,7 +306,8 @@ class Runner:
             with shapes:
                 return self._step(m, recipe)
         finally:
-            native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER, stacked.GATED = True, _BLOCK_GEMM, _EAGER_STACKED, _GATED
+            native.GEMM_OP, native.BLOCK_GEMM, stacked.EAGER = True, _BLOCK_GEMM, _EAGER_STACKED
+            stacked.GATED, stacked.NORMS = _GATED, _NORMS
             if self.tuned:
                 native.set_block_gemm_tuning(False)
 

@@ -133,6 +133,26 @@ class BlockScalingQuantizer(Quantizer):
         fp8train::gated_block_cast). data is (M, 2K); K a multiple of 128."""
         return self._gated((da, g, u), act)
 
+    def cast_norm(self, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, out_dtype: torch.dtype
+                  ) -> BlockCast:
+        """cast(y, transpose=True) for an INPUT quantizer, y an RMS norm's output weight * (x *
+        rstd rounded to x's dtype) in out_dtype (modules/rms_norm.py's formula, its rstd given),
+        computed inside the cast's read of x and never stored (kernels.norm_block_cast; traced:
+        the operator fp8train::norm_block_cast). x (..., K), rstd x's leading shape (or with
+        a trailing 1)."""
+        if self.block != ROW_BLOCKS:
+            raise ValueError(f"{type(self).__name__}({self.role.name}): the norm's cast takes 1 x 128 blocks")
+        x = self._checked(x).detach()
+        rows = x.reshape(-1, x.shape[-1])
+        rstd = rstd.detach().reshape(-1)
+        if torch.compiler.is_compiling():
+            data, scale_inv, data_t, scale_inv_cols = torch.ops.fp8train.norm_block_cast(
+                rows, weight.detach(), rstd, out_dtype, self.dtype, self.power_of_two)
+        else:
+            data, scale_inv, data_t, scale_inv_cols = _new_norm_cast(rows, weight.detach(), rstd, out_dtype, self.dtype,
+                                                                     self.power_of_two)
+        return BlockCast(data, data_t, scale_inv, None, scale_inv_cols.t())
+
     def _gated(self, inputs, act: str) -> BlockCast:
         if self.block != ROW_BLOCKS:
             raise ValueError(f"{type(self).__name__}({self.role.name}): the gated casts take 1 x 128 blocks")
@@ -283,13 +303,23 @@ def _new_gated(inputs, act: str, dtype: torch.dtype, power_of_two: bool, traced:
     the product act(g) * u (M, K); or (da, g, u), its gradients dg | du (M, 2K)."""
     first = inputs[0]
     m, k = first.shape
-    k = k if len(inputs) == 2 else 2 * k
-    data = torch.empty((m, k), dtype=dtype, device=first.device)
-    scale_inv = _scales((m, k), first.device, ROW_BLOCKS)
-    data_t = torch.empty((k, padded_rows(m, 128)), dtype=dtype, device=first.device)
-    scale_inv_cols = _scales((m, k), first.device, (128, 1))
+    data, scale_inv, data_t, scale_inv_cols = _both_buffers(m, k if len(inputs) == 2 else 2 * k, dtype, first.device)
     cast = kernels.gated_block_cast if len(inputs) == 2 else kernels.gated_grad_block_cast
     cast(*inputs, act, data, data_t, scale_inv, scale_inv_cols, power_of_two, traced)
+    return data, scale_inv, data_t, scale_inv_cols
+
+
+def _both_buffers(m: int, k: int, dtype: torch.dtype, device):
+    """_new_cast(..., both=True)'s fresh buffers: (data, scale_inv, data_t, scale_inv_cols)."""
+    return (torch.empty((m, k), dtype=dtype, device=device), _scales((m, k), device, ROW_BLOCKS),
+            torch.empty((k, padded_rows(m, 128)), dtype=dtype, device=device), _scales((m, k), device, (128, 1)))
+
+
+def _new_norm_cast(x, weight, rstd, out_dtype: torch.dtype, dtype: torch.dtype, power_of_two: bool,
+                   traced: bool = False):
+    """_both_buffers filled by kernels.norm_block_cast: an RMS norm's output cast both ways."""
+    data, scale_inv, data_t, scale_inv_cols = _both_buffers(*x.shape, dtype, x.device)
+    kernels.norm_block_cast(x, weight, rstd, out_dtype, data, data_t, scale_inv, scale_inv_cols, power_of_two, traced)
     return data, scale_inv, data_t, scale_inv_cols
 
 
@@ -447,11 +477,32 @@ def _gated_block_cast_cpu_op(inputs: List[torch.Tensor], act: str, fp8_dtype: to
 @_gated_block_cast_cpu_op.register_fake
 def _(inputs, act, fp8_dtype, power_of_two):
     m, k = inputs[0].shape
-    k = k if len(inputs) == 2 else 2 * k
-    like = inputs[0]
-    return (like.new_empty((m, k), dtype=fp8_dtype), like.new_empty(blocks_of((m, k), ROW_BLOCKS), dtype=torch.float32),
-            like.new_empty((k, padded_rows(m, 128)), dtype=fp8_dtype),
-            like.new_empty(blocks_of((m, k), (128, 1)), dtype=torch.float32))
+    return tuple(t.contiguous() for t in _both_buffers(m, k if len(inputs) == 2 else 2 * k, fp8_dtype,
+                                                       inputs[0].device))
+
+
+@torch.library.triton_op("fp8train::norm_block_cast", mutates_args=())
+def _norm_block_cast_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, out_dtype: torch.dtype,
+                        fp8_dtype: torch.dtype, power_of_two: bool
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_new_norm_cast as an operator for traced code (BlockScalingQuantizer.cast_norm): on CUDA
+    one Triton launch from Inductor's code; elsewhere fp8train::norm_block_cast_cpu."""
+    if x.is_cuda:
+        return _new_norm_cast(x, weight, rstd, out_dtype, fp8_dtype, power_of_two, traced=True)
+    return torch.ops.fp8train.norm_block_cast_cpu(x, weight, rstd, out_dtype, fp8_dtype, power_of_two)
+
+
+@torch.library.custom_op("fp8train::norm_block_cast_cpu", mutates_args=())
+def _norm_block_cast_cpu_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, out_dtype: torch.dtype,
+                            fp8_dtype: torch.dtype, power_of_two: bool
+                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8train::norm_block_cast off CUDA: the twin, opaque to Inductor (as block_cast_cpu)."""
+    return tuple(t.contiguous() for t in _new_norm_cast(x, weight, rstd, out_dtype, fp8_dtype, power_of_two))
+
+
+@_norm_block_cast_cpu_op.register_fake
+def _(x, weight, rstd, out_dtype, fp8_dtype, power_of_two):
+    return tuple(t.contiguous() for t in _both_buffers(*x.shape, fp8_dtype, x.device))
 
 
 def transpose_padded(data: torch.Tensor, cols: int) -> torch.Tensor:

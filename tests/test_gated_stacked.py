@@ -17,7 +17,7 @@ import fp8train
 from fp8train import gemm
 from fp8train.modules import gated_mlp, stacked
 from fp8train.quantizer import Quantizer
-from tests.test_shared_inputs import _train
+from tests.test_shared_inputs import _cast_ops, _train
 from tests.test_stacked_siblings import _aot_recording_backend, _calls
 
 STACKED = fp8train.BlockScaling(stack_siblings=True)
@@ -145,3 +145,62 @@ def test_inductor_compiled_gated_node_is_the_eager_one():
     _train(model, STACKED, batches[:1])
     got = _train(torch.compile(model, fullgraph=True), STACKED, batches[1:])
     assert torch.equal(got, want[1:]), (got, want)
+
+
+class _NormedBlock(nn.Module):
+    """A converted Llama layer's shape: fp8train.RMSNorm before stacked q/k (a tie of two) and
+    before the gated MLP."""
+
+    def __init__(self, d: int = 128, f: int = 256):
+        super().__init__()
+        lin = lambda i, o: fp8train.Linear(i, o, bias=False)  # noqa: E731
+        self.norm1, self.norm2 = fp8train.RMSNorm(d), fp8train.RMSNorm(d)
+        with torch.no_grad():
+            self.norm1.weight.uniform_(-2, 2)
+            self.norm2.weight.uniform_(-2, 2)
+        self.q, self.k, self.o = lin(d, d), lin(d, d), lin(d, d)
+        self.mlp = fp8train.GatedMLP(lin(d, f), lin(d, f), lin(f, d))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.o(self.q(h) * torch.sigmoid(self.k(h)))
+        return x + self.mlp(self.norm2(x))
+
+
+@pytest.mark.parametrize("autocast_bf16", [False, True], ids=["fp32", "autocast-bf16"])
+def test_compiled_norms_cast_for_their_stacked_readers(autocast_bf16, monkeypatch):
+    """Compiled, each RMSNorm casts its output for the stacked tie reading it (stacked.NORMS),
+    from its input and rstd: the same bytes as the tie's own cast of the output, so the losses
+    are those of NORMS off, bit for bit; the graph holds the norm's cast twice and casts no
+    norm output itself; no offer is left past the trace."""
+    monkeypatch.setattr(stacked, "EAGER", False)
+    batches = _batches(4)
+    runs = {}
+    for norms in (False, True):
+        monkeypatch.setattr(stacked, "NORMS", norms)
+        torch.manual_seed(0)
+        model = _NormedBlock()
+        _train(model, STACKED, batches[:1], autocast_bf16)
+        graphs, forwards = [], []
+        compiled = torch.compile(model, fullgraph=True, backend=_aot_recording_backend(graphs, forwards))
+        runs[norms] = (_train(compiled, STACKED, batches[1:], autocast_bf16), graphs)
+        assert len(graphs) == 1
+        assert all(q._offered is None for q in model.modules() if isinstance(q, Quantizer))
+    assert torch.equal(runs[True][0], runs[False][0]), runs
+    assert _calls(runs[True][1][0], "norm_block_cast") == 2
+    assert _calls(runs[False][1][0], "norm_block_cast") == 0
+    assert _cast_ops(runs[False][1][0]) - _cast_ops(runs[True][1][0]) == 2
+
+
+def test_inductor_compiled_norms_and_gated_node_train_as_eager():
+    """Through Inductor: the compiled model's losses follow the eager ones (the eager norm is
+    fp8train's kernel twin, the compiled one the formula: float32 rounding apart)."""
+    batches = _batches(4)
+    torch.manual_seed(0)
+    eager = _NormedBlock()
+    want = _train(eager, STACKED, batches)
+    torch.manual_seed(0)
+    model = _NormedBlock()
+    _train(model, STACKED, batches[:1])
+    got = _train(torch.compile(model, fullgraph=True), STACKED, batches[1:])
+    assert ((got - want[1:]).abs() / want[1:].abs()).max() < 1e-4, (got, want)

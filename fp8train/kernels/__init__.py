@@ -104,6 +104,24 @@ def gated_grad_block_cast(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor, ac
     block_cast_both([dg.to(g.dtype), du.to(g.dtype)], out, out_t, scale_inv_out, scale_inv_t_out, power_of_two)
 
 
+def norm_block_cast(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, out_dtype: torch.dtype,
+                    out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
+                    scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False) -> None:
+    """block_cast_both of an RMS norm's output, weight * (x * rstd rounded to x's dtype) rounded
+    to out_dtype (modules/rms_norm.py's formula with its rstd given): on CUDA computed inside
+    the cast's read of x (block_kernel.norm_block_cast_into), never stored; elsewhere the twin.
+    x (M, K), weight (K,), rstd (M,) float32."""
+    if x.is_cuda:
+        from .block_kernel import norm_block_cast_into
+        norm_block_cast_into(x, weight, rstd, out_dtype, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two,
+                             traced)
+        return
+    from .block_reference import check_norm_args
+    check_norm_args("norm_block_cast", x, weight, rstd, out_dtype)
+    y = (weight.float() * (x.detach().float() * rstd[:, None]).to(x.dtype).float()).to(out_dtype)
+    block_cast_both(y, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two)
+
+
 def weight_tiles(x, out: torch.Tensor, scales: torch.Tensor, out_t: Optional[torch.Tensor] = None,
                  scales_t: Optional[torch.Tensor] = None, power_of_two: bool = False, traced: bool = False) -> None:
     """x (M, K) in 128 x 128 tiles into out and scales (Mb, round_up(Kb, 4)): the tiles'

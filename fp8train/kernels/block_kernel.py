@@ -155,10 +155,30 @@ def _block_cast_kernel(
 
 
 @triton.jit
-def _gated_tile(x_ptr, x1_ptr, x2_ptr, r, c, col0, inside, K1, stride_xm, stride_x1m, stride_x2m,
+def _round_to(x, DTYPE: tl.constexpr):
+    """x (float32) rounded to the dtype of code DTYPE (_ROUND_CODES), as float32."""
+    if DTYPE == 1:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    elif DTYPE == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gated_tile(x_ptr, x1_ptr, x2_ptr, r, c, col0, inside, M, K, K1, stride_xm, stride_x1m, stride_x2m,
                 GATED: tl.constexpr, ACT: tl.constexpr):
-    """The two-way cast's tile from a gated MLP's tensors (_block_cast_both_kernel's GATED),
-    float32, each value rounded to x_ptr's dtype first: gated.py's kernels' arithmetic."""
+    """The two-way cast's tile computed from other tensors (_block_cast_both_kernel's GATED),
+    float32, rounded to the dtype the unfused kernel or formula would have stored it in: a
+    gated MLP's (gated.py's kernels' arithmetic, x_ptr's dtype), or an RMS norm's output
+    (rms_norm_formula's, with its rstd given)."""
+    if GATED == 3:  # an RMS norm's output: weight (x1_ptr) * (x * rstd (x2_ptr), rounded to x's dtype)
+        v = tl.load(x_ptr + r * stride_xm + c[None, :], mask=inside, other=0.0).to(tl.float32)
+        rstd = tl.load(x2_ptr + r, mask=r < M, other=0.0)
+        h = (v * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(x1_ptr + c, mask=c < K, other=0.0).to(tl.float32)[None, :]
+        # ACT: the product's dtype (torch's promotion of weight and x); lanes past M or K give +0
+        # (the transposed copy's zero padding), where a negative weight times 0 would give -0
+        return tl.where(inside, _round_to(w * h, ACT), 0.0)
     if GATED == 1:  # act(g) * u; g at x_ptr, u at x1_ptr
         g = tl.load(x_ptr + r * stride_xm + c[None, :], mask=inside, other=0.0).to(tl.float32)
         u = tl.load(x1_ptr + r * stride_x1m + c[None, :], mask=inside, other=0.0).to(tl.float32)
@@ -199,7 +219,9 @@ def _block_cast_both_kernel(
     activation's code, gated.py's), each value rounded to x_ptr's dtype first, as the
     unfused kernels store it (gated_reference): 1, the forward's act(g) * u, g at x_ptr and u
     at x1_ptr, (M, K) each; 2, the backward's dg | du side by side (K = 2 K1), from da at
-    x_ptr, g at x1_ptr, u at x2_ptr, (M, K1) each.
+    x_ptr, g at x1_ptr, u at x2_ptr, (M, K1) each; 3, an RMS norm's output weight * (x *
+    rstd, rounded to x's dtype), rounded to the dtype of code ACT (_ROUND_CODES), from x at
+    x_ptr, weight (K,) at x1_ptr and rstd (M,) float32 at x2_ptr (rms_norm_formula's, given).
 
     Each scale is computed once: a row's or column's amax, reduced in the tile's layout, sits
     in every thread that shares the row or column, and computing the scale there (two IEEE
@@ -216,7 +238,7 @@ def _block_cast_both_kernel(
     c = col0 + tl.arange(0, 128)
     inside = (r < M)[:, None] & (c < K)[None, :]
     if GATED != 0:
-        x = _gated_tile(x_ptr, x1_ptr, x2_ptr, tl.cast(r, tl.int64)[:, None], c, col0, inside, K1,
+        x = _gated_tile(x_ptr, x1_ptr, x2_ptr, tl.cast(r, tl.int64)[:, None], c, col0, inside, M, K, K1,
                         stride_xm, stride_x1m, stride_x2m, GATED, ACT)
     elif PARTS == 1:
         x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
@@ -552,11 +574,27 @@ def gated_grad_block_cast_into(da: torch.Tensor, g: torch.Tensor, u: torch.Tenso
                  traced, "gated_grad_block_cast_into", 1, 2, _GATED_ACT_CODES[act])
 
 
+# the dtype a computed tile is rounded to (GATED 3's ACT)
+_ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def norm_block_cast_into(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, out_dtype: torch.dtype,
+                         out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
+                         scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False) -> None:
+    """block_cast_both_into of an RMS norm's output y = weight * (x * rstd rounded to x's
+    dtype), rounded to out_dtype (rms_norm_formula's arithmetic, its rstd given), computed in
+    the cast's read of x, so y is never stored: x (M, K) any row stride, weight (K,), rstd
+    (M,) float32. Twin: that product in torch ops, then block_cast_both."""
+    block_reference.check_norm_args("norm_block_cast_into", x, weight, rstd, out_dtype)
+    _launch_both((x, weight, rstd), tuple(x.shape), x.shape[1], x.shape[1], out, out_t, scale_inv_out,
+                 scale_inv_t_out, power_of_two, traced, "norm_block_cast_into", 1, 3, _ROUND_CODES[out_dtype])
+
+
 def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two: bool,
                  traced: bool, fn: str, parts: int, gated: int = 0, act: int = 0) -> None:
     """The two-way cast kernel over a tile grid of x_shape (M, K) into the checked buffers, its
     inputs xs (up to MAX_PARTS tensors, each with its own row stride)."""
-    xs = [p.contiguous() if p.stride(1) != 1 and p.shape[1] > 1 else p for p in xs]
+    xs = [p.contiguous() if p.stride(-1) != 1 and p.shape[-1] > 1 else p for p in xs]
     m, k = x_shape
     mp = -(-m // 128) * 128
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -577,7 +615,7 @@ def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale
     kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes(), parts, gated, act)
     # absent parts: the last one again (no tile reads it); one part: x itself throughout
     xs = (*xs, *xs[-1:] * (MAX_PARTS - len(xs)))
-    strides = tuple(p.stride(0) if m > 1 else p.shape[1] for p in xs)
+    strides = tuple(p.stride(0) if m > 1 and p.dim() == 2 else p.shape[-1] for p in xs)
     args = (*xs, out, out_t, scale_inv_out, scale_inv_t_out, m, k, k1, k2, *strides, *scale_inv_out.stride(), mp)
     if traced:
         kernel.traced(grid, *args)
@@ -587,4 +625,4 @@ def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale
 
 
 __all__ = ["BlockShapes", "MAX_PARTS", "block_cast_both_into", "block_cast_into", "gated_block_cast_into",
-           "gated_grad_block_cast_into", "launch_shapes", "native_launch", "override_shapes", "weight_tiles_into"]
+           "gated_grad_block_cast_into", "launch_shapes", "norm_block_cast_into", "native_launch", "override_shapes", "weight_tiles_into"]

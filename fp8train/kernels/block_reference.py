@@ -88,4 +88,16 @@ def block_dequantize(data: torch.Tensor, scale_inv: torch.Tensor, block: Block) 
     return data.float() * expand(scale_inv, data.shape, block)
 
 
-__all__ = ["BLOCKS", "Block", "block_amax", "block_cast", "block_dequantize", "block_scale", "blocks_of", "expand"]
+def check_norm_args(fn: str, x, weight, rstd, out_dtype) -> None:
+    """kernels.norm_block_cast's inputs: x (M, K), weight (K,), rstd (M,) float32, one device;
+    x, weight and out_dtype float32, bf16 or fp16."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if (x.dim() != 2 or tuple(weight.shape) != (x.shape[1],) or tuple(rstd.shape) != (x.shape[0],)
+            or rstd.dtype != torch.float32 or x.dtype not in floats or weight.dtype not in floats
+            or out_dtype not in floats or not (x.device == weight.device == rstd.device)):
+        raise ValueError(f"{fn}: x (M, K), weight (K,) and rstd (M,) float32 on one device, x, weight and out_dtype "
+                         f"float32, bf16 or fp16; got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} "
+                         f"{tuple(weight.shape)}, rstd {rstd.dtype} {tuple(rstd.shape)}, out_dtype {out_dtype}")
+
+
+__all__ = ["BLOCKS", "Block", "block_amax", "block_cast", "block_dequantize", "block_scale", "blocks_of", "check_norm_args", "expand"]

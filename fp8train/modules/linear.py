@@ -344,8 +344,9 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
     last dim (the tie's members' out_features), a tuple of tensors (_LinearFn's widths).
     gated: (act, the next layer's input quantizer): the output (M, 2F) is a gated MLP's g | u,
     and comes back as act(g) * u's stand-in and cast (_LinearFn's gated). A cast offered for x
-    (modules/stacked.py: a gated MLP's product) is taken instead of casting x."""
-    given = None if alone else stacked.take_offer(q_input, x)
+    (modules/stacked.py: a gated MLP's product, a compiled RMSNorm's output) is taken instead
+    of casting x."""
+    given = stacked.take_offer(q_input, x)
     if x.is_cuda and native.ENABLED and given is None and gated is None:
         y = _native_block_forward(workspace, x, weight, bias, q_input, q_weight, q_grad, act_dtype, grad,
                                   is_first_microbatch, path if path is not None else [None], alone)

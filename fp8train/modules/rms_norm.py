@@ -10,10 +10,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..autocast import call_recipe
+from ..autocast import active_recipe, call_recipe
 from ..quantizer import Quantizer
 from ..roles import TensorRole
 from ..tensor import version_of
+from . import stacked
 from .norm import norm_backward, norm_forward, norm_fp8
 
 # The output of the last RMSNorm forward inside fp8train.autocast that cast nothing for
@@ -30,14 +31,16 @@ _NO_READER = "kernel: normalizes; no sibling FP8 Linears read its output through
 _READERS_CAST = "kernel: normalizes; its readers cast its output (their cast is one launch, the norm's would not be)"
 
 
-def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float, with_rstd: bool = False):
     """Hugging Face's LlamaRMSNorm, op for op (Mistral's, Qwen2's and others are copies of it):
-    float32 statistics, the normalized x rounded back to x's dtype, then times weight."""
+    float32 statistics, the normalized x rounded back to x's dtype, then times weight.
+    with_rstd: (y, rstd), rstd the float32 rsqrt(mean(x^2) + eps), x's shape with a last dim 1."""
     dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(dtype)
+    rstd = torch.rsqrt(variance + eps)
+    y = weight * (h * rstd).to(dtype)
+    return (y, rstd) if with_rstd else y
 
 
 class RMSNorm(nn.Module):
@@ -121,7 +124,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight  # read once: each read of a parameter is a Module.__getattr__ call
         if torch.compiler.is_compiling():
-            return rms_norm_formula(x, weight, self.eps)
+            return self._traced_forward(x, weight)
         recipe = call_recipe(self)
         if recipe is None:
             return rms_norm_formula(x, weight, self.eps)
@@ -140,6 +143,24 @@ class RMSNorm(nn.Module):
                 q.offer_shared(y, found[0])
                 return y
         _last_output[0] = (weakref.ref(y), version_of(y), weakref.ref(self))
+        return y
+
+    def _traced_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The formula; under BlockScaling with a stacked tie reading the output (its input
+        quantizer the noted reader), also the output's two-way cast for that tie, made in one
+        kernel from x and the formula's rstd (BlockScalingQuantizer.cast_norm) and offered to
+        the tie's stacked GEMM (stacked.offer), which takes it instead of casting y. y is then
+        read by nothing in the forward and Inductor does not compute it; the backward is the
+        formula's. The same bytes as the tie's own cast of y (rstd is the formula's)."""
+        q = self._reader[0]
+        recipe = active_recipe()
+        if (not stacked.NORMS or q is None or not q.blockwise or q.sharing < 2 or recipe is None
+                or not getattr(recipe, "stack_siblings", False) or _kernel_refusal(x, weight) is not None
+                or stacked.parts(q.members[0], q) is None):
+            return rms_norm_formula(x, weight, self.eps)
+        y, rstd = rms_norm_formula(x, weight, self.eps, with_rstd=True)
+        cast = q.cast_norm(x, weight, rstd, y.dtype)
+        stacked.offer(q, y, (cast.data, cast.data_t, cast.scale_inv, cast.scale_inv_t))
         return y
 
     def _reader_for(self, recipe) -> Optional[Quantizer]:

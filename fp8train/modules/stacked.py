@@ -47,6 +47,13 @@ EAGER = False
 GATED = True
 
 
+# Whether a compiled fp8train.RMSNorm whose output a stacked tie reads (q/k/v, gate/up) casts
+# that output for the tie in one kernel from the norm's input and rstd (rms_norm.py), so the
+# output itself is never stored (Inductor drops the formula's, read by nothing else). An A/B
+# switch likewise ("unnormed" variants).
+NORMS = True
+
+
 _PLAIN = (nn.Parameter, torch.Tensor)
 
 
@@ -143,4 +150,4 @@ def offered(q: Quantizer) -> bool:
     return q._offered is not None
 
 
-__all__ = ["EAGER", "GATED", "Parts", "TILE", "keep", "offer", "offered", "parts", "take", "take_offer"]
+__all__ = ["EAGER", "GATED", "NORMS", "Parts", "TILE", "keep", "offer", "offered", "parts", "take", "take_offer"]

@@ -77,18 +77,39 @@ def test_gated_grad_cast_is_the_unfused_kernels(shape, dtype, act, warps):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-x-fp32-weight"])
+@pytest.mark.parametrize("shape", [(259, 384), (8192, 1024)], ids=["259x384", "8192x1024"])
+def test_norm_cast_is_the_formulas_cast(shape, dtypes):
+    """An RMS norm's output computed in the cast's read (GATED 3) against the two-way cast of
+    rms_norm_formula's output, the rstd taken from the formula's own ops: byte for byte."""
+    from fp8train.modules.rms_norm import rms_norm_formula
+    x_dtype, w_dtype = dtypes
+    m, k = shape
+    x = (torch.randn(m, k, device=CUDA) * torch.logspace(-3, 3, k, device=CUDA)).to(x_dtype)
+    weight = (torch.randn(k, device=CUDA) * 2).to(w_dtype)
+    y, rstd = rms_norm_formula(x, weight, 1e-6, with_rstd=True)
+    got = _buffers(m, k)
+    block_kernel.norm_block_cast_into(x, weight, rstd[:, 0], y.dtype, *got)
+    want = _buffers(m, k)
+    block_kernel.block_cast_both_into(y, *want)
+    _assert_same(got, want)
+
+
 class _Model(torch.nn.Module):
     def __init__(self, d=256, f=512):
         super().__init__()
         lin = lambda i, o: fp8train.Linear(i, o, bias=False, device=CUDA)  # noqa: E731
+        self.norm = fp8train.RMSNorm(d, device=CUDA)
         self.mlp = fp8train.GatedMLP(lin(d, f), lin(d, f), lin(f, d))
 
     def forward(self, x):
-        return x + self.mlp(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return x + self.mlp(self.norm(x))
 
 
 def _train(gated_on: bool, compiled: bool, monkeypatch, steps=4):
     monkeypatch.setattr(stacked, "GATED", gated_on)
+    monkeypatch.setattr(stacked, "NORMS", gated_on)
     torch.manual_seed(0)
     model = _Model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -110,8 +131,8 @@ def _train(gated_on: bool, compiled: bool, monkeypatch, steps=4):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gated_node_trains_as_the_unfused_mlp_on_the_gpu(compiled, monkeypatch):
-    """GATED on against off, both stacked (eagerly with stacked.EAGER): losses within 1e-3
-    relative after four SGD steps. Eagerly the unfused path's down projection casts in the
+    """GATED and NORMS on against off, both stacked (eagerly with stacked.EAGER; NORMS acts
+    compiled only): losses within 1e-3 relative after four SGD steps. Eagerly the unfused path's down projection casts in the
     C++ node and the product is gated.py's kernel: the same bytes, so the bound is loose; the
     compiled unfused product is Inductor's (float32 ulps apart). A wrong slice, scale or
     dropped gradient is off by order 1."""

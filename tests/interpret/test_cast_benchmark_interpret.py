@@ -21,13 +21,17 @@ import cast as cast_bench  # noqa: E402
 from fp8train.kernels import block_kernel, block_reference  # noqa: E402
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_block_cases_run_and_match_the_twin(dtype, exact_conversions):
+@pytest.mark.parametrize("dtype, cols", [(torch.bfloat16, 300), (torch.float32, 300), (torch.bfloat16, 256)],
+                         ids=["bf16", "fp32", "bf16-gated"])
+def test_block_cases_run_and_match_the_twin(dtype, cols, exact_conversions):
     torch.manual_seed(0)
-    b = cast_bench.Buffers(200, 300, dtype, device="cpu")  # tail blocks both ways
+    b = cast_bench.Buffers(200, cols, dtype, device="cpu")  # tail blocks both ways (gated: rows only)
     assert cast_bench.check_block_bitwise(b) == {"1x128": True, "128x128": True, "both": True}
     names = [name for name, fn, nbytes in cast_bench.block_cases(b)]
-    assert names == ["triton block cast 1x128", "triton block cast 128x128", "triton block cast both (1x128 + 128x1 t)"]
+    gated = [cast_bench.GATED_FWD, "unfused: gated fwd, then block cast both", cast_bench.GATED_GRAD,
+             "unfused: gated bwd, then block cast both of dg | du"] if b.gated else []
+    assert names == ["triton block cast 1x128", "triton block cast 128x128",
+                     "triton block cast both (1x128 + 128x1 t)"] + gated
     for name, fn, nbytes in cast_bench.block_cases(b):
         fn()
         assert nbytes > b.in_bytes * b.numel
@@ -35,21 +39,24 @@ def test_block_cases_run_and_match_the_twin(dtype, exact_conversions):
 
 def test_every_block_variant_gives_the_twins_bytes(exact_conversions):
     torch.manual_seed(1)
-    b = cast_bench.Buffers(130, 260, torch.bfloat16, device="cpu")
+    b = cast_bench.Buffers(130, 256, torch.bfloat16, device="cpu")  # the gated forms take whole column blocks
     seen = set()
     for field, value, shapes, name, launch, nbytes in cast_bench.block_variant_calls(b):
-        b.out.view(torch.uint8).fill_(0xAB)  # not an e4m3 byte of any twin output here
-        b.out_t_blocks.view(torch.uint8).fill_(0xAB)
-        assert not cast_bench.variant_gives_the_twins_bytes(b, name)  # the benchmark's own check can fail
+        for t in (b.out, b.out_t_blocks, b.out2, b.out2_t):
+            t.view(torch.uint8).fill_(0xAB)  # not an e4m3 byte of any twin output here
+        if name not in (cast_bench.GATED_FWD, cast_bench.GATED_GRAD):  # their check rewrites the outputs
+            assert not cast_bench.variant_gives_the_twins_bytes(b, name)  # the benchmark's own check can fail
         launch()
         assert cast_bench.variant_gives_the_twins_bytes(b, name), (field, shapes)
         assert block_kernel.launch_shapes() == block_kernel.BlockShapes()  # the override ended with the launch
+        seen.add((field, repr(value)))
+        if name in (cast_bench.GATED_FWD, cast_bench.GATED_GRAD):
+            continue
         want, _ = block_reference.block_cast(b.x, cast_bench.FP8, cast_bench.BLOCK_OF[name])
         assert torch.equal(b.out.view(torch.uint8), want.view(torch.uint8)), (field, shapes)
         if "both" in name:
             want_t, _ = block_reference.block_cast(b.x, cast_bench.FP8, (128, 1))
             assert torch.equal(b.out_t_blocks[:, :130].view(torch.uint8), want_t.t().view(torch.uint8))
-        seen.add((field, repr(value)))
     # every variant once; a field's own list leaves out its default, which comes first
     assert len(seen) == sum(len(values) + 1 for field, values in cast_bench.BLOCK_VARIANTS)
 

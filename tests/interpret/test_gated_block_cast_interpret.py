@@ -1,6 +1,6 @@
-"""The gated forms of the two-way block cast (block_kernel.gated_block_cast_into and
-gated_grad_block_cast_into: a gated MLP's product, or its gradients dg | du, computed inside
-the cast's read) under the Triton interpreter, against their twin (kernels.gated_block_cast
+"""The computed forms of the two-way block cast (block_kernel.gated_block_cast_into and
+gated_grad_block_cast_into: a gated MLP's product, or its gradients dg | du; norm_block_cast_into:
+an RMS norm's output; each computed inside the cast's read) under the Triton interpreter, against their twin (kernels.gated_block_cast
 and gated_grad_block_cast on CPU tensors: gated_reference's arithmetic, rounded to the
 inputs' dtype, then the two-way cast's twin), bit for bit: both payloads, both scale grids,
 the transposed copy's zero padding. One exp2 on both sides (conftest `same_exp2`: the kernels
@@ -18,7 +18,8 @@ pytest.importorskip("triton")
 
 from fp8train import kernels  # noqa: E402
 from fp8train.kernels import block_reference as br  # noqa: E402
-from fp8train.kernels.block_kernel import gated_block_cast_into, gated_grad_block_cast_into  # noqa: E402
+from fp8train.kernels.block_kernel import (gated_block_cast_into, gated_grad_block_cast_into,  # noqa: E402
+                                           norm_block_cast_into)
 from fp8train.kernels import gated_reference  # noqa: E402
 from fp8train.kernels.gated_reference import GATED_ACTIVATIONS  # noqa: E402
 
@@ -115,3 +116,41 @@ def test_gated_block_casts_check_their_inputs():
         gated_grad_block_cast_into(*(torch.zeros(64, 128),) * 3, "silu", *_buffers(64, 128))
     with pytest.raises(ValueError, match="multiple of 128"):
         kernels.gated_grad_block_cast(g, g, g, "silu", *_buffers(64, 400))
+
+
+@TRACED
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32), (torch.float16, torch.float16)],
+                         ids=["fp32", "bf16", "bf16-x-fp32-weight", "fp16"])
+@pytest.mark.parametrize("shape", [(200, 300), (128, 256)], ids=["tails", "whole"])
+def test_norm_block_cast_kernel_is_the_formulas_cast(shape, dtypes, traced, exact_conversions):
+    """An RMS norm's output computed in the cast's read (GATED 3), against the two-way cast of
+    rms_norm_formula's output (the HF norm's ops; the rstd taken from the same ops), bit for
+    bit: x's dtype, the weight's and their product's (torch's promotion) as HF's norm has them."""
+    from fp8train.modules.rms_norm import rms_norm_formula
+    x_dtype, w_dtype = dtypes
+    m, k = shape
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(m, k + 16, generator=gen) * torch.logspace(-3, 3, k + 16)
+    base[3, 5] = float("inf")  # a row of NaN after the norm
+    x = base.to(x_dtype)[:, 16:]  # row stride k + 16
+    weight = (torch.randn(k, generator=gen) * 2).to(w_dtype)
+    eps = 1e-6
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)[:, 0]
+    y = rms_norm_formula(x, weight, eps)
+    got = _buffers(m, k)
+    norm_block_cast_into(x, weight, rstd, y.dtype, *got, traced=traced)
+    want = _buffers(m, k)
+    kernels.block_cast_both(y, *want)
+    _assert_same(got, want)
+    twin = _buffers(m, k)
+    kernels.norm_block_cast(x, weight, rstd, y.dtype, *twin)
+    _assert_same(twin, want)
+
+
+def test_norm_block_cast_checks_its_inputs():
+    x = torch.zeros(64, 256)
+    with pytest.raises(ValueError, match="rstd"):
+        norm_block_cast_into(x, torch.ones(256), torch.ones(64, dtype=torch.float64), torch.float32, *_buffers(64, 256))
+    with pytest.raises(ValueError, match="weight"):
+        kernels.norm_block_cast(x, torch.ones(255), torch.ones(64), torch.float32, *_buffers(64, 256))
