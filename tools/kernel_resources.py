@@ -77,7 +77,7 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
     for parts, gate, name in ((1, 0, "both"), (3, 0, "both 3 parts"), (1, 1, "both gated"), (1, 2, "both gated grad")):
         yield name, compiled(block_kernel._block_cast_both_kernel, both,
                              {"FP8_MAX": 448.0, "POW2": False, "PARTS": parts, "CLAMP": shapes.both_clamp,
-                              "GATED": gate, "ACT": silu}, shapes.gated if gate else shapes.both, divisible,
+                              "GATED": gate, "ACT": silu}, shapes.gated[gate == 2] if gate else shapes.both, divisible,
                              0 if gate else shapes.both_regs)
     weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
               "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
@@ -90,7 +90,7 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
 def _warps_and_tile(shapes: block_kernel.BlockShapes, name: str):
     """(warps, elements of the tile a program casts) of the kernel `name` under `shapes`."""
     if name.startswith("both"):
-        return (shapes.gated if "gated" in name else shapes.both), 128 * 128
+        return (shapes.gated["grad" in name] if "gated" in name else shapes.both), 128 * 128
     if name == "weight":
         return shapes.tiles[2], 128 * 128
     tm, tk, warps = shapes.of({"1x128": 0, "128x1": 1, "128x128": 2}[name])

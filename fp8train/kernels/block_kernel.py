@@ -62,11 +62,12 @@ class BlockShapes:
     # session: without the clamp 3-5% faster; bf16 at 8 warps capped at 128 another 2-4%.
     both_regs: int = 0
     both_clamp: bool = True
-    # The warps of the two-way cast's gated forms (GATED: a gated MLP's product or its
-    # gradients computed in the cast's read). Their tile holds two or three inputs: at 4 warps
-    # ptxas spills (56 and 616 bytes), at 8 it holds them in 191 and 255 registers (sm_90a,
-    # triton 3.9, tools/kernel_resources.py); not timed yet.
-    gated: int = 8
+    # The warps of the two-way cast's computed forms (GATED: a gated MLP's product, or an RMS
+    # norm's output; and the product's gradients dg | du, whose tiles read three inputs). H100,
+    # sixtieth session, bf16 8192 x 2816: the product 4 warps 57.7% of a copy (8: 53.4%, 16:
+    # 49.9%; 56 bytes of spills at 4), the gradients 8 warps 54.1% (4: 33.7%, 616 bytes of
+    # spills; 16: 48.3%).
+    gated: Tuple[int, int] = (4, 8)
 
     def __post_init__(self):
         for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
@@ -75,8 +76,12 @@ class BlockShapes:
             if not pow2 or any(f is not None and v != f for v, f in zip((tm, tk), fixed)):
                 raise ValueError(f"BlockShapes.{name}: (tile rows, tile cols, warps) must be powers of two with "
                                  f"whole blocks per tile ({fixed}, None: any), got {(tm, tk, warps)}")
-        for name in ("both", "gated"):
-            warps = getattr(self, name)
+        warp_fields = [("both", self.both)]
+        if not isinstance(self.gated, tuple) or len(self.gated) != 2:
+            raise ValueError(f"BlockShapes.gated: (warps of the computed forms, of the gradients' form), got "
+                             f"{self.gated!r}")
+        warp_fields += [("gated", w) for w in self.gated]
+        for name, warps in warp_fields:
             if isinstance(warps, bool) or not isinstance(warps, int) or warps < 1 or warps & (warps - 1) or warps > 32:
                 raise ValueError(f"BlockShapes.{name}: warps, a power of two up to 32, got {warps!r}")
         if isinstance(self.both_regs, bool) or not isinstance(self.both_regs, int) or \
@@ -347,7 +352,7 @@ def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, parts: int = 1
     warps, no cap, as a traced launch cannot pass one)."""
     clamp = shapes.both_clamp or _CLAMP_ALWAYS
     if gated:
-        return _both_binary(fp8_max, pow2, shapes.gated, None, clamp, parts, gated, act)
+        return _both_binary(fp8_max, pow2, shapes.gated[gated == 2], None, clamp, parts, gated, act)
     return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0)
 
 

@@ -49,7 +49,7 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("shape", [(259, 384), (1000, 300), (8192, 2816)], ids=["259x384", "1000x300", "8192x2816"])
 def test_gated_cast_is_the_unfused_kernels(shape, dtype, act, warps):
     g, u = _halves(*shape, dtype, seed=1)
-    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), gated=warps)):
+    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), gated=(warps, warps))):
         got = _buffers(*shape)
         block_kernel.gated_block_cast_into(g, u, act, *got)
     prod = torch.empty(shape, dtype=dtype, device=CUDA)
@@ -67,7 +67,7 @@ def test_gated_grad_cast_is_the_unfused_kernels(shape, dtype, act, warps):
     m, k = shape
     g, u = _halves(m, k, dtype, seed=2)
     da = (torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * 1e-2).to(dtype).to(CUDA)
-    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), gated=warps)):
+    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), gated=(warps, warps))):
         got = _buffers(m, 2 * k)
         block_kernel.gated_grad_block_cast_into(da, g, u, act, *got)
     dg, du = torch.empty_like(da), torch.empty_like(da)
