@@ -77,3 +77,7 @@ def test_block_shapes_refuse_tiles_of_partial_blocks():
     with pytest.raises(ValueError, match="both_clamp"):
         block_kernel.BlockShapes(both_clamp=0)
     block_kernel.BlockShapes(both=8, both_regs=128, both_clamp=False)  # the sweep's capped form
+    for gated in (8, (4,), (4, 3), (0, 8), (True, 8), [4, 8]):
+        with pytest.raises(ValueError, match="gated"):
+            block_kernel.BlockShapes(gated=gated)
+    block_kernel.BlockShapes(gated=(16, 2))
