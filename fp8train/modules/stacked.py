@@ -43,7 +43,7 @@ EAGER = False
 # down projection comes out of the gate/up node, and its backward casts dg | du from the
 # down projection's dX, g and u in one kernel; neither the product nor dg and du are stored.
 # Wherever stacking runs (compiled calls; eager ones with EAGER). An A/B switch for tests and
-# benchmarks/hf_llama.py ("unfused" variants).
+# benchmarks/hf_llama.py ("ungated" variants).
 GATED = True
 
 
