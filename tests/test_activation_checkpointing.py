@@ -177,18 +177,16 @@ def test_hf_llama_with_gradient_checkpointing_trains_as_without(recipe, reentran
     _assert_same_model(model, twin)
 
 
-# BlockScaling, compiled with HF's checkpointing: the gradients came out 1-4% (relative) away
-# from the same compiled model's without checkpointing at the tiny shape, from the second
-# layer's attention down (Dynamo's "eager" backend too; eagerly, for the other recipes, for
-# BF16, and for BlockScaling with modules.base.SHARE_INPUT_CASTS off, bit for bit: the shared
-# input casts of ties). Found in the sixtieth session, present at a29af6e; not yet explained.
-_BLOCK_CKPT_BUG = pytest.mark.xfail(strict=True, reason="compiled BlockScaling under gradient checkpointing: "
-                                    "gradients off by 1-4% (open, sixtieth session)")
+# BlockScaling apart (stack_siblings=False): with HF's checkpointing the compiled model's layers
+# do not stack their siblings (the checkpointed layer runs outside Dynamo's graph, eagerly, where
+# stacking is off: modules/stacked.py EAGER), while the model without checkpointing stacks them
+# in its graph; stacked and apart agree only to FP8 rounding flips (tests/test_stacked_siblings.py),
+# so the bit-for-bit comparison runs with stacking off in both.
+_BLOCK_APART = pytest.param(fp8train.BlockScaling(stack_siblings=False), id="block-apart")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", RECIPES[:2] + [pytest.param(fp8train.BlockScaling(), id="block",
-                                                                marks=_BLOCK_CKPT_BUG)])
+@pytest.mark.parametrize("recipe", RECIPES[:2] + [_BLOCK_APART])
 def test_compiled_hf_llama_with_gradient_checkpointing_trains_as_without(recipe):
     """Compiled (aot_eager: the traced ops as they are), the checkpointed layers' recomputation
     is the backward graph's; the losses are those of the same compiled model without
