@@ -118,6 +118,15 @@ def test_the_mlp_runs_unfused_where_the_node_cannot_take_it(what, monkeypatch, g
     assert model.mlp._path[0] != gated_mlp.GATED_NODE
 
 
+def _compiled_after_one_step(model, batches, autocast_bf16: bool = False):
+    """One eager step (it ties the siblings and makes the quantizers), then the rest compiled
+    (fullgraph, AOTAutograd recording Dynamo's graphs): (the compiled steps' losses, graphs)."""
+    _train(model, STACKED, batches[:1], autocast_bf16)
+    graphs, forwards = [], []
+    compiled = torch.compile(model, fullgraph=True, backend=_aot_recording_backend(graphs, forwards))
+    return _train(compiled, STACKED, batches[1:], autocast_bf16), graphs
+
+
 def test_compiled_gated_node_is_the_eager_one():
     """Compiled (fullgraph) after one eager step: one graph, the eager GATED model's losses
     bit for bit, the gated cast operator twice a step (forward and backward), no block cast of
@@ -125,10 +134,7 @@ def test_compiled_gated_node_is_the_eager_one():
     batches = _batches(3)
     want = _train(_model(), STACKED, batches)
     model = _model()
-    _train(model, STACKED, batches[:1])
-    graphs, forwards = [], []
-    compiled = torch.compile(model, fullgraph=True, backend=_aot_recording_backend(graphs, forwards))
-    got = _train(compiled, STACKED, batches[1:])
+    got, graphs = _compiled_after_one_step(model, batches)
     assert len(graphs) == 1, f"{len(graphs)} graphs: recompiled"
     assert torch.equal(got, want[1:]), (got, want)
     assert _calls(graphs[0], "gated_block_cast") == 2
@@ -180,10 +186,8 @@ def test_compiled_norms_cast_for_their_stacked_readers(autocast_bf16, monkeypatc
         monkeypatch.setattr(stacked, "NORMS", norms)
         torch.manual_seed(0)
         model = _NormedBlock()
-        _train(model, STACKED, batches[:1], autocast_bf16)
-        graphs, forwards = [], []
-        compiled = torch.compile(model, fullgraph=True, backend=_aot_recording_backend(graphs, forwards))
-        runs[norms] = (_train(compiled, STACKED, batches[1:], autocast_bf16), graphs)
+        runs[norms] = _compiled_after_one_step(model, batches, autocast_bf16)
+        graphs = runs[norms][1]
         assert len(graphs) == 1
         assert all(q._offered is None for q in model.modules() if isinstance(q, Quantizer))
     assert torch.equal(runs[True][0], runs[False][0]), runs
