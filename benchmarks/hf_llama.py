@@ -35,6 +35,11 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                GPU's FP8 conversion saturates by itself:
                                                block_kernel.BlockShapes.both_clamp off around
                                                this variant's steps, compiles included; an A/B)
+  fp8 {eager,compile} block unmasked           the two-way block casts unmasked on whole tiles,
+                                               8 warps, no clamp, the gated forms 8 / 8 warps
+                                               (BlockShapes(both=8, both_clamp=False, gated=(8, 8),
+                                               even=True) around this variant's steps: the
+                                               candidate default, two programs an SM; an A/B)
   fp8 compile block ungated                    the gated MLP's product and its gradients stored
                                                and cast apart (modules.stacked.GATED off around
                                                this variant's steps; the default casts them inside
@@ -144,7 +149,8 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
             "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block stacked",
-            "fp8 eager block unclamped", "fp8 compile block unclamped", "fp8 compile block ungated",
+            "fp8 eager block unclamped", "fp8 compile block unclamped",
+            "fp8 eager block unmasked", "fp8 compile block unmasked", "fp8 compile block ungated",
             "fp8 compile block unnormed", "fp8 compile block ungated unnormed",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
@@ -260,6 +266,7 @@ class Runner:
         self.norms = "unnormed" not in variant.split() and _NORMS
         self.tuned = "tuned" in variant.split()
         self.unclamped = "unclamped" in variant.split()
+        self.unmasked = "unmasked" in variant.split()
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -302,6 +309,10 @@ class Runner:
         if self.unclamped:  # read where a cast's launch is made: eager calls, a compile's trace (baked in)
             from fp8train.kernels import block_kernel  # needs triton
             shapes = block_kernel.override_shapes(replace(block_kernel.BlockShapes(), both_clamp=False))
+        elif self.unmasked:
+            from fp8train.kernels import block_kernel
+            shapes = block_kernel.override_shapes(replace(block_kernel.BlockShapes(), both=8, both_clamp=False,
+                                                          gated=(8, 8), even=True))
         try:
             with shapes:
                 return self._step(m, recipe)

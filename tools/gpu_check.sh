@@ -47,11 +47,10 @@
 #          per recipe at h1024; at h2048 three seeds of four recipes side by side ~6.5 minutes; seeds run
 #          side by side as far as GPU memory allows: 9 at h1024 and 5 at h2048 on an 80 GB H100, the rest
 #          start as others end)
-#   block  BlockScaling on the GPU: its GPU tests (casts, the one-read cast, the weight's one-launch
-#          cast, both GEMM paths, the compiled Linear, the C++ node's block path, stacked
-#          siblings), then benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager
-#          and compiled (stacked, the gated MLP's and the norms' casts inside their kernels: the
-#          default; and without those two: "ungated unnormed")
+#   block  BlockScaling on the GPU: its GPU tests (both GEMM paths, the compiled Linear, the C++
+#          node's block path, stacked siblings; the casts' own: blockcast), then
+#          benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled (the
+#          default; and "unmasked": the two-way casts unmasked at 8 warps, the candidate default)
 #   blockcast  the block cast kernels' GPU tests (and the gated forms' and GatedMLP's, modules/stacked.py
 #          GATED), then benchmarks/cast.py --block: their bandwidth
 #          against a copy and against torch.compile of their torch-op form, with their launch-shape
@@ -175,20 +174,24 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
       tar -czf "$OUT/numerics_${shape}_seeds.tar.gz" -C "$OUT" $(cd "$OUT" && ls numerics_${shape}_s*.json \
         numerics_${shape}_s*.log) && rm -f "$OUT"/numerics_${shape}_s*.json "$OUT"/numerics_${shape}_s*.log ;;
     block)
+      # the casts' own tests (480 cases): blockcast
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_block_scaling_gpu.py \
-        tests/gpu/test_block_cast_gpu.py tests/gpu/test_block_native_gpu.py tests/gpu/test_stacked_siblings_gpu.py 2>&1 \
+        tests/gpu/test_block_native_gpu.py tests/gpu/test_stacked_siblings_gpu.py 2>&1 \
         | tee "$OUT/block_tests.log" \
         | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
-        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 compile block,fp8 compile block ungated unnormed}" \
+        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 compile block,fp8 compile block unmasked}" \
         --json "$OUT/hf_block.json" 2>&1 \
         | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path|  tune)|failed" ;;
     blockcast)
-      # the two files took over 130 s on a cold H100 (2026-12-07): the bf16 patterns and the forms' compiles
-      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/gpu/test_gated_stacked_gpu.py \
-        tests/gpu/test_block_cast_gpu.py 2>&1 \
-        | grep -E "passed|failed|^(FAILED|ERROR)"
+      # 590 cases, most a Triton compile (440 took 385 s in one process beside the suite's other
+      # shards, 2026-12-07): three processes
+      t="timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short"
+      $t tests/gpu/test_gated_stacked_gpu.py 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)" &
+      $t tests/gpu/test_block_cast_gpu.py -k both 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)" &
+      $t tests/gpu/test_block_cast_gpu.py -k "not both" 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)" &
+      wait
       timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 2048 --input-dtype float32 \
         --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log" | grep -v "^  FlatConfig\|^  TileConfig"
       timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 5632 --json "$OUT/cast_block_bf16.json" \

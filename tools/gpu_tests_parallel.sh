@@ -32,16 +32,17 @@ slow_modules=(tests/gpu/test_graphs_gpu.py tests/gpu/test_replay_gpu.py tests/gp
   tests/gpu/test_shared_inputs_gpu.py tests/gpu/test_precision_gpu.py tests/gpu/test_fused_modules_gpu.py
   tests/gpu/test_linear_gpu.py)
 usage=(tests/gpu/test_hf_llama_usage_gpu.py tests/gpu/test_activation_checkpointing_gpu.py tests/gpu/test_ddp_gpu.py)
-# the block casts' forms and the gated casts (440 cases, most a Triton compile), then the scaled
-# GEMMs' files: "rest" ran past its 540 s with them on 2026-12-07
-block_casts=(tests/gpu/test_block_cast_gpu.py tests/gpu/test_gated_stacked_gpu.py)
-scaled=(tests/gpu/test_pow2_scales_gpu.py tests/gpu/test_lt_gemm_gpu.py tests/gpu/test_block_scaling_gpu.py
-  tests/gpu/test_block_native_gpu.py tests/gpu/test_stacked_siblings_gpu.py)
-slow=("${slow_models[@]}" "${slow_modules[@]}" "${usage[@]}" "${block_casts[@]}" "${scaled[@]}")
+# the block casts (480 cases, most a Triton compile: the two-way cast's in one shard, the
+# one-way and weight casts' in another), then the gated casts beside the scaled GEMMs' files:
+# "rest" ran past its 540 s with them on 2026-12-07
+scaled=(tests/gpu/test_gated_stacked_gpu.py tests/gpu/test_pow2_scales_gpu.py tests/gpu/test_lt_gemm_gpu.py
+  tests/gpu/test_block_scaling_gpu.py tests/gpu/test_block_native_gpu.py tests/gpu/test_stacked_siblings_gpu.py)
+slow=("${slow_models[@]}" "${slow_modules[@]}" "${usage[@]}" tests/gpu/test_block_cast_gpu.py "${scaled[@]}")
 run rest-slow-models "${slow_models[@]}"
 run rest-slow-modules "${slow_modules[@]}"
 run rest-usage "${usage[@]}"
-run rest-block-casts "${block_casts[@]}"
+run rest-block-both tests/gpu/test_block_cast_gpu.py -k both
+run rest-block-cast tests/gpu/test_block_cast_gpu.py -k "not both"
 run rest-scaled "${scaled[@]}"
 run rest tests --ignore=tests/gpu/test_kernels_gpu.py --ignore=tests/gpu/test_activation_gpu.py \
   --ignore=tests/gpu/test_norm_gpu.py --ignore=tests/gpu/test_transpose_gpu.py --ignore=tests/gpu/test_launcher_gpu.py \

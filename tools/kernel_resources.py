@@ -71,13 +71,20 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
             **{n: "i32" for n in ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "stride_sr",
                                   "stride_sc", "out_t_cols")},
             "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr", "CLAMP": "constexpr",
-            "GATED": "constexpr", "ACT": "constexpr"}
+            "GATED": "constexpr", "ACT": "constexpr", "EVEN": "constexpr"}
     divisible = ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "out_t_cols")
     silu = gated._ACT_CODES["silu"]
-    for parts, gate, name in ((1, 0, "both"), (3, 0, "both 3 parts"), (1, 1, "both gated"), (1, 2, "both gated grad")):
-        yield name, compiled(block_kernel._block_cast_both_kernel, both,
+    # whole tiles (launched unmasked where BlockShapes.even is on), then the plain cast of a
+    # shape with tails (masked always); the norm's output rounded to bf16
+    whole = shapes.even
+    for parts, gate, act, even, name in ((1, 0, 0, whole, "both"), (1, 0, 0, False, "both tails"),
+                                         (3, 0, 0, whole, "both 3 parts"), (1, 1, silu, whole, "both gated"),
+                                         (1, 2, silu, whole, "both gated grad"), (1, 3, 1, whole, "both norm")):
+        sig = dict(both, x2_ptr="*fp32") if gate == 3 else both
+        yield name, compiled(block_kernel._block_cast_both_kernel, sig,
                              {"FP8_MAX": 448.0, "POW2": False, "PARTS": parts, "CLAMP": shapes.both_clamp,
-                              "GATED": gate, "ACT": silu}, shapes.gated[gate == 2] if gate else shapes.both, divisible,
+                              "GATED": gate, "ACT": act, "EVEN": even},
+                             shapes.gated[gate == 2] if gate else shapes.both, divisible,
                              0 if gate else shapes.both_regs)
     weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
               "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
@@ -107,8 +114,8 @@ def main(argv=None) -> None:
     from cast import BLOCK_VARIANTS  # benchmarks/cast.py: the variants the GPU sweep times
 
     default = block_kernel.BlockShapes()
-    wanted = {"rows": ("1x128",), "cols": ("128x1",), "tiles": ("128x128", "weight"), "both": ("both", "both 3 parts"),
-              "gated": ("both gated", "both gated grad")}
+    wanted = {"rows": ("1x128",), "cols": ("128x1",), "tiles": ("128x128", "weight"), "both": ("both", "both tails", "both 3 parts"),
+              "gated": ("both gated", "both gated grad", "both norm")}
     print(f"block cast kernels, x {args.dtype}, sm_90a, triton {triton.__version__}")
     for field, values in [(None, [None])] + BLOCK_VARIANTS:
         for value in values:

@@ -53,13 +53,16 @@ class BlockShapes:
     rows: Tuple[int, int, int] = (32, 128, 4)
     cols: Tuple[int, int, int] = (128, 64, 4)
     tiles: Tuple[int, int, int] = (128, 128, 16)
+    # The two-way cast's warps. A 128 x 128 tile in registers: at 4 warps ~250 registers a
+    # thread, two programs (8 warps) an SM.
     both: int = 4
     # The two-way cast's register cap a thread (0: ptxas's choice; 128 at 8 warps: two programs
     # an SM) and whether it clamps before the FP8 conversion. On the GPU Triton's conversion
     # saturates by itself (cvt.rn.satfinite: out-of-range and inf to the largest finite value,
-    # NaN kept), so the clamp repeats it (same bytes, 2 of ~18 instructions an element); the
-    # interpreter's conversion does not saturate, so there it always clamps. H100, fifty-ninth
-    # session: without the clamp 3-5% faster; bf16 at 8 warps capped at 128 another 2-4%.
+    # NaN kept), so the clamp repeats it (same bytes, 2 of ~18 instructions an element, and ~40
+    # registers at 8 warps); the interpreter's conversion does not saturate, so there it always
+    # clamps. H100, fifty-ninth session: without the clamp 3-5% faster; bf16 at 8 warps capped
+    # at 128 another 2-4%; the forms' GPU tests pass without it (H100 and H200).
     both_regs: int = 0
     both_clamp: bool = True
     # The warps of the two-way cast's computed forms (GATED: a gated MLP's product, or an RMS
@@ -68,6 +71,13 @@ class BlockShapes:
     # 49.9%; 56 bytes of spills at 4), the gradients 8 warps 54.1% (4: 33.7%, 616 bytes of
     # spills; 16: 48.3%).
     gated: Tuple[int, int] = (4, 8)
+    # Whole tiles (M and K multiples of 128) launch a kernel without masks: fewer registers and
+    # instructions. With it, 8 warps and no clamp, the plain cast, the product's and the norm's
+    # (float32 x) take 127-128 registers (triton 3.9's ptxas, tools/kernel_resources.py), so two
+    # programs of 8 warps fit an SM without a cap, which a traced launch cannot pass; at 4 warps
+    # the norm's spills 112-280 bytes. Not yet timed on the GPU: the candidate default
+    # (benchmarks/cast.py's and hf_llama.py's "unmasked" A/B).
+    even: bool = False
 
     def __post_init__(self):
         for name, (tm, tk, warps), fixed in (("rows", self.rows, (None, 128)), ("cols", self.cols, (128, None)),
@@ -87,8 +97,9 @@ class BlockShapes:
         if isinstance(self.both_regs, bool) or not isinstance(self.both_regs, int) or \
                 not (self.both_regs == 0 or 24 <= self.both_regs <= 255):
             raise ValueError(f"BlockShapes.both_regs: 0 (no cap) or a register cap from 24 to 255, got {self.both_regs!r}")
-        if not isinstance(self.both_clamp, bool):
-            raise ValueError(f"BlockShapes.both_clamp: a bool, got {self.both_clamp!r}")
+        for name in ("both_clamp", "even"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BlockShapes.{name}: a bool, got {getattr(self, name)!r}")
 
     def of(self, mode: int) -> Tuple[int, int, int]:
         return (self.rows, self.cols, self.tiles)[mode]
@@ -170,7 +181,7 @@ def _round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gated_tile(x_ptr, x1_ptr, x2_ptr, r, c, col0, inside, M, K, K1, stride_xm, stride_x1m, stride_x2m,
+def _gated_tile(x_ptr, x1_ptr, x2_ptr, r, c, col0, in_r, in_c, inside, K1, stride_xm, stride_x1m, stride_x2m,
                 GATED: tl.constexpr, ACT: tl.constexpr):
     """The two-way cast's tile computed from other tensors (_block_cast_both_kernel's GATED),
     float32, rounded to the dtype the unfused kernel or formula would have stored it in: a
@@ -178,9 +189,9 @@ def _gated_tile(x_ptr, x1_ptr, x2_ptr, r, c, col0, inside, M, K, K1, stride_xm, 
     (rms_norm_formula's, with its rstd given)."""
     if GATED == 3:  # an RMS norm's output: weight (x1_ptr) * (x * rstd (x2_ptr), rounded to x's dtype)
         v = tl.load(x_ptr + r * stride_xm + c[None, :], mask=inside, other=0.0).to(tl.float32)
-        rstd = tl.load(x2_ptr + r, mask=r < M, other=0.0)
+        rstd = tl.load(x2_ptr + r, mask=in_r[:, None], other=0.0)
         h = (v * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(x1_ptr + c, mask=c < K, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(x1_ptr + c, mask=in_c, other=0.0).to(tl.float32)[None, :]
         # ACT: the product's dtype (torch's promotion of weight and x); lanes past M or K give +0
         # (the transposed copy's zero padding), where a negative weight times 0 would give -0
         return tl.where(inside, _round_to(w * h, ACT), 0.0)
@@ -211,7 +222,7 @@ def _block_cast_both_kernel(
     sinv_t_ptr,  # (Mb, K) float32, row-major
     M, K, K1, K2, stride_xm, stride_x1m, stride_x2m, stride_sr, stride_sc, out_t_cols,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr, CLAMP: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
     second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
@@ -241,9 +252,19 @@ def _block_cast_both_kernel(
     col0 = (pid % tiles_k) * 128
     r = row0 + tl.arange(0, 128)
     c = col0 + tl.arange(0, 128)
-    inside = (r < M)[:, None] & (c < K)[None, :]
+    i = tl.arange(0, 256) % 128  # the scale exchange's lanes: 0..127 the rows' slots, 128..255 the columns'
+    is_row = tl.arange(0, 256) < 128
+    if EVEN:  # whole tiles: constant masks, which the compiler drops
+        in_r = tl.full([128], 1, tl.int1)
+        in_c = tl.full([128], 1, tl.int1)
+        used = tl.full([256], 1, tl.int1)
+    else:
+        in_r = r < M
+        in_c = c < K
+        used = tl.where(is_row, row0 + i < M, col0 + i < K)
+    inside = in_r[:, None] & in_c[None, :]
     if GATED != 0:
-        x = _gated_tile(x_ptr, x1_ptr, x2_ptr, tl.cast(r, tl.int64)[:, None], c, col0, inside, M, K, K1,
+        x = _gated_tile(x_ptr, x1_ptr, x2_ptr, tl.cast(r, tl.int64)[:, None], c, col0, in_r, in_c, inside, K1,
                         stride_xm, stride_x1m, stride_x2m, GATED, ACT)
     elif PARTS == 1:
         x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
@@ -257,26 +278,22 @@ def _block_cast_both_kernel(
     bits = _abs_bits(x)
     row_slots = sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc
     col_slots = sinv_t_ptr + (row0 // 128) * K + c
-    tl.store(row_slots.to(tl.pointer_type(tl.int32), bitcast=True), tl.max(bits, axis=1), mask=r < M)
-    tl.store(col_slots.to(tl.pointer_type(tl.int32), bitcast=True), tl.max(bits, axis=0), mask=c < K)
+    tl.store(row_slots.to(tl.pointer_type(tl.int32), bitcast=True), tl.max(bits, axis=1), mask=in_r)
+    tl.store(col_slots.to(tl.pointer_type(tl.int32), bitcast=True), tl.max(bits, axis=0), mask=in_c)
     tl.debug_barrier()
-    # lanes 0..127: the rows' slots, 128..255: the columns'
-    i = tl.arange(0, 256) % 128
-    is_row = tl.arange(0, 256) < 128
     slot = tl.where(is_row, sinv_ptr + tl.cast(row0 + i, tl.int64) * stride_sr + (col0 // 128) * stride_sc,
                     sinv_t_ptr + (row0 // 128) * K + col0 + i)
-    used = tl.where(is_row, row0 + i < M, col0 + i < K)
     amax_bits = tl.load(slot.to(tl.pointer_type(tl.int32), bitcast=True), mask=used, other=0, cache_modifier=".cg")
     scale = _scale_of(amax_bits, FP8_MAX, POW2)
     tl.store(slot, scale, mask=used)
     tl.debug_barrier()
-    row_scale = tl.load(row_slots, mask=r < M, other=1.0, cache_modifier=".cg")
-    col_scale = tl.load(col_slots, mask=c < K, other=1.0, cache_modifier=".cg")
+    row_scale = tl.load(row_slots, mask=in_r, other=1.0, cache_modifier=".cg")
+    col_scale = tl.load(col_slots, mask=in_c, other=1.0, cache_modifier=".cg")
     y = _scaled(x, row_scale[:, None], FP8_MAX, CLAMP)
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
     # rows M..Mp of the tile loaded 0: their bytes are out_t's zero padding
     y_t = tl.trans(_scaled(x, col_scale[None, :], FP8_MAX, CLAMP).to(out_t_ptr.dtype.element_ty))  # (columns, rows)
-    tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=(c < K)[:, None])
+    tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=in_c[:, None])
     tl.debug_barrier()  # every thread has read its scales before the slots change
     tl.store(slot, tl.math.div_rn(1.0, scale), mask=used)
 
@@ -346,21 +363,23 @@ def _weight_kernel(fp8_max: float, pow2: bool, transpose: bool, warps: int) -> D
 _CLAMP_ALWAYS = not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFunction)
 
 
-def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, parts: int = 1, gated: int = 0,
-                 act: int = 0) -> DirectKernel:
-    """The two-way cast under `shapes` (its warps, register cap and clamp; gated forms: their
-    warps, no cap, as a traced launch cannot pass one)."""
+def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, shape: Tuple[int, int], parts: int = 1,
+                 gated: int = 0, act: int = 0) -> DirectKernel:
+    """The two-way cast of an (M, K) `shape` under `shapes` (its warps, register cap and clamp;
+    gated forms: their warps, no cap, as a traced launch cannot pass one), specialized on
+    whole tiles (M and K multiples of 128: no masks)."""
     clamp = shapes.both_clamp or _CLAMP_ALWAYS
+    even = shapes.even and shape[0] % 128 == 0 and shape[1] % 128 == 0
     if gated:
-        return _both_binary(fp8_max, pow2, shapes.gated[gated == 2], None, clamp, parts, gated, act)
-    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0)
+        return _both_binary(fp8_max, pow2, shapes.gated[gated == 2], None, clamp, parts, gated, act, even)
+    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0, even)
 
 
 @functools.lru_cache(maxsize=None)
 def _both_binary(fp8_max: float, pow2: bool, warps: int, regs, clamp: bool, parts: int, gated: int,
-                 act: int) -> DirectKernel:
+                 act: int, even: bool) -> DirectKernel:
     return DirectKernel(_block_cast_both_kernel, num_warps=warps, maxnreg=regs, FP8_MAX=fp8_max, POW2=pow2,
-                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act)
+                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act, EVEN=even)
 
 
 @functools.lru_cache(maxsize=None)
@@ -482,7 +501,7 @@ def native_launch(shape, x_dtype: torch.dtype, fp8_dtype: torch.dtype, transpose
         holes = (x, x, x, data, data_t, scale_inv, scale_inv_t) if transpose else \
             (x, x, x, data, data, scale_inv, scale_inv)
     elif transpose:
-        kernel = _both_kernel(fp8_max, pow2, launch_shapes())
+        kernel = _both_kernel(fp8_max, pow2, launch_shapes(), (m, k))
         grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
         ints = (m, k, k, k, k, k, k, 1, m, -(-m // 128) * 128)  # one part: K1 = K2 = K, strides K
         samples = (like(x_dtype), like(x_dtype), like(x_dtype), like(fp8_dtype), like(fp8_dtype),
@@ -617,7 +636,7 @@ def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale
     if m * k == 0:
         return
     grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes(), parts, gated, act)
+    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes(), x_shape, parts, gated, act)
     # absent parts: the last one again (no tile reads it); one part: x itself throughout
     xs = (*xs, *xs[-1:] * (MAX_PARTS - len(xs)))
     strides = tuple(p.stride(0) if m > 1 and p.dim() == 2 else p.shape[-1] for p in xs)

@@ -20,7 +20,8 @@ from helpers import all_bf16_values
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 BLOCKS = [pytest.param(b, id=f"{b[0]}x{b[1]}") for b in br.BLOCKS]
-INPUTS = ["every-bf16", "random-259x255", "random-291x304"]
+# tails in both dims, then whole tiles (the two-way cast's unmasked kernel, BlockShapes.even)
+INPUTS = ["every-bf16", "random-259x255", "random-291x304", "random-256x384"]
 
 
 def _every_bf16_pattern(dtype) -> torch.Tensor:
@@ -74,11 +75,12 @@ def test_block_cast_both_kernel_is_the_twin_on_the_gpu(parts, kind, dtype, fp8, 
 
 
 # the two-way cast's other forms (BlockShapes: no clamp, the conversion saturating alone; 8
-# warps capped at 128 registers): the twin's bytes too, every bf16 pattern's inf, NaN and
-# values past the format's largest saturating in blocks whose scale is 1
+# warps capped at 128 registers; whole tiles unmasked, and so at 8 warps without the clamp, the
+# candidate default): the twin's bytes too, every bf16 pattern's inf, NaN and values past the
+# format's largest saturating in blocks whose scale is 1
 BOTH_FORMS = [pytest.param({"both_clamp": False}, id="no-clamp"),
-              pytest.param({"both": 8, "both_regs": 128}, id="8-warps-128-regs"),
-              pytest.param({"both": 8, "both_regs": 128, "both_clamp": False}, id="8-warps-128-regs-no-clamp")]
+              pytest.param({"both": 8, "both_regs": 128, "both_clamp": False}, id="8-warps-128-regs-no-clamp"),
+              pytest.param({"both": 8, "both_clamp": False, "even": True}, id="8-warps-no-clamp-unmasked")]
 
 
 @_cast_params

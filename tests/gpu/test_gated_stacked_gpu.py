@@ -16,7 +16,10 @@ from fp8train.modules import gated_mlp, stacked
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 ACTS = ["silu", "gelu_tanh"]
-WARPS = [pytest.param(w, id=f"{w}warps") for w in (4, 8, 16)]
+# BlockShapes fields: the masked kernel at 4, 8 and 16 warps, and unmasked on whole
+# tiles at 8 without the clamp (the candidate default; masked wherever a shape has tails)
+FORMS = [pytest.param({"gated": (w, w)}, id=f"{w}warps") for w in (4, 8, 16)] + \
+    [pytest.param({"gated": (8, 8), "even": True, "both_clamp": False}, id="8warps-unmasked")]
 
 
 def _halves(m, k, dtype, seed):
@@ -43,13 +46,13 @@ def _assert_same(got, want):
                            b.view(torch.uint8) if b.dtype != torch.float32 else b)
 
 
-@pytest.mark.parametrize("warps", WARPS)
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(259, 384), (1000, 300), (8192, 2816)], ids=["259x384", "1000x300", "8192x2816"])
-def test_gated_cast_is_the_unfused_kernels(shape, dtype, act, warps):
+def test_gated_cast_is_the_unfused_kernels(shape, dtype, act, form):
     g, u = _halves(*shape, dtype, seed=1)
-    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), gated=(warps, warps))):
+    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), **form)):
         got = _buffers(*shape)
         block_kernel.gated_block_cast_into(g, u, act, *got)
     prod = torch.empty(shape, dtype=dtype, device=CUDA)
@@ -59,15 +62,15 @@ def test_gated_cast_is_the_unfused_kernels(shape, dtype, act, warps):
     _assert_same(got, want)
 
 
-@pytest.mark.parametrize("warps", WARPS)
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(259, 384), (1000, 128), (8192, 2816)], ids=["259x384", "1000x128", "8192x2816"])
-def test_gated_grad_cast_is_the_unfused_kernels(shape, dtype, act, warps):
+def test_gated_grad_cast_is_the_unfused_kernels(shape, dtype, act, form):
     m, k = shape
     g, u = _halves(m, k, dtype, seed=2)
     da = (torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * 1e-2).to(dtype).to(CUDA)
-    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), gated=(warps, warps))):
+    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), **form)):
         got = _buffers(m, 2 * k)
         block_kernel.gated_grad_block_cast_into(da, g, u, act, *got)
     dg, du = torch.empty_like(da), torch.empty_like(da)
@@ -79,8 +82,9 @@ def test_gated_grad_cast_is_the_unfused_kernels(shape, dtype, act, warps):
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-x-fp32-weight"])
+@pytest.mark.parametrize("form", [pytest.param({}, id="default"), FORMS[-1]])
 @pytest.mark.parametrize("shape", [(259, 384), (8192, 1024)], ids=["259x384", "8192x1024"])
-def test_norm_cast_is_the_formulas_cast(shape, dtypes):
+def test_norm_cast_is_the_formulas_cast(shape, dtypes, form):
     """An RMS norm's output computed in the cast's read (GATED 3) against the two-way cast of
     rms_norm_formula's output, the rstd taken from the formula's own ops: byte for byte."""
     from fp8train.modules.rms_norm import rms_norm_formula
@@ -90,7 +94,8 @@ def test_norm_cast_is_the_formulas_cast(shape, dtypes):
     weight = (torch.randn(k, device=CUDA) * 2).to(w_dtype)
     y, rstd = rms_norm_formula(x, weight, 1e-6, with_rstd=True)
     got = _buffers(m, k)
-    block_kernel.norm_block_cast_into(x, weight, rstd[:, 0], y.dtype, *got)
+    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), **form)):
+        block_kernel.norm_block_cast_into(x, weight, rstd[:, 0], y.dtype, *got)
     want = _buffers(m, k)
     block_kernel.block_cast_both_into(y, *want)
     _assert_same(got, want)

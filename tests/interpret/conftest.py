@@ -50,3 +50,17 @@ def same_exp2(monkeypatch, exact_conversions):
     monkeypatch.setattr(torch, "exp2", exp2)
     monkeypatch.setattr(_interpreter.InterpreterBuilder, "create_exp2",
                         lambda self, arg: self.unary_op(arg, _exact_exp2))
+
+
+@pytest.fixture
+def unmasked():
+    """block_kernel.BlockShapes.even on for the test: whole tiles launch the two-way cast's
+    kernel without masks (the others still take the masked one)."""
+    import dataclasses
+
+    from fp8train.kernels import block_kernel
+    shapes = dataclasses.replace(block_kernel.launch_shapes(), even=True)
+    assert block_kernel._both_kernel(448.0, False, shapes, (128, 256)).tail[-1] is True  # EVEN
+    assert block_kernel._both_kernel(448.0, False, shapes, (200, 256)).tail[-1] is False
+    with block_kernel.override_shapes(shapes):
+        yield

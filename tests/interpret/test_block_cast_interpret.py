@@ -120,6 +120,23 @@ def _check_both(shape, dtype, fp8, power_of_two):
 
 
 @TRACED
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_block_cast_both_kernel_unmasked_matches_the_twin(dtype, fp8, traced, unmasked, exact_conversions):
+    # whole tiles (256 x 384) under BlockShapes.even: the kernel without masks, whole and as
+    # column-stacked parts
+    x = _input((256, 384), dtype, seed=12)
+    for source in (x, [x[:, :128].contiguous(), x[:, 128:]]):
+        out, out_t = torch.empty(x.shape, dtype=fp8), torch.full((384, 256), 0x55, dtype=torch.uint8).view(fp8)
+        si, si_t = _scale_buffer((256, 3), column_major=True), torch.full((2, 384), -1.0)
+        block_cast_both_into(source, out, out_t, si, si_t, traced=traced)
+        want, want_si, want_t, want_si_t = _both_twin(x, fp8)
+        assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
+        assert_fp8_equal(out, want)
+        assert_fp8_equal(out_t, want_t)
+
+
+@TRACED
 def test_block_cast_both_kernel_reads_strided_rows(traced, exact_conversions):
     x = _input((150, 400), torch.bfloat16, seed=5)[:, 50:350]  # row stride 400, 300 columns
     out, out_t = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(300, 256, dtype=torch.float8_e4m3fn)

@@ -76,7 +76,9 @@ def test_block_shapes_refuse_tiles_of_partial_blocks():
             block_kernel.BlockShapes(both_regs=regs)
     with pytest.raises(ValueError, match="both_clamp"):
         block_kernel.BlockShapes(both_clamp=0)
-    block_kernel.BlockShapes(both=8, both_regs=128, both_clamp=False)  # the sweep's capped form
+    with pytest.raises(ValueError, match="even"):
+        block_kernel.BlockShapes(even=1)
+    block_kernel.BlockShapes(both=8, both_regs=128, both_clamp=False, even=True)  # the sweep's forms
     for gated in (8, (4,), (4, 3), (0, 8), (True, 8), [4, 8]):
         with pytest.raises(ValueError, match="gated"):
             block_kernel.BlockShapes(gated=gated)

@@ -104,6 +104,14 @@ def test_gated_grad_block_cast_kernel_matches_the_twin(shape, dtype, act, traced
     _assert_same(want, plain)
 
 
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_block_casts_unmasked_match_the_twin(act, unmasked, same_exp2):
+    """Whole tiles under BlockShapes.even (the kernel without masks): the product's and the
+    gradients' checks above."""
+    test_gated_block_cast_kernel_matches_the_twin((256, 384), torch.bfloat16, act, False, same_exp2)
+    test_gated_grad_block_cast_kernel_matches_the_twin((128, 256), torch.float32, act, True, same_exp2)
+
+
 def test_gated_block_casts_check_their_inputs():
     g = torch.zeros(64, 200)
     with pytest.raises(ValueError, match="act must be one of"):
@@ -146,6 +154,13 @@ def test_norm_block_cast_kernel_is_the_formulas_cast(shape, dtypes, traced, exac
     twin = _buffers(m, k)
     kernels.norm_block_cast(x, weight, rstd, y.dtype, *twin)
     _assert_same(twin, want)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16-x-fp32-weight"])
+def test_norm_block_cast_unmasked_is_the_formulas_cast(dtypes, unmasked, exact_conversions):
+    """Whole tiles under BlockShapes.even (the kernel without masks): the check above."""
+    test_norm_block_cast_kernel_is_the_formulas_cast((256, 384), dtypes, False, exact_conversions)
 
 
 def test_norm_block_cast_checks_its_inputs():
