@@ -66,11 +66,15 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                kernels, such as the weights' amaxes, launched as
                                                one; a user's compile option, measured alike for all)
   bf16 eager ckpt, fp8 eager {current,delayed} ckpt, bf16 compile ckpt, fp8 compile current ckpt,
-  torchao compile ckpt                         the same with HF's activation checkpointing (every
+  fp8 compile block ckpt, torchao compile ckpt the same with HF's activation checkpointing (every
                                                decoder layer recomputed in the backward;
                                                torch.utils.checkpoint, not reentrant), called with
                                                use_cache=False (HF's warning about it otherwise
-                                               breaks the compiled graph): memory against speed
+                                               breaks the compiled graph), compiled with Dynamo's
+                                               skip_fwd_side_effects_in_bwd_under_checkpoint (HF's
+                                               attention sets a context variable, which otherwise
+                                               breaks the graph at every checkpointed layer and
+                                               runs it eagerly): memory against speed
   torchao compile, torchao compile-ro          torchao.float8 convert_to_float8_training
                                                (tensorwise, not lm_head) + torch.compile, when
                                                torchao imports (TARGETS.md: carry its wheel)
@@ -155,7 +159,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",
             "bf16 eager ckpt", "fp8 eager current ckpt", "fp8 eager delayed ckpt", "bf16 compile ckpt",
-            "fp8 compile current ckpt", "torchao compile ckpt"]
+            "fp8 compile current ckpt", "fp8 compile block ckpt", "torchao compile ckpt"]
 # variant words that are torch.compile options (a user's choice, not fp8train's)
 COMPILE_OPTIONS = {"combo": {"combo_kernels": True}}
 
@@ -223,6 +227,8 @@ def prepare(variant: str, model: torch.nn.Module, first_step: Callable[[], None]
     recipe = None
     if "ckpt" in rest:
         checkpointing(model)
+        if mode.startswith("compile"):  # read while tracing; a checkpointed model's alone (torchtitan sets it too)
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     if kind == "fp8":
         recipe = recipe_of(rest)
         fp8train.convert(model, recipe, filter_fn=not_lm_head, fuse_norms="unfused" not in rest,

@@ -130,3 +130,17 @@ def test_block_stacked_variants_stack_gate_up_on_cpu(tmp_path, monkeypatch):
     # apart no GEMM operand is 256 wide or tall
     shapes = set(map(tuple, calls))
     assert (128, 256) in shapes and (256, 128) in shapes, shapes
+
+
+def test_compiled_ckpt_variant_is_one_graph_on_cpu(tmp_path):
+    """A compiled `ckpt` variant traces the checkpointed layers into the graph (use_cache=False
+    and Dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint, which the variant sets): no
+    graph break, so BlockScaling's siblings stack in them as in the model without checkpointing."""
+    from torch._dynamo.utils import counters
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):  # restored after
+        counters.clear()
+        rows = _one_step_rows(tmp_path, ["fp8 compile block ckpt"])
+        breaks = dict(counters["graph_break"])
+        assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    assert not breaks, breaks
+    assert abs(rows[0]["loss"] - 5.55) < 0.1, rows  # ~log(256)
