@@ -442,9 +442,12 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true", help="also time other launch shapes of each kernel")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
     parser.add_argument("--block", action="store_true", help="BlockScaling's block casts too (--variants: theirs)")
+    parser.add_argument("--block-only", action="store_true",
+                        help="the block casts alone (implies --block): no per-tensor kernels, nor their variants")
     parser.add_argument("--input-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the input's dtype (a converted HF Llama's q/k/v and gate/up inputs are float32)")
     args = parser.parse_args()
+    args.block = args.block or args.block_only
     if not torch.cuda.is_available():
         sys.exit("benchmarks/cast.py needs a CUDA GPU")
 
@@ -458,12 +461,12 @@ def main() -> None:
     print("targets: cast+amax >= 85% of copy bandwidth, cast+transpose+amax >= 75%")
     flat, tile = cast.launch_configs(b.x.device)
     print(f"launch shapes: {flat}, {tile}" + (f", {block_kernel.launch_shapes()}" if args.block else ""))
-    checks = check_bitwise(b)
+    checks = {} if args.block_only else check_bitwise(b)
     if args.block:
         checks.update({f"block {k}": v for k, v in check_block_bitwise(b).items()})
     print(f"bitwise vs reference on this input: {checks}\n")
 
-    cases = triton_cases(b) + ([] if args.no_compile else compiled_cases(b))
+    cases = [] if args.block_only else triton_cases(b) + ([] if args.no_compile else compiled_cases(b))
     if args.block:
         cases += block_cases(b) + ([] if args.no_compile else compiled_block_cases(b))
     rows = measure(cases, copy_gbps)
@@ -472,7 +475,7 @@ def main() -> None:
     print("\ncompiled kernels (programs_per_sm above 'fit' means a second, partial wave):")
     for r in resources:
         print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
-    variants = sweep_variants(b, copy_gbps) if args.variants else None
+    variants = sweep_variants(b, copy_gbps) if args.variants and not args.block_only else None
     block_variants = sweep_block_variants(b, copy_gbps) if args.variants and args.block else None
 
     result = {

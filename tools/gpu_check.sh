@@ -52,10 +52,10 @@
 #          benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled (the
 #          default; and "unmasked": the two-way casts unmasked at 8 warps, the candidate default)
 #   blockcast  the block cast kernels' GPU tests (and the gated forms' and GatedMLP's, modules/stacked.py
-#          GATED), then benchmarks/cast.py --block: their bandwidth
-#          against a copy and against torch.compile of their torch-op form, with their launch-shape
-#          variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a bf16 gradient
-#          (8192 x 5632)
+#          GATED; three processes), then benchmarks/cast.py --block-only: their bandwidth against a
+#          copy (CAST_COMPILE=1: and against torch.compile of their torch-op form), with their
+#          launch-shape variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a
+#          bf16 gradient (8192 x 5632; the gated forms at that width too)
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
@@ -192,10 +192,12 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
       $t tests/gpu/test_block_cast_gpu.py -k both 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)" &
       $t tests/gpu/test_block_cast_gpu.py -k "not both" 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)" &
       wait
-      timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 2048 --input-dtype float32 \
-        --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log" | grep -v "^  FlatConfig\|^  TileConfig"
-      timeout 200 python3 benchmarks/cast.py --block --variants --rows 8192 --cols 5632 --json "$OUT/cast_block_bf16.json" \
-        2>&1 | tee "$OUT/cast_block_bf16.log" | grep -v "^  FlatConfig\|^  TileConfig" ;;
+      # the block casts alone (--block-only), $CAST_COMPILE=1: with their torch.compile form too
+      nc=$([[ "${CAST_COMPILE:-0}" == 1 ]] || echo --no-compile)
+      timeout 200 python3 benchmarks/cast.py --block-only $nc --variants --rows 8192 --cols 2048 --input-dtype float32 \
+        --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log"
+      timeout 200 python3 benchmarks/cast.py --block-only $nc --variants --rows 8192 --cols 5632 \
+        --json "$OUT/cast_block_bf16.json" 2>&1 | tee "$OUT/cast_block_bf16.log" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \
         --host-top "${HOST_TOP:-0}" 2>&1 \
