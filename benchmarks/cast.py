@@ -60,7 +60,8 @@ BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2)
                   # the gated forms (bf16 inputs only): (the product's warps, the gradients')
                   ("gated", [(8, 8), (4, 4), (16, 16), {"both_clamp": False},
                              {"gated": (8, 8), "both_clamp": False, "even": True},
-                             {"gated": (8, 16), "both_clamp": False, "even": True}])]
+                             {"gated": (8, 16), "both_clamp": False, "even": True},
+                             {"gated": (8, 8), "both_clamp": False, "even": True, "gated_sides": True}])]
 
 
 def median_ms(fn, calls: int = 20, replays: int = 15) -> float:

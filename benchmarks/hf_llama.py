@@ -36,10 +36,12 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                block_kernel.BlockShapes.both_clamp off around
                                                this variant's steps, compiles included; an A/B)
   fp8 {eager,compile} block unmasked           the two-way block casts unmasked on whole tiles,
-                                               8 warps, no clamp, the gated forms 8 / 8 warps
+                                               8 warps, no clamp, the gated forms 8 / 8 warps,
+                                               the gradients' one launch per side
                                                (BlockShapes(both=8, both_clamp=False, gated=(8, 8),
-                                               even=True) around this variant's steps: the
-                                               candidate default, two programs an SM; an A/B)
+                                               even=True, gated_sides=True) around this variant's
+                                               steps: the candidate default, every form at 128
+                                               registers, two programs an SM; an A/B)
   fp8 compile block ungated                    the gated MLP's product and its gradients stored
                                                and cast apart (modules.stacked.GATED off around
                                                this variant's steps; the default casts them inside
@@ -318,7 +320,7 @@ class Runner:
         elif self.unmasked:
             from fp8train.kernels import block_kernel
             shapes = block_kernel.override_shapes(replace(block_kernel.BlockShapes(), both=8, both_clamp=False,
-                                                          gated=(8, 8), even=True))
+                                                          gated=(8, 8), even=True, gated_sides=True))
         try:
             with shapes:
                 return self._step(m, recipe)

@@ -71,19 +71,21 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
             **{n: "i32" for n in ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "stride_sr",
                                   "stride_sc", "out_t_cols")},
             "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr", "CLAMP": "constexpr",
-            "GATED": "constexpr", "ACT": "constexpr", "EVEN": "constexpr"}
+            "GATED": "constexpr", "ACT": "constexpr", "EVEN": "constexpr", "SIDE": "constexpr"}
     divisible = ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "out_t_cols")
     silu = gated._ACT_CODES["silu"]
     # whole tiles (launched unmasked where BlockShapes.even is on), then the plain cast of a
     # shape with tails (masked always); the norm's output rounded to bf16
     whole = shapes.even
-    for parts, gate, act, even, name in ((1, 0, 0, whole, "both"), (1, 0, 0, False, "both tails"),
-                                         (3, 0, 0, whole, "both 3 parts"), (1, 1, silu, whole, "both gated"),
-                                         (1, 2, silu, whole, "both gated grad"), (1, 3, 1, whole, "both norm")):
+    grads = [(1, 2, silu, whole, 1, "both gated grad dg"), (1, 2, silu, whole, 2, "both gated grad du")] \
+        if shapes.gated_sides else [(1, 2, silu, whole, 0, "both gated grad")]
+    for parts, gate, act, even, side, name in [(1, 0, 0, whole, 0, "both"), (1, 0, 0, False, 0, "both tails"),
+                                               (3, 0, 0, whole, 0, "both 3 parts"), (1, 1, silu, whole, 0, "both gated"),
+                                               *grads, (1, 3, 1, whole, 0, "both norm")]:
         sig = dict(both, x2_ptr="*fp32") if gate == 3 else both
         yield name, compiled(block_kernel._block_cast_both_kernel, sig,
                              {"FP8_MAX": 448.0, "POW2": False, "PARTS": parts, "CLAMP": shapes.both_clamp,
-                              "GATED": gate, "ACT": act, "EVEN": even},
+                              "GATED": gate, "ACT": act, "EVEN": even, "SIDE": side},
                              shapes.gated[gate == 2] if gate else shapes.both, divisible,
                              0 if gate else shapes.both_regs)
     weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
@@ -97,7 +99,8 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
 def _warps_and_tile(shapes: block_kernel.BlockShapes, name: str):
     """(warps, elements of the tile a program casts) of the kernel `name` under `shapes`."""
     if name.startswith("both"):
-        return (shapes.gated["grad" in name] if "gated" in name else shapes.both), 128 * 128
+        computed = "gated" in name or name == "both norm"
+        return (shapes.gated["grad" in name] if computed else shapes.both), 128 * 128
     if name == "weight":
         return shapes.tiles[2], 128 * 128
     tm, tk, warps = shapes.of({"1x128": 0, "128x1": 1, "128x128": 2}[name])
@@ -115,7 +118,7 @@ def main(argv=None) -> None:
 
     default = block_kernel.BlockShapes()
     wanted = {"rows": ("1x128",), "cols": ("128x1",), "tiles": ("128x128", "weight"), "both": ("both", "both tails", "both 3 parts"),
-              "gated": ("both gated", "both gated grad", "both norm")}
+              "gated": ("both gated", "both gated grad", "both gated grad dg", "both gated grad du", "both norm")}
     print(f"block cast kernels, x {args.dtype}, sm_90a, triton {triton.__version__}")
     for field, values in [(None, [None])] + BLOCK_VARIANTS:
         for value in values:

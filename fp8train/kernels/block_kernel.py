@@ -71,6 +71,10 @@ class BlockShapes:
     # 49.9%; 56 bytes of spills at 4), the gradients 8 warps 54.1% (4: 33.7%, 616 bytes of
     # spills; 16: 48.3%).
     gated: Tuple[int, int] = (4, 8)
+    # The gradients' form as two launches, one per side (dg's tiles, du's), each compiled for
+    # its side: the run-time choice between them held 255 registers at 8 warps (a probe,
+    # triton 3.9: one side each 152 and 128, unmasked). Not yet timed.
+    gated_sides: bool = False
     # Whole tiles (M and K multiples of 128) launch a kernel without masks: fewer registers and
     # instructions. With it, 8 warps and no clamp, the plain cast, the product's and the norm's
     # (float32 x) take 127-128 registers (triton 3.9's ptxas, tools/kernel_resources.py), so two
@@ -97,7 +101,7 @@ class BlockShapes:
         if isinstance(self.both_regs, bool) or not isinstance(self.both_regs, int) or \
                 not (self.both_regs == 0 or 24 <= self.both_regs <= 255):
             raise ValueError(f"BlockShapes.both_regs: 0 (no cap) or a register cap from 24 to 255, got {self.both_regs!r}")
-        for name in ("both_clamp", "even"):
+        for name in ("both_clamp", "even", "gated_sides"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BlockShapes.{name}: a bool, got {getattr(self, name)!r}")
 
@@ -182,7 +186,7 @@ def _round_to(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _gated_tile(x_ptr, x1_ptr, x2_ptr, r, c, col0, in_r, in_c, inside, K1, stride_xm, stride_x1m, stride_x2m,
-                GATED: tl.constexpr, ACT: tl.constexpr):
+                GATED: tl.constexpr, ACT: tl.constexpr, SIDE: tl.constexpr):
     """The two-way cast's tile computed from other tensors (_block_cast_both_kernel's GATED),
     float32, rounded to the dtype the unfused kernel or formula would have stored it in: a
     gated MLP's (gated.py's kernels' arithmetic, x_ptr's dtype), or an RMS norm's output
@@ -200,10 +204,20 @@ def _gated_tile(x_ptr, x1_ptr, x2_ptr, r, c, col0, in_r, in_c, inside, K1, strid
         u = tl.load(x1_ptr + r * stride_x1m + c[None, :], mask=inside, other=0.0).to(tl.float32)
         x = _gated_act(g, ACT) * u
     else:  # columns 0..K1: dg, K1..2 K1: du, of one (M, K1) element each; da, g, u at x_ptr, x1_ptr, x2_ptr
-        k = c - tl.where(col0 < K1, 0, K1)
+        # SIDE 1 or 2: this launch's tiles are all dg's or all du's (a constexpr: one side's
+        # code alone holds fewer registers than the run-time choice between the two, SIDE 0)
+        if SIDE == 0:
+            dg_side = col0 < K1
+            k = c - tl.where(dg_side, 0, K1)
+        elif SIDE == 1:
+            dg_side = True
+            k = c
+        else:
+            dg_side = False
+            k = c - K1
         d = tl.load(x_ptr + r * stride_xm + k[None, :], mask=inside, other=0.0).to(tl.float32)
         g = tl.load(x1_ptr + r * stride_x1m + k[None, :], mask=inside, other=0.0).to(tl.float32)
-        if col0 < K1:
+        if dg_side:
             u = tl.load(x2_ptr + r * stride_x2m + k[None, :], mask=inside, other=0.0).to(tl.float32)
             x = _gated_dg(d, g, u, ACT)
         else:
@@ -222,7 +236,7 @@ def _block_cast_both_kernel(
     sinv_t_ptr,  # (Mb, K) float32, row-major
     M, K, K1, K2, stride_xm, stride_x1m, stride_x2m, stride_sr, stride_sc, out_t_cols,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr, CLAMP: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr, SIDE: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
     second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
@@ -238,6 +252,8 @@ def _block_cast_both_kernel(
     x_ptr, g at x1_ptr, u at x2_ptr, (M, K1) each; 3, an RMS norm's output weight * (x *
     rstd, rounded to x's dtype), rounded to the dtype of code ACT (_ROUND_CODES), from x at
     x_ptr, weight (K,) at x1_ptr and rstd (M,) float32 at x2_ptr (rms_norm_formula's, given).
+    SIDE (GATED 2 only; 0 otherwise): 1 or 2, this launch casts dg's tiles or du's alone,
+    over a grid of M's and K1's tiles (BlockShapes.gated_sides: two launches).
 
     Each scale is computed once: a row's or column's amax, reduced in the tile's layout, sits
     in every thread that shares the row or column, and computing the scale there (two IEEE
@@ -247,9 +263,13 @@ def _block_cast_both_kernel(
     before its later loads; .cg reads them from L2, where they went. (H200, 2026-12-02: 34 ->
     17 instructions an element, 58% -> 72-80% of a copy's bandwidth at h2048's sizes.)"""
     pid = tl.program_id(0)
-    tiles_k = tl.cdiv(K, 128)
+    if SIDE != 0:  # GATED 2, one side's tiles: a grid over K1's columns, du's from column K1
+        tiles_k = K1 // 128
+        col0 = (pid % tiles_k) * 128 + (K1 if SIDE == 2 else 0)
+    else:
+        tiles_k = tl.cdiv(K, 128)
+        col0 = (pid % tiles_k) * 128
     row0 = (pid // tiles_k) * 128
-    col0 = (pid % tiles_k) * 128
     r = row0 + tl.arange(0, 128)
     c = col0 + tl.arange(0, 128)
     i = tl.arange(0, 256) % 128  # the scale exchange's lanes: 0..127 the rows' slots, 128..255 the columns'
@@ -265,7 +285,7 @@ def _block_cast_both_kernel(
     inside = in_r[:, None] & in_c[None, :]
     if GATED != 0:
         x = _gated_tile(x_ptr, x1_ptr, x2_ptr, tl.cast(r, tl.int64)[:, None], c, col0, in_r, in_c, inside, K1,
-                        stride_xm, stride_x1m, stride_x2m, GATED, ACT)
+                        stride_xm, stride_x1m, stride_x2m, GATED, ACT, SIDE)
     elif PARTS == 1:
         x = tl.load(x_ptr + tl.cast(r, tl.int64)[:, None] * stride_xm + c[None, :], mask=inside,
                     other=0.0).to(tl.float32)
@@ -364,22 +384,22 @@ _CLAMP_ALWAYS = not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFu
 
 
 def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, shape: Tuple[int, int], parts: int = 1,
-                 gated: int = 0, act: int = 0) -> DirectKernel:
+                 gated: int = 0, act: int = 0, side: int = 0) -> DirectKernel:
     """The two-way cast of an (M, K) `shape` under `shapes` (its warps, register cap and clamp;
     gated forms: their warps, no cap, as a traced launch cannot pass one), specialized on
-    whole tiles (M and K multiples of 128: no masks)."""
+    whole tiles (M and K multiples of 128: no masks); side: the kernel's SIDE."""
     clamp = shapes.both_clamp or _CLAMP_ALWAYS
     even = shapes.even and shape[0] % 128 == 0 and shape[1] % 128 == 0
     if gated:
-        return _both_binary(fp8_max, pow2, shapes.gated[gated == 2], None, clamp, parts, gated, act, even)
-    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0, even)
+        return _both_binary(fp8_max, pow2, shapes.gated[gated == 2], None, clamp, parts, gated, act, even, side)
+    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0, even, 0)
 
 
 @functools.lru_cache(maxsize=None)
 def _both_binary(fp8_max: float, pow2: bool, warps: int, regs, clamp: bool, parts: int, gated: int,
-                 act: int, even: bool) -> DirectKernel:
+                 act: int, even: bool, side: int) -> DirectKernel:
     return DirectKernel(_block_cast_both_kernel, num_warps=warps, maxnreg=regs, FP8_MAX=fp8_max, POW2=pow2,
-                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act, EVEN=even)
+                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act, EVEN=even, SIDE=side)
 
 
 @functools.lru_cache(maxsize=None)
@@ -635,17 +655,24 @@ def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale
                              + (", row- or column-major" if name == "scale_inv_out" else ", contiguous"))
     if m * k == 0:
         return
-    grid = triton.cdiv(m, 128) * triton.cdiv(k, 128)
-    kernel = _both_kernel(scaling.fp8_max(out.dtype), bool(power_of_two), launch_shapes(), x_shape, parts, gated, act)
+    shapes = launch_shapes()
+    fp8_max, pow2 = scaling.fp8_max(out.dtype), bool(power_of_two)
+    if gated == 2 and shapes.gated_sides:  # one launch per side, each over K1's tiles
+        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, side),
+                     triton.cdiv(m, 128) * (k1 // 128)) for side in (1, 2)]
+    else:
+        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act),
+                     triton.cdiv(m, 128) * triton.cdiv(k, 128))]
     # absent parts: the last one again (no tile reads it); one part: x itself throughout
     xs = (*xs, *xs[-1:] * (MAX_PARTS - len(xs)))
     strides = tuple(p.stride(0) if m > 1 and p.dim() == 2 else p.shape[-1] for p in xs)
     args = (*xs, out, out_t, scale_inv_out, scale_inv_t_out, m, k, k1, k2, *strides, *scale_inv_out.stride(), mp)
-    if traced:
-        kernel.traced(grid, *args)
-        return
-    with device_guard(xs[0].device):
-        kernel(grid, *args)
+    for kernel, grid in launches:
+        if traced:
+            kernel.traced(grid, *args)
+            continue
+        with device_guard(xs[0].device):
+            kernel(grid, *args)
 
 
 __all__ = ["BlockShapes", "MAX_PARTS", "block_cast_both_into", "block_cast_into", "gated_block_cast_into",

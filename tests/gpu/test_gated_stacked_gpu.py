@@ -17,9 +17,12 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 ACTS = ["silu", "gelu_tanh"]
 # BlockShapes fields: the masked kernel at 4, 8 and 16 warps, and unmasked on whole
-# tiles at 8 without the clamp (the candidate default; masked wherever a shape has tails)
+# tiles at 8 without the clamp (masked wherever a shape has tails), the gradients' in one
+# launch or one per side (the candidate default)
 FORMS = [pytest.param({"gated": (w, w)}, id=f"{w}warps") for w in (4, 8, 16)] + \
-    [pytest.param({"gated": (8, 8), "even": True, "both_clamp": False}, id="8warps-unmasked")]
+    [pytest.param({"gated": (8, 8), "even": True, "both_clamp": False}, id="8warps-unmasked"),
+     pytest.param({"gated": (8, 8), "even": True, "both_clamp": False, "gated_sides": True},
+                  id="8warps-unmasked-sides")]
 
 
 def _halves(m, k, dtype, seed):
@@ -82,7 +85,7 @@ def test_gated_grad_cast_is_the_unfused_kernels(shape, dtype, act, form):
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-x-fp32-weight"])
-@pytest.mark.parametrize("form", [pytest.param({}, id="default"), FORMS[-1]])
+@pytest.mark.parametrize("form", [pytest.param({}, id="default"), FORMS[-2]])
 @pytest.mark.parametrize("shape", [(259, 384), (8192, 1024)], ids=["259x384", "8192x1024"])
 def test_norm_cast_is_the_formulas_cast(shape, dtypes, form):
     """An RMS norm's output computed in the cast's read (GATED 3) against the two-way cast of

@@ -60,7 +60,7 @@ def unmasked():
 
     from fp8train.kernels import block_kernel
     shapes = dataclasses.replace(block_kernel.launch_shapes(), even=True)
-    assert block_kernel._both_kernel(448.0, False, shapes, (128, 256)).tail[-1] is True  # EVEN
-    assert block_kernel._both_kernel(448.0, False, shapes, (200, 256)).tail[-1] is False
+    even = lambda shape: block_kernel._both_kernel(448.0, False, shapes, shape).tail[-2]  # noqa: E731 (EVEN, SIDE)
+    assert even((128, 256)) is True and even((200, 256)) is False
     with block_kernel.override_shapes(shapes):
         yield

@@ -7,6 +7,7 @@ the transposed copy's zero padding. One exp2 on both sides (conftest `same_exp2`
 and twins otherwise differ by exp2's last bit, test_gated_interpret.py) and exact conversions."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -17,6 +18,7 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
 pytest.importorskip("triton")
 
 from fp8train import kernels  # noqa: E402
+from fp8train.kernels import block_kernel  # noqa: E402
 from fp8train.kernels import block_reference as br  # noqa: E402
 from fp8train.kernels.block_kernel import (gated_block_cast_into, gated_grad_block_cast_into,  # noqa: E402
                                            norm_block_cast_into)
@@ -110,6 +112,19 @@ def test_gated_block_casts_unmasked_match_the_twin(act, unmasked, same_exp2):
     gradients' checks above."""
     test_gated_block_cast_kernel_matches_the_twin((256, 384), torch.bfloat16, act, False, same_exp2)
     test_gated_grad_block_cast_kernel_matches_the_twin((128, 256), torch.float32, act, True, same_exp2)
+
+
+@TRACED
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("shape, dtype", [((200, 256), torch.bfloat16), ((128, 128), torch.float32)],
+                         ids=["tails-bf16", "whole-fp32"])
+def test_gated_grad_block_cast_by_side_matches_the_twin(shape, dtype, act, traced, same_exp2):
+    """BlockShapes.gated_sides: dg's tiles and du's in a launch each (the kernel's SIDE), the
+    check above."""
+    shapes = dataclasses.replace(block_kernel.launch_shapes(), gated_sides=True)
+    assert [block_kernel._both_kernel(448.0, False, shapes, shape, 1, 2, 0, side).tail[-1] for side in (1, 2)] == [1, 2]
+    with block_kernel.override_shapes(shapes):
+        test_gated_grad_block_cast_kernel_matches_the_twin(shape, dtype, act, traced, same_exp2)
 
 
 def test_gated_block_casts_check_their_inputs():
