@@ -72,14 +72,14 @@ class BlockShapes:
     # spills; 16: 48.3%).
     gated: Tuple[int, int] = (4, 8)
     # The gradients' form as two launches, one per side (dg's tiles, du's), each compiled for
-    # its side: the run-time choice between them held 255 registers at 8 warps (a probe,
-    # triton 3.9: one side each 152 and 128, unmasked). Not yet timed.
+    # its side: the run-time choice between them holds 255 registers at 8 warps, one side 128
+    # each unmasked (triton 3.9's ptxas). Not yet timed.
     gated_sides: bool = False
     # Whole tiles (M and K multiples of 128) launch a kernel without masks: fewer registers and
     # instructions. With it, 8 warps and no clamp, the plain cast, the product's and the norm's
     # (float32 x) take 127-128 registers (triton 3.9's ptxas, tools/kernel_resources.py), so two
     # programs of 8 warps fit an SM without a cap, which a traced launch cannot pass; at 4 warps
-    # the norm's spills 112-280 bytes. Not yet timed on the GPU: the candidate default
+    # the norm's spills 104-280 bytes. Not yet timed on the GPU: the candidate default
     # (benchmarks/cast.py's and hf_llama.py's "unmasked" A/B).
     even: bool = False
 
