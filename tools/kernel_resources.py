@@ -96,6 +96,14 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
                              {"FP8_MAX": 448.0, "POW2": False, "TRANSPOSE": True}, shapes.tiles[2])
 
 
+def programs_per_sm(regs: int, warps: int, shared: int) -> int:
+    """How many programs of this kernel an H100 / H200 SM holds at once: 64K registers (a
+    warp's taken in 256s), 64 warps, 228 KB of shared memory (1 KB of it reserved a program)."""
+    by_regs = 65536 // (-(-regs * 32 // 256) * 256 * warps)
+    by_smem = (228 * 1024) // (shared + 1024)
+    return min(by_regs, 64 // warps, by_smem, 32)
+
+
 def _warps_and_tile(shapes: block_kernel.BlockShapes, name: str):
     """(warps, elements of the tile a program casts) of the kernel `name` under `shapes`."""
     if name.startswith("both"):
@@ -128,11 +136,12 @@ def main(argv=None) -> None:
                 if field and name not in wanted[field]:
                     continue
                 r = resources(kernel)
+                warps, tile = _warps_and_tile(shapes, name)
                 label = f"{name} {'default' if field is None else f'{field}={value}'}"
-                line = f"  {label:<52} regs {r['regs']:>3}  stack {r['stack']:>4}  shared {r['shared']:>6}"
+                line = (f"  {label:<52} regs {r['regs']:>3}  stack {r['stack']:>4}  shared {r['shared']:>6}"
+                        f"  programs an SM {programs_per_sm(r['regs'], warps, r['shared'])}")
                 if args.sass:
                     # the kernels are straight-line code, one tile a program: static = executed
-                    warps, tile = _warps_and_tile(shapes, name)
                     instr = sum(r["ops"].values())
                     mem = {o: n for o, n in r["ops"].items() if o.startswith(("LDG", "STG", "LDS", "STS", "BAR"))}
                     line += f"  instr {instr} ({instr * warps * 32 / tile:.1f} an element)  {mem}"
