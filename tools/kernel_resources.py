@@ -71,7 +71,7 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
             **{n: "i32" for n in ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "stride_sr",
                                   "stride_sc", "out_t_cols")},
             "FP8_MAX": "constexpr", "POW2": "constexpr", "PARTS": "constexpr", "CLAMP": "constexpr",
-            "GATED": "constexpr", "ACT": "constexpr", "EVEN": "constexpr", "SIDE": "constexpr"}
+            "GATED": "constexpr", "ACT": "constexpr", "EVEN": "constexpr", "SIDE": "constexpr", "PACK": "constexpr"}
     divisible = ("M", "K", "K1", "K2", "stride_xm", "stride_x1m", "stride_x2m", "out_t_cols")
     silu = gated._ACT_CODES["silu"]
     # whole tiles (launched unmasked where BlockShapes.even is on), then the plain cast of a
@@ -85,7 +85,8 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
         sig = dict(both, x2_ptr="*fp32") if gate == 3 else both
         yield name, compiled(block_kernel._block_cast_both_kernel, sig,
                              {"FP8_MAX": 448.0, "POW2": False, "PARTS": parts, "CLAMP": shapes.both_clamp,
-                              "GATED": gate, "ACT": act, "EVEN": even, "SIDE": side},
+                              "GATED": gate, "ACT": act, "EVEN": even, "SIDE": side,
+                              "PACK": 2 if shapes.packed_t else 0},  # the GPU's form (inline PTX)
                              shapes.gated[gate == 2] if gate else shapes.both, divisible,
                              0 if gate else shapes.both_regs)
     weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",

@@ -75,6 +75,13 @@ class BlockShapes:
     # its side: the run-time choice between them holds 255 registers at 8 warps, one side 128
     # each unmasked (triton 3.9's ptxas). Not yet timed.
     gated_sides: bool = False
+    # The transposed copy's bytes packed four rows to a 32-bit word in registers (the tile's rows
+    # loaded permuted; on the GPU two cvt ...x2.f32 make a word) and exchanged through shared
+    # memory as words, where tl.trans of the FP8 tile moves single bytes: SASS instructions a
+    # thread, bf16 at 8 warps unmasked (tools/kernel_resources.py, triton 3.9's ptxas), the plain
+    # cast 1272 -> 1040, the product 2160 -> 1920, the norm 1528 -> 1296, dg's side 2568 -> 2336
+    # (but 128 -> 171 registers there). Not yet timed on the GPU.
+    packed_t: bool = False
     # Whole tiles (M and K multiples of 128) launch a kernel without masks: fewer registers and
     # instructions. With it, 8 warps and no clamp, the plain cast, the product's and the norm's
     # (float32 x) take 127-128 registers (triton 3.9's ptxas, tools/kernel_resources.py), so two
@@ -101,7 +108,7 @@ class BlockShapes:
         if isinstance(self.both_regs, bool) or not isinstance(self.both_regs, int) or \
                 not (self.both_regs == 0 or 24 <= self.both_regs <= 255):
             raise ValueError(f"BlockShapes.both_regs: 0 (no cap) or a register cap from 24 to 255, got {self.both_regs!r}")
-        for name in ("both_clamp", "even", "gated_sides"):
+        for name in ("both_clamp", "even", "gated_sides", "packed_t"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BlockShapes.{name}: a bool, got {getattr(self, name)!r}")
 
@@ -226,6 +233,30 @@ def _gated_tile(x_ptr, x1_ptr, x2_ptr, r, c, col0, in_r, in_c, inside, K1, strid
 
 
 @triton.jit
+def _fp8x4(a0, a1, a2, a3, FP8: tl.constexpr, PTX: tl.constexpr):
+    """Four float32 tensors of one shape converted to FP8 (saturating, round to nearest
+    even) and packed into int32 words, a0's byte the lowest (little-endian: a0..a3 in
+    memory order). PTX: two cvt.rn.satfinite ...x2.f32, the conversion Triton's own emits
+    (a, b -> a's byte high, b's low), the word made of their halves; else the conversion and
+    shifts (the interpreter)."""
+    if PTX and FP8 == tl.float8e5:
+        words = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [a0, a1, a2, a3], dtype=tl.int32, is_pure=True, pack=1)
+    elif PTX:
+        words = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [a0, a1, a2, a3], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        b0 = a0.to(FP8).to(tl.uint8, bitcast=True).to(tl.int32)
+        b1 = a1.to(FP8).to(tl.uint8, bitcast=True).to(tl.int32)
+        b2 = a2.to(FP8).to(tl.uint8, bitcast=True).to(tl.int32)
+        b3 = a3.to(FP8).to(tl.uint8, bitcast=True).to(tl.int32)
+        words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+    return words
+
+
+@triton.jit
 def _block_cast_both_kernel(
     x_ptr,       # (M, K1) bf16/fp16/fp32, row stride stride_xm, unit column stride: columns 0..K1 of x
     x1_ptr,      # (M, K2 - K1) likewise, row stride stride_x1m: columns K1..K2 (PARTS > 1)
@@ -236,7 +267,7 @@ def _block_cast_both_kernel(
     sinv_t_ptr,  # (Mb, K) float32, row-major
     M, K, K1, K2, stride_xm, stride_x1m, stride_x2m, stride_sr, stride_sc, out_t_cols,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr, CLAMP: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr, SIDE: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr, SIDE: tl.constexpr, PACK: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
     second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
@@ -261,7 +292,14 @@ def _block_cast_both_kernel(
     tile's own scale_inv slots and come back one per thread, whose scales go out and back
     the same way; the slots end with 1 / scale. bar.sync orders the CTA's global stores
     before its later loads; .cg reads them from L2, where they went. (H200, 2026-12-02: 34 ->
-    17 instructions an element, 58% -> 72-80% of a copy's bandwidth at h2048's sizes.)"""
+    17 instructions an element, 58% -> 72-80% of a copy's bandwidth at h2048's sizes.)
+
+    PACK (BlockShapes.packed_t): 0, the transposed copy from tl.trans of the FP8 tile (a byte
+    a thread per element through shared memory, a quarter of the kernel's instructions); 1
+    or 2, packed in registers: the tile's rows loaded permuted, so that a thread's four
+    register rows are four consecutive rows of x, whose bytes of one column make a 32-bit
+    word of the transposed copy; the words go through shared memory. 2 converts with PTX
+    (_fp8x4), 1 with shifts (the interpreter, which has no inline PTX)."""
     pid = tl.program_id(0)
     if SIDE != 0:  # GATED 2, one side's tiles: a grid over K1's columns, du's from column K1
         tiles_k = K1 // 128
@@ -270,7 +308,11 @@ def _block_cast_both_kernel(
         tiles_k = tl.cdiv(K, 128)
         col0 = (pid % tiles_k) * 128
     row0 = (pid // tiles_k) * 128
-    r = row0 + tl.arange(0, 128)
+    if PACK:  # tile row 32 j + q holds row 4 q + j: a thread's register rows j = 0..3 (of q) are consecutive
+        lr = tl.arange(0, 128)
+        r = row0 + 4 * (lr % 32) + lr // 32
+    else:
+        r = row0 + tl.arange(0, 128)
     c = col0 + tl.arange(0, 128)
     i = tl.arange(0, 256) % 128  # the scale exchange's lanes: 0..127 the rows' slots, 128..255 the columns'
     is_row = tl.arange(0, 256) < 128
@@ -312,8 +354,19 @@ def _block_cast_both_kernel(
     y = _scaled(x, row_scale[:, None], FP8_MAX, CLAMP)
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
     # rows M..Mp of the tile loaded 0: their bytes are out_t's zero padding
-    y_t = tl.trans(_scaled(x, col_scale[None, :], FP8_MAX, CLAMP).to(out_t_ptr.dtype.element_ty))  # (columns, rows)
-    tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=in_c[:, None])
+    if PACK:
+        # (rows 4 q + j, columns) -> 4 x (q, columns), then one word of rows 4 q..4 q + 3 each
+        t = tl.reshape(_scaled(x, col_scale[None, :], FP8_MAX, CLAMP), (4, 32, 128))
+        even_j, odd_j = tl.split(tl.reshape(tl.permute(t, (1, 2, 0)), (32, 128, 2, 2)))
+        t0, t2 = tl.split(even_j)
+        t1, t3 = tl.split(odd_j)
+        words = _fp8x4(t0, t1, t2, t3, out_t_ptr.dtype.element_ty, PACK == 2)  # (q, columns)
+        q = row0 // 4 + tl.arange(0, 32)
+        tl.store(out_t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + tl.cast(c, tl.int64)[:, None] *
+                 (out_t_cols // 4) + q[None, :], tl.trans(words), mask=in_c[:, None])
+    else:
+        y_t = tl.trans(_scaled(x, col_scale[None, :], FP8_MAX, CLAMP).to(out_t_ptr.dtype.element_ty))  # (cols, rows)
+        tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=in_c[:, None])
     tl.debug_barrier()  # every thread has read its scales before the slots change
     tl.store(slot, tl.math.div_rn(1.0, scale), mask=used)
 
@@ -379,27 +432,31 @@ def _weight_kernel(fp8_max: float, pow2: bool, transpose: bool, warps: int) -> D
     return DirectKernel(_weight_tiles_kernel, num_warps=warps, FP8_MAX=fp8_max, POW2=pow2, TRANSPOSE=transpose)
 
 
-# the Triton interpreter's FP8 conversion does not saturate: there the two-way cast always clamps
-_CLAMP_ALWAYS = not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFunction)
+# the Triton interpreter: its FP8 conversion does not saturate (there the two-way cast always
+# clamps), and it runs no inline PTX (there the packed transposed copy packs with shifts)
+_INTERPRETED = not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFunction)
 
 
 def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, shape: Tuple[int, int], parts: int = 1,
-                 gated: int = 0, act: int = 0, side: int = 0) -> DirectKernel:
+                 gated: int = 0, act: int = 0, side: int = 0, word_aligned: bool = True) -> DirectKernel:
     """The two-way cast of an (M, K) `shape` under `shapes` (its warps, register cap and clamp;
     gated forms: their warps, no cap, as a traced launch cannot pass one), specialized on
-    whole tiles (M and K multiples of 128: no masks); side: the kernel's SIDE."""
-    clamp = shapes.both_clamp or _CLAMP_ALWAYS
+    whole tiles (M and K multiples of 128: no masks); side: the kernel's SIDE; word_aligned:
+    whether the transposed copy starts on a 4-byte boundary (packed_t stores it in words)."""
+    clamp = shapes.both_clamp or _INTERPRETED
     even = shapes.even and shape[0] % 128 == 0 and shape[1] % 128 == 0
+    pack = (1 if _INTERPRETED else 2) if shapes.packed_t and word_aligned else 0
     if gated:
-        return _both_binary(fp8_max, pow2, shapes.gated[gated == 2], None, clamp, parts, gated, act, even, side)
-    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0, even, 0)
+        return _both_binary(fp8_max, pow2, shapes.gated[gated == 2], None, clamp, parts, gated, act, even, side,
+                            pack)
+    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0, even, 0, pack)
 
 
 @functools.lru_cache(maxsize=None)
 def _both_binary(fp8_max: float, pow2: bool, warps: int, regs, clamp: bool, parts: int, gated: int,
-                 act: int, even: bool, side: int) -> DirectKernel:
+                 act: int, even: bool, side: int, pack: int) -> DirectKernel:
     return DirectKernel(_block_cast_both_kernel, num_warps=warps, maxnreg=regs, FP8_MAX=fp8_max, POW2=pow2,
-                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act, EVEN=even, SIDE=side)
+                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act, EVEN=even, SIDE=side, PACK=pack)
 
 
 @functools.lru_cache(maxsize=None)
@@ -657,11 +714,13 @@ def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale
         return
     shapes = launch_shapes()
     fp8_max, pow2 = scaling.fp8_max(out.dtype), bool(power_of_two)
+    # a traced launch sees no address: an allocation's start is aligned, a view's offset says the rest
+    aligned = out_t.storage_offset() % 4 == 0 and (traced or out_t.data_ptr() % 4 == 0)
     if gated == 2 and shapes.gated_sides:  # one launch per side, each over K1's tiles
-        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, side),
+        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, side, aligned),
                      triton.cdiv(m, 128) * (k1 // 128)) for side in (1, 2)]
     else:
-        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act),
+        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, word_aligned=aligned),
                      triton.cdiv(m, 128) * triton.cdiv(k, 128))]
     # absent parts: the last one again (no tile reads it); one part: x itself throughout
     xs = (*xs, *xs[-1:] * (MAX_PARTS - len(xs)))

@@ -92,6 +92,7 @@ class DirectKernel:
         if maxnreg is not None:  # ptxas's register cap a thread (more programs an SM, or spills)
             self._options["maxnreg"] = maxnreg
         self._n_runtime = n_runtime
+        self.constexprs = dict(constexprs)
         self.tail = tuple(constexprs[name] for name in names[n_runtime:])  # appended to every launch
         self._direct = isinstance(fn, triton.runtime.jit.JITFunction)  # not under TRITON_INTERPRET
         self._binaries: Dict[Tuple, Any] = {}

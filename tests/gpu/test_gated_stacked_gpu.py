@@ -22,7 +22,9 @@ ACTS = ["silu", "gelu_tanh"]
 FORMS = [pytest.param({"gated": (w, w)}, id=f"{w}warps") for w in (4, 8, 16)] + \
     [pytest.param({"gated": (8, 8), "even": True, "both_clamp": False}, id="8warps-unmasked"),
      pytest.param({"gated": (8, 8), "even": True, "both_clamp": False, "gated_sides": True},
-                  id="8warps-unmasked-sides")]
+                  id="8warps-unmasked-sides"),
+     pytest.param({"gated": (8, 8), "even": True, "both_clamp": False, "gated_sides": True, "packed_t": True},
+                  id="8warps-unmasked-sides-packed")]
 
 
 def _halves(m, k, dtype, seed):
@@ -85,7 +87,7 @@ def test_gated_grad_cast_is_the_unfused_kernels(shape, dtype, act, form):
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-x-fp32-weight"])
-@pytest.mark.parametrize("form", [pytest.param({}, id="default"), FORMS[-2]])
+@pytest.mark.parametrize("form", [pytest.param({}, id="default"), FORMS[3], FORMS[-1]])
 @pytest.mark.parametrize("shape", [(259, 384), (8192, 1024)], ids=["259x384", "8192x1024"])
 def test_norm_cast_is_the_formulas_cast(shape, dtypes, form):
     """An RMS norm's output computed in the cast's read (GATED 3) against the two-way cast of

@@ -60,7 +60,22 @@ def unmasked():
 
     from fp8train.kernels import block_kernel
     shapes = dataclasses.replace(block_kernel.launch_shapes(), even=True)
-    even = lambda shape: block_kernel._both_kernel(448.0, False, shapes, shape).tail[-2]  # noqa: E731 (EVEN, SIDE)
+    even = lambda shape: block_kernel._both_kernel(448.0, False, shapes, shape).constexprs["EVEN"]  # noqa: E731
     assert even((128, 256)) is True and even((200, 256)) is False
+    with block_kernel.override_shapes(shapes):
+        yield
+
+
+@pytest.fixture(params=[False, True], ids=["packed", "packed-unmasked"])
+def packed(request):
+    """block_kernel.BlockShapes.packed_t on for the test (with even, or not): the two-way
+    cast's transposed copy packed a word of four rows at a time (here with shifts: the
+    interpreter runs no inline PTX)."""
+    import dataclasses
+
+    from fp8train.kernels import block_kernel
+    shapes = dataclasses.replace(block_kernel.launch_shapes(), packed_t=True, even=request.param)
+    pack = lambda **kw: block_kernel._both_kernel(448.0, False, shapes, (128, 256), **kw).constexprs["PACK"]  # noqa: E731
+    assert pack() == 1 and pack(word_aligned=False) == 0
     with block_kernel.override_shapes(shapes):
         yield

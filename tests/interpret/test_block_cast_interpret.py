@@ -137,6 +137,41 @@ def test_block_cast_both_kernel_unmasked_matches_the_twin(dtype, fp8, traced, un
 
 
 @TRACED
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape, dtype", [((200, 300), torch.bfloat16), ((256, 384), torch.float32),
+                                          ((37, 144), torch.bfloat16)], ids=["tails-bf16", "whole-fp32", "short-bf16"])
+def test_block_cast_both_kernel_packed_matches_the_twin(shape, dtype, fp8, traced, packed, exact_conversions):
+    # BlockShapes.packed_t: the tile's rows loaded permuted and the transposed copy stored a
+    # word of four rows at a time; tails, padding rows, whole tiles, and column-stacked parts
+    x = _input(shape, dtype, seed=13)
+    m, k = shape
+    want, want_si, want_t, want_si_t = _both_twin(x, fp8)
+    for source in (x, [x[:, :128].contiguous(), x[:, 128:]]):
+        out, out_t = torch.empty(shape, dtype=fp8), torch.full((k, -(-m // 128) * 128), 0x55, dtype=torch.uint8)
+        si = _scale_buffer(br.blocks_of(shape, (1, 128)), column_major=True)
+        si_t = torch.full(br.blocks_of(shape, (128, 1)), -1.0)
+        block_cast_both_into(source, out, out_t.view(fp8), si, si_t, traced=traced)
+        assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
+        assert_fp8_equal(out, want)
+        assert_fp8_equal(out_t.view(fp8), want_t)
+
+
+def test_block_cast_both_kernel_packed_needs_a_word_aligned_transposed_copy(packed, exact_conversions):
+    # a transposed copy that starts off a 4-byte boundary takes the byte-wise form
+    x = _input((200, 300), torch.bfloat16, seed=14)
+    fp8 = torch.float8_e4m3fn
+    buffer = torch.full((300 * 256 + 1,), 0x55, dtype=torch.uint8)
+    out, out_t = torch.empty(x.shape, dtype=fp8), buffer[1:].view(300, 256).view(fp8)
+    si, si_t = _scale_buffer(br.blocks_of(x.shape, (1, 128)), column_major=True), torch.full((2, 300), -1.0)
+    block_cast_both_into(x, out, out_t, si, si_t)
+    want, want_si, want_t, want_si_t = _both_twin(x, fp8)
+    assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
+    assert_fp8_equal(out, want)
+    assert_fp8_equal(out_t, want_t)
+    assert buffer[0] == 0x55
+
+
+@TRACED
 def test_block_cast_both_kernel_reads_strided_rows(traced, exact_conversions):
     x = _input((150, 400), torch.bfloat16, seed=5)[:, 50:350]  # row stride 400, 300 columns
     out, out_t = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(300, 256, dtype=torch.float8_e4m3fn)

@@ -122,9 +122,20 @@ def test_gated_grad_block_cast_by_side_matches_the_twin(shape, dtype, act, trace
     """BlockShapes.gated_sides: dg's tiles and du's in a launch each (the kernel's SIDE), the
     check above."""
     shapes = dataclasses.replace(block_kernel.launch_shapes(), gated_sides=True)
-    assert [block_kernel._both_kernel(448.0, False, shapes, shape, 1, 2, 0, side).tail[-1] for side in (1, 2)] == [1, 2]
+    assert [block_kernel._both_kernel(448.0, False, shapes, shape, 1, 2, 0, side).constexprs["SIDE"]
+            for side in (1, 2)] == [1, 2]
     with block_kernel.override_shapes(shapes):
         test_gated_grad_block_cast_kernel_matches_the_twin(shape, dtype, act, traced, same_exp2)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_block_casts_packed_match_the_twin(act, packed, same_exp2):
+    """BlockShapes.packed_t (the transposed copy a word of four rows at a time): the product's
+    and the gradients' checks above, the gradients in one launch and a launch per side."""
+    test_gated_block_cast_kernel_matches_the_twin((200, 384), torch.bfloat16, act, True, same_exp2)
+    test_gated_grad_block_cast_kernel_matches_the_twin((256, 128), torch.float32, act, False, same_exp2)
+    with block_kernel.override_shapes(dataclasses.replace(block_kernel.launch_shapes(), gated_sides=True)):
+        test_gated_grad_block_cast_kernel_matches_the_twin((37, 256), torch.bfloat16, act, False, same_exp2)
 
 
 def test_gated_block_casts_check_their_inputs():
@@ -176,6 +187,14 @@ def test_norm_block_cast_kernel_is_the_formulas_cast(shape, dtypes, traced, exac
 def test_norm_block_cast_unmasked_is_the_formulas_cast(dtypes, unmasked, exact_conversions):
     """Whole tiles under BlockShapes.even (the kernel without masks): the check above."""
     test_norm_block_cast_kernel_is_the_formulas_cast((256, 384), dtypes, False, exact_conversions)
+
+
+def test_norm_block_cast_packed_is_the_formulas_cast(packed, exact_conversions):
+    """BlockShapes.packed_t: the check above, tails and a whole tile."""
+    test_norm_block_cast_kernel_is_the_formulas_cast((200, 300), (torch.bfloat16, torch.float32), True,
+                                                     exact_conversions)
+    test_norm_block_cast_kernel_is_the_formulas_cast((256, 384), (torch.float32, torch.float32), False,
+                                                     exact_conversions)
 
 
 def test_norm_block_cast_checks_its_inputs():
