@@ -5,6 +5,7 @@ LayerNormMLP compile fullgraph (no graph break) and train bit for bit as eagerly
 weight cast of is_first_microbatch holds under compile; the CUDA GEMM traces as one operator
 (its numbers, torch.nn.functional.scaled_mm's blockwise scaling, and a compiled Linear on CUDA
 are tests/gpu/test_block_scaling_gpu.py's)."""
+import contextlib
 import copy
 
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -238,3 +239,33 @@ def test_cuda_block_gemm_traces_as_one_operator(extension, monkeypatch):
         ["fp8train.cuda_block_scaled_mm.default"]
     assert targets == want, targets
     assert y.shape == (384, 512) and y.dtype == torch.bfloat16 and y.is_cuda
+
+
+def test_compiled_layer_recompiles_under_other_launch_shapes():
+    # The casts' launch shapes are read inside custom ops' bodies, which Dynamo does not guard
+    # on: the layers read kernels.forms.KEY while traced, so a graph traced under one override
+    # (block_kernel.override_shapes: a benchmark's A/B in one process) is not reused under
+    # another, and each is reused under its own
+    pytest.importorskip("triton")
+    from torch._dynamo.testing import CompileCounter
+
+    from fp8train.kernels import forms
+    from fp8train.kernels.launcher import LaunchOverride
+    torch.manual_seed(0)
+    model, recipe, x = torch.nn.Sequential(torch.nn.Linear(256, 256)), BlockScaling(), torch.randn(128, 256)
+    fp8train.convert(model, recipe)
+    with fp8train.autocast(recipe=recipe):
+        model(x)  # the quantizers are made eagerly
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    override = LaunchOverride()
+
+    def frames_after(value=None):
+        with fp8train.autocast(recipe=recipe), (override.using(value) if value else contextlib.nullcontext()):
+            compiled(x)
+        return counter.frame_count
+
+    assert frames_after() == 1 and frames_after() == 1
+    assert frames_after("form A") == 2 and frames_after("form A") == 2
+    assert forms.KEY == ""  # restored on leaving the override
+    assert frames_after() == 2 and frames_after("form B") == 3

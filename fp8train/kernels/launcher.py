@@ -23,6 +23,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import triton
 
+from . import forms
+
 try:  # triton >= 3.3 keeps its runtime switches in `knobs`
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - older triton: always take Triton's path
@@ -159,7 +161,8 @@ class Recording:
 
 class LaunchOverride:
     """A kernel module's launch shapes, replaced inside a `with override.using(value)` block
-    (benchmark variants, tests); `value` is None outside one. Not thread-safe."""
+    (benchmark variants, tests); `value` is None outside one; forms.KEY names the overrides in
+    force (compiled models guard on it). Not thread-safe."""
 
     def __init__(self):
         self.value: Any = None
@@ -167,10 +170,11 @@ class LaunchOverride:
     @contextlib.contextmanager
     def using(self, value) -> Iterator[None]:
         saved, self.value = self.value, value
+        saved_key, forms.KEY = forms.KEY, f"{forms.KEY}|{value!r}"
         try:
             yield
         finally:
-            self.value = saved
+            self.value, forms.KEY = saved, saved_key
 
 
 _recording: Optional[Recording] = None
