@@ -53,7 +53,7 @@ BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2)
                   # a dict: several fields at once (fifty-ninth session's probe: the conversion
                   # saturates on the GPU, so the clamp only repeats it; 8 warps capped at 128
                   # registers fit two programs an SM; sixty-first: whole tiles unmasked at 8
-                  # warps without the clamp fit two without a cap, the candidate default;
+                  # warps without the clamp fit two without a cap, slower in a compiled step on the H100;
                   # sixty-second: the transposed copy packed in words, 18% fewer instructions)
                   ("both", [2, 8, 16, {"both_clamp": False}, {"both": 8, "both_regs": 128},
                             {"both": 8, "both_regs": 128, "both_clamp": False}, {"even": True},

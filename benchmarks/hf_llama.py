@@ -40,10 +40,13 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                the gradients' one launch per side
                                                (BlockShapes(both=8, both_clamp=False, gated=(8, 8),
                                                even=True, gated_sides=True) around this variant's
-                                               steps: the candidate default, every form at 128
-                                               registers, two programs an SM; an A/B)
-  fp8 {eager,compile} block unmasked packed    and the transposed copies packed in words
-                                               (BlockShapes.packed_t: ~18% fewer instructions)
+                                               steps: every form at 128 registers, two programs
+                                               an SM; an A/B, 0.13 ms a step slower on the H100)
+  fp8 compile block [unmasked] packed          the transposed copies packed in words
+                                               (BlockShapes.packed_t: ~18% fewer instructions),
+                                               on the default forms or the unmasked ones
+                                               (compiled variants recompile under their own
+                                               forms: kernels.forms.KEY)
   fp8 compile block ungated                    the gated MLP's product and its gradients stored
                                                and cast apart (modules.stacked.GATED off around
                                                this variant's steps; the default casts them inside
@@ -158,8 +161,8 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 compile-ro block",
             "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block stacked",
             "fp8 eager block unclamped", "fp8 compile block unclamped",
-            "fp8 eager block unmasked", "fp8 compile block unmasked", "fp8 eager block unmasked packed",
-            "fp8 compile block unmasked packed", "fp8 compile block ungated",
+            "fp8 eager block unmasked", "fp8 compile block unmasked", "fp8 compile block packed",
+            "fp8 eager block unmasked packed", "fp8 compile block unmasked packed", "fp8 compile block ungated",
             "fp8 compile block unnormed", "fp8 compile block ungated unnormed",
             "fp8 eager block torch-gemm", "fp8 compile block torch-gemm", "torchao compile", "torchao compile-ro",
             "bf16 compile combo", "fp8 compile delayed combo", "fp8 compile current combo", "torchao compile combo",

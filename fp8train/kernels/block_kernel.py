@@ -80,14 +80,16 @@ class BlockShapes:
     # memory as words, where tl.trans of the FP8 tile moves single bytes: SASS instructions a
     # thread, bf16 at 8 warps unmasked (tools/kernel_resources.py, triton 3.9's ptxas), the plain
     # cast 1272 -> 1040, the product 2160 -> 1920, the norm 1528 -> 1296, dg's side 2568 -> 2336
-    # (but 128 -> 171 registers there). Not yet timed on the GPU.
+    # (but 128 -> 171 registers there). H100, sixty-second session: on top of the unmasked
+    # forms no measurable gain (hf_llama h1024 compiled); the default forms packed not yet timed.
     packed_t: bool = False
     # Whole tiles (M and K multiples of 128) launch a kernel without masks: fewer registers and
     # instructions. With it, 8 warps and no clamp, the plain cast, the product's and the norm's
     # (float32 x) take 127-128 registers (triton 3.9's ptxas, tools/kernel_resources.py), so two
     # programs of 8 warps fit an SM without a cap, which a traced launch cannot pass; at 4 warps
-    # the norm's spills 104-280 bytes. Not yet timed on the GPU: the candidate default
-    # (benchmarks/cast.py's and hf_llama.py's "unmasked" A/B).
+    # the norm's spills 104-280 bytes. H100, sixty-second session, with 8 warps, no clamp and
+    # gated_sides (hf_llama.py's "unmasked"): a compiled h1024 step 0.13 ms slower, the two-way
+    # casts 1.73 against 1.61 ms.
     even: bool = False
 
     def __post_init__(self):

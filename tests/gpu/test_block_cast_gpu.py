@@ -75,9 +75,9 @@ def test_block_cast_both_kernel_is_the_twin_on_the_gpu(parts, kind, dtype, fp8, 
 
 
 # the two-way cast's other forms (BlockShapes: no clamp, the conversion saturating alone; 8
-# warps capped at 128 registers; whole tiles unmasked, and so at 8 warps without the clamp, the
-# candidate default; the transposed copy packed in words by inline PTX): the twin's bytes too, every bf16 pattern's inf, NaN and values past the
-# format's largest saturating in blocks whose scale is 1
+# warps capped at 128 registers; whole tiles unmasked, and so at 8 warps without the clamp; the
+# transposed copy packed in words by inline PTX): the twin's bytes too, every bf16 pattern's
+# inf, NaN and values past the format's largest saturating in blocks whose scale is 1
 BOTH_FORMS = [pytest.param({"both_clamp": False}, id="no-clamp"),
               pytest.param({"both": 8, "both_regs": 128, "both_clamp": False}, id="8-warps-128-regs-no-clamp"),
               pytest.param({"both": 8, "both_clamp": False, "even": True}, id="8-warps-no-clamp-unmasked"),
