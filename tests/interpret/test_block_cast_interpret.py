@@ -125,15 +125,21 @@ def _check_both(shape, dtype, fp8, power_of_two):
 def test_block_cast_both_kernel_unmasked_matches_the_twin(dtype, fp8, traced, unmasked, exact_conversions):
     # whole tiles (256 x 384) under BlockShapes.even: the kernel without masks, whole and as
     # column-stacked parts
-    x = _input((256, 384), dtype, seed=12)
+    _check_both_whole_and_in_parts(_input((256, 384), dtype, seed=12), fp8, traced)
+
+
+def _check_both_whole_and_in_parts(x, fp8, traced):
+    """block_cast_both_into of x, and of x as two column-stacked parts, against the twin."""
+    m, k = x.shape
+    want, want_si, want_t, want_si_t = _both_twin(x, fp8)
     for source in (x, [x[:, :128].contiguous(), x[:, 128:]]):
-        out, out_t = torch.empty(x.shape, dtype=fp8), torch.full((384, 256), 0x55, dtype=torch.uint8).view(fp8)
-        si, si_t = _scale_buffer((256, 3), column_major=True), torch.full((2, 384), -1.0)
-        block_cast_both_into(source, out, out_t, si, si_t, traced=traced)
-        want, want_si, want_t, want_si_t = _both_twin(x, fp8)
+        out, out_t = torch.empty(x.shape, dtype=fp8), torch.full((k, -(-m // 128) * 128), 0x55, dtype=torch.uint8)
+        si = _scale_buffer(br.blocks_of(x.shape, (1, 128)), column_major=True)
+        si_t = torch.full(br.blocks_of(x.shape, (128, 1)), -1.0)
+        block_cast_both_into(source, out, out_t.view(fp8), si, si_t, traced=traced)
         assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
         assert_fp8_equal(out, want)
-        assert_fp8_equal(out_t, want_t)
+        assert_fp8_equal(out_t.view(fp8), want_t)  # the padding bytes (0x55 before) are zero
 
 
 @TRACED
@@ -143,17 +149,7 @@ def test_block_cast_both_kernel_unmasked_matches_the_twin(dtype, fp8, traced, un
 def test_block_cast_both_kernel_packed_matches_the_twin(shape, dtype, fp8, traced, packed, exact_conversions):
     # BlockShapes.packed_t: the tile's rows loaded permuted and the transposed copy stored a
     # word of four rows at a time; tails, padding rows, whole tiles, and column-stacked parts
-    x = _input(shape, dtype, seed=13)
-    m, k = shape
-    want, want_si, want_t, want_si_t = _both_twin(x, fp8)
-    for source in (x, [x[:, :128].contiguous(), x[:, 128:]]):
-        out, out_t = torch.empty(shape, dtype=fp8), torch.full((k, -(-m // 128) * 128), 0x55, dtype=torch.uint8)
-        si = _scale_buffer(br.blocks_of(shape, (1, 128)), column_major=True)
-        si_t = torch.full(br.blocks_of(shape, (128, 1)), -1.0)
-        block_cast_both_into(source, out, out_t.view(fp8), si, si_t, traced=traced)
-        assert torch.equal(si, want_si) and torch.equal(si_t, want_si_t)
-        assert_fp8_equal(out, want)
-        assert_fp8_equal(out_t.view(fp8), want_t)
+    _check_both_whole_and_in_parts(_input(shape, dtype, seed=13), fp8, traced)
 
 
 def test_block_cast_both_kernel_packed_needs_a_word_aligned_transposed_copy(packed, exact_conversions):
