@@ -716,8 +716,9 @@ def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale
         return
     shapes = launch_shapes()
     fp8_max, pow2 = scaling.fp8_max(out.dtype), bool(power_of_two)
-    # a traced launch sees no address: an allocation's start is aligned, a view's offset says the rest
-    aligned = out_t.storage_offset() % 4 == 0 and (traced or out_t.data_ptr() % 4 == 0)
+    # packed_t stores words: a traced launch sees no address (an allocation's start is aligned,
+    # a view's offset says the rest)
+    aligned = shapes.packed_t and out_t.storage_offset() % 4 == 0 and (traced or out_t.data_ptr() % 4 == 0)
     if gated == 2 and shapes.gated_sides:  # one launch per side, each over K1's tiles
         launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, side, aligned),
                      triton.cdiv(m, 128) * (k1 // 128)) for side in (1, 2)]
