@@ -58,9 +58,13 @@ BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2)
                   ("both", [2, 8, 16, {"both_clamp": False}, {"both": 8, "both_regs": 128},
                             {"both": 8, "both_regs": 128, "both_clamp": False}, {"even": True},
                             {"both": 8, "both_clamp": False, "even": True}, {"packed_t": True},
+                            {"both_clamp": False, "even": True}, {"both_clamp": False, "even": True, "packed_t": True},
                             {"both": 8, "both_clamp": False, "even": True, "packed_t": True}]),
-                  # the gated forms (bf16 inputs only): (the product's warps, the gradients')
+                  # the computed forms: (the product's and the norm's warps, the gradients');
+                  # the gated ones on bf16 inputs, the norm's on float32
                   ("gated", [(8, 8), (4, 4), (16, 16), {"both_clamp": False},
+                             {"both_clamp": False, "even": True}, {"packed_t": True},
+                             {"both_clamp": False, "even": True, "packed_t": True},
                              {"gated": (8, 8), "both_clamp": False, "even": True},
                              {"gated": (8, 16), "both_clamp": False, "even": True},
                              {"gated": (8, 8), "both_clamp": False, "even": True, "gated_sides": True},
@@ -128,6 +132,13 @@ class Buffers:
             self.out2_t = torch.empty(2 * cols, mb * 128, device=device, dtype=FP8)
             self.sinv2_rows = torch.empty(2 * kb, rows, device=device).t()
             self.sinv2_cols = torch.empty(mb, 2 * cols, device=device)
+        # an RMS norm's cast (float32 x: HF's residual stream under FP32 master weights): its
+        # weight and the formula's rstd; the output y = w * (x * rstd) is float32 there
+        self.norm = dtype == torch.float32 and cols % 128 == 0
+        if self.norm:
+            self.w = torch.randn(cols, device=device)
+            self.rstd = torch.rand(rows, device=device) + 0.5
+            self.y = torch.empty_like(self.x)
 
 
 def triton_cases(b: Buffers):
@@ -157,11 +168,35 @@ def block_cases(b: Buffers):
         ("triton block cast both (1x128 + 128x1 t)",
          lambda: block_kernel.block_cast_both_into(b.x, b.out, b.out_t_blocks, b.sinv_rows, b.sinv_cols),
          (r + 2) * n + row_scales + 4 * b.sinv_cols.numel()),
-    ] + (gated_cases(b) if b.gated else [])
+    ] + (gated_cases(b) if b.gated else []) + (norm_cases(b) if b.norm else [])
 
 
 GATED_FWD = "triton gated block cast both: act(g) * u"
 GATED_GRAD = "triton gated block cast both: dg | du"
+NORM = "triton norm block cast both: w * (x * rstd)"
+
+
+def norm_y(b: Buffers) -> torch.Tensor:
+    """The norm's output as rms_norm_formula computes it from its rstd (float32 x and w)."""
+    return torch.mul(b.w, (b.x * b.rstd[:, None]).to(b.x.dtype), out=b.y)
+
+
+def norm_cases(b: Buffers):
+    """An RMS norm's two-way cast (a compiled BlockScaling step's norms read by stacked
+    Linears: y computed in the cast's read of x, never stored), beside the unfused pair (y
+    written, then the two-way cast of it)."""
+    n, r = b.numel, b.in_bytes
+    both_scales = 4 * (b.sinv_rows.numel() + b.sinv_cols.numel())
+    side = r * b.x.shape[1] + 4 * b.x.shape[0]  # w and rstd
+
+    def unfused():
+        block_kernel.block_cast_both_into(norm_y(b), b.out, b.out_t_blocks, b.sinv_rows, b.sinv_cols)
+
+    return [
+        (NORM, lambda: block_kernel.norm_block_cast_into(b.x, b.w, b.rstd, b.x.dtype, b.out, b.out_t_blocks,
+                                                          b.sinv_rows, b.sinv_cols), (r + 2) * n + side + both_scales),
+        ("unfused: norm output, then block cast both", unfused, (3 * r + 2) * n + side + both_scales),
+    ]
 
 
 def gated_cases(b: Buffers):
@@ -228,15 +263,17 @@ def check_block_bitwise(b: Buffers) -> dict:
     return result
 
 
-def block_variant_calls(b: Buffers):
+def block_variant_calls(b: Buffers, fields=None):
     """(field, value, shapes, name, callable, bytes) per launch-shape variant of the block
     kernels: each variant changes one field of the default BlockShapes, or the fields of a
     dict value (the default first); the callable launches under it."""
     cases = {name: (fn, nbytes) for name, fn, nbytes in block_cases(b)}
     kernel_of = {"rows": ("triton block cast 1x128",), "cols": (None,), "tiles": ("triton block cast 128x128",),
-                 "both": ("triton block cast both (1x128 + 128x1 t)",), "gated": (GATED_FWD, GATED_GRAD)}
+                 "both": ("triton block cast both (1x128 + 128x1 t)",), "gated": (GATED_FWD, GATED_GRAD, NORM)}
     default = block_kernel.BlockShapes()
     for field, values in BLOCK_VARIANTS:
+        if fields is not None and field not in fields:
+            continue
         for name in kernel_of[field]:
             if name is None:  # 128 x 1 alone is no layer's cast: timed as a plain cast of its own
                 sinv = torch.empty(block_reference.blocks_of(b.x.shape, (128, 1)), device=b.x.device)
@@ -265,6 +302,11 @@ def variant_gives_the_twins_bytes(b: Buffers, name: str) -> bool:
     same = lambda p, q: bool(torch.equal(p.view(torch.uint8), q.view(torch.uint8)))
     if name in (GATED_FWD, GATED_GRAD):
         return gated_gives_the_twins_bytes(b, name == GATED_GRAD)
+    if name == NORM:  # against the two-way cast of the formula's y (whose own check is the branch below)
+        got, got_t = b.out.clone(), b.out_t_blocks.clone()
+        block_kernel.block_cast_both_into(norm_y(b), b.out, b.out_t_blocks, b.sinv_rows, b.sinv_cols)
+        return bool(torch.equal(got.view(torch.uint8), b.out.view(torch.uint8))
+                    and torch.equal(got_t.view(torch.uint8), b.out_t_blocks.view(torch.uint8)))
     want, _ = block_reference.block_cast(b.x, FP8, BLOCK_OF[name])
     if not same(b.out, want):
         return False
@@ -290,11 +332,11 @@ def gated_gives_the_twins_bytes(b: Buffers, grad: bool) -> bool:
                 and torch.equal(got_t.view(torch.uint8), out_t.view(torch.uint8)))
 
 
-def sweep_block_variants(b: Buffers, copy_gbps: float) -> dict:
+def sweep_block_variants(b: Buffers, copy_gbps: float, fields=None) -> dict:
     """Time every launch-shape variant of the block kernels (each checked against the twin's
     bytes on this input first); the fastest first per kernel."""
     results: dict = {}
-    for field, value, shapes, name, launch, nbytes in block_variant_calls(b):
+    for field, value, shapes, name, launch, nbytes in block_variant_calls(b, fields):
         try:
             for t in (b.out, b.out_t_blocks) + ((b.out2, b.out2_t) if b.gated else ()):
                 t.view(torch.uint8).fill_(0xAB)  # no twin's byte here: a kernel that writes nothing fails
@@ -449,6 +491,8 @@ def main() -> None:
     parser.add_argument("--block", action="store_true", help="BlockScaling's block casts too (--variants: theirs)")
     parser.add_argument("--block-only", action="store_true",
                         help="the block casts alone (implies --block): no per-tensor kernels, nor their variants")
+    parser.add_argument("--fields", help="--variants of these BlockShapes fields alone (comma-separated: "
+                        "rows, cols, tiles, both, gated; default all)")
     parser.add_argument("--input-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the input's dtype (a converted HF Llama's q/k/v and gate/up inputs are float32)")
     args = parser.parse_args()
@@ -481,7 +525,8 @@ def main() -> None:
     for r in resources:
         print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
     variants = sweep_variants(b, copy_gbps) if args.variants and not args.block_only else None
-    block_variants = sweep_block_variants(b, copy_gbps) if args.variants and args.block else None
+    block_variants = sweep_block_variants(b, copy_gbps, args.fields and args.fields.split(",")) \
+        if args.variants and args.block else None
 
     result = {
         "device": device, "torch": torch.__version__, "triton": triton.__version__,
