@@ -99,7 +99,8 @@ with `--idle-top N` the GPU's idle time per step between kernels and its N large
 the host op that launched the kernel after each gap (where wall time exceeds device time),
 peak memory above what the variants built before it hold (over one steady step; the
 warm-up's, which holds the compiles and fp8train's eager first step, in the JSON), the
-last round's mean loss, and the median over rounds of the within-round ratio to BF16 eager
+last round's mean loss (it falls with the steps taken: `--rounds` and `--steps` move it; the
+optimizer steps behind it are printed beside it), and the median over rounds of the within-round ratio to BF16 eager
 and to torchao compile (T7: fp8train <= 0.85x torchao), with the number of rounds in which the
 variant beat BF16 eager (a host-bound step's median ratio near 1 is a tie unless most rounds
 agree). A variant that fails prints its
@@ -359,6 +360,7 @@ class Runner:
         out = [self.step(self.model, self.recipe) for _ in range(steps)]
         self.sync()
         self.losses = [float(v) for v in out]
+        self.loss_steps = self.count  # the optimizer steps taken (warm-up included) when these losses ended
         return (time.perf_counter() - t0) * 1e3 / steps
 
     def profile(self, steps: int, host_top: int = 0, device_top: int = 0, idle_top: int = 0) -> Dict:
@@ -519,7 +521,8 @@ def measure(runners: Dict[str, Runner], rounds: int, steps: int, profile_steps: 
                      "python_top": python,
                      "vs_bf16_eager": vs_bf16, "rounds_faster_than_bf16_eager": wins,
                      "vs_torchao": paired(v, "torchao compile")[0],
-                     "loss": statistics.fmean(run.losses), "fp8train_layers": run.fp8_layers,
+                     "loss": statistics.fmean(run.losses), "loss_steps": run.loss_steps,
+                     "fp8train_layers": run.fp8_layers,
                      "shared_input_groups": run.shared_groups, "linear_paths": run.paths,
                      "norm_paths": run.norm_paths, "mlp_paths": run.mlp_paths})
     return rows
@@ -535,7 +538,7 @@ def print_table(name: str, rows: List[Dict]) -> None:
     print(f"\n{name}: {SHAPES[name]} (vs: the median over rounds of the ratio within a round; "
           "faster: the rounds in which the variant beat BF16 eager)")
     print(f"{'variant':<34}{'wall ms':>9}{'device ms':>10}{'wall/dev':>9}{'vs bf16 eager':>14}{'faster':>8}"
-          f"{'vs torchao':>11}{'peak GiB':>9}{'kernels':>8}{'loss':>8}")
+          f"{'vs torchao':>11}{'peak GiB':>9}{'kernels':>8}{'loss (after steps)':>19}")
 
     def cell(v: Optional[float], width: int, spec: str, unit: str = "") -> str:
         return " " * width if v is None else f"{format(v, spec) + unit:>{width}}"
@@ -548,7 +551,7 @@ def print_table(name: str, rows: List[Dict]) -> None:
               f"{cell(r['wall_over_device'], 9, '.2f')}{cell(r['vs_bf16_eager'], 14, '.2f', 'x')}"
               f"{_faster(r):>8}"
               f"{cell(r['vs_torchao'], 11, '.2f', 'x')}{cell(r['peak_gib'], 9, '.1f')}"
-              f"{cell(r['kernels_per_step'], 8, '.0f')}{r['loss']:>8.3f}")
+              f"{cell(r['kernels_per_step'], 8, '.0f')}{r['loss']:>11.3f} ({r['loss_steps']:>4d})")
     for r in rows:
         for path, count in r.get("linear_paths", {}).items():
             print(f"  path {r['variant']:<34}{count:3d} Linears  {path[:100]}")
