@@ -56,7 +56,7 @@
 #          GATED; three processes), then benchmarks/cast.py --block-only: their bandwidth against a
 #          copy (CAST_COMPILE=1: and against torch.compile of their torch-op form), with their
 #          launch-shape variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a
-#          bf16 gradient (8192 x 5632; the gated forms at that width too)
+#          bf16 gradient (8192 x 5632; the gated forms at that width too, the norm's on the float32 input)
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
