@@ -21,8 +21,8 @@ import cast as cast_bench  # noqa: E402
 from fp8train.kernels import block_kernel, block_reference  # noqa: E402
 
 
-@pytest.mark.parametrize("dtype, cols", [(torch.bfloat16, 300), (torch.float32, 300), (torch.bfloat16, 256)],
-                         ids=["bf16", "fp32", "bf16-gated"])
+@pytest.mark.parametrize("dtype, cols", [(torch.bfloat16, 300), (torch.float32, 300), (torch.bfloat16, 256),
+                                         (torch.float32, 256)], ids=["bf16", "fp32", "bf16-gated", "fp32-norm"])
 def test_block_cases_run_and_match_the_twin(dtype, cols, exact_conversions):
     torch.manual_seed(0)
     b = cast_bench.Buffers(200, cols, dtype, device="cpu")  # tail blocks both ways (gated: rows only)
@@ -30,8 +30,10 @@ def test_block_cases_run_and_match_the_twin(dtype, cols, exact_conversions):
     names = [name for name, fn, nbytes in cast_bench.block_cases(b)]
     gated = [cast_bench.GATED_FWD, "unfused: gated fwd, then block cast both", cast_bench.GATED_GRAD,
              "unfused: gated bwd, then block cast both of dg | du"] if b.gated else []
+    norm = [cast_bench.NORM, "unfused: norm output, then block cast both"] if b.norm else []
+    assert b.norm == (dtype == torch.float32 and cols == 256)
     assert names == ["triton block cast 1x128", "triton block cast 128x128",
-                     "triton block cast both (1x128 + 128x1 t)"] + gated
+                     "triton block cast both (1x128 + 128x1 t)"] + gated + norm
     for name, fn, nbytes in cast_bench.block_cases(b):
         fn()
         assert nbytes > b.in_bytes * b.numel
@@ -59,6 +61,27 @@ def test_every_block_variant_gives_the_twins_bytes(exact_conversions):
             assert torch.equal(b.out_t_blocks[:, :130].view(torch.uint8), want_t.t().view(torch.uint8))
     # every variant once; a field's own list leaves out its default, which comes first
     assert len(seen) == sum(len(values) + 1 for field, values in cast_bench.BLOCK_VARIANTS)
+
+
+def test_every_norm_variant_gives_the_formulas_bytes(exact_conversions):
+    """The norm's form (float32 x) under each computed-form variant: the benchmark's check
+    passes, and the bytes are the reference cast of the formula's y (w * (x * rstd))."""
+    torch.manual_seed(2)
+    b = cast_bench.Buffers(130, 256, torch.float32, device="cpu")
+    y = b.w * (b.x * b.rstd[:, None])
+    want, _ = block_reference.block_cast(y, cast_bench.FP8, (1, 128))
+    want_t, _ = block_reference.block_cast(y, cast_bench.FP8, (128, 1))
+    calls = [c for c in cast_bench.block_variant_calls(b, ["gated"])]
+    assert {name for *_, name, launch, nbytes in calls} == {cast_bench.NORM}  # the gated forms take bf16
+    assert len(calls) == len(dict(cast_bench.BLOCK_VARIANTS)["gated"]) + 1
+    for field, value, shapes, name, launch, nbytes in calls:
+        for t in (b.out, b.out_t_blocks):
+            t.view(torch.uint8).fill_(0xAB)
+        assert not cast_bench.variant_gives_the_twins_bytes(b, name)  # the check can fail
+        launch()
+        assert cast_bench.variant_gives_the_twins_bytes(b, name), value
+        assert torch.equal(b.out.view(torch.uint8), want.view(torch.uint8)), value
+        assert torch.equal(b.out_t_blocks[:, :130].view(torch.uint8), want_t.t().view(torch.uint8)), value
 
 
 def test_block_shapes_refuse_tiles_of_partial_blocks():
