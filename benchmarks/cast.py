@@ -60,8 +60,7 @@ BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2)
                             {"both": 8, "both_clamp": False, "even": True}, {"packed_t": True},
                             {"both_clamp": False, "even": True}, {"both_clamp": False, "even": True, "packed_t": True},
                             {"both": 8, "both_clamp": False, "even": True, "packed_t": True}]),
-                  # the computed forms: (the product's and the norm's warps, the gradients');
-                  # the gated ones on bf16 inputs, the norm's on float32
+                  # the gated MLP's forms (bf16 inputs only): (the product's warps, the gradients')
                   ("gated", [(8, 8), (4, 4), (16, 16), {"both_clamp": False},
                              {"both_clamp": False, "even": True}, {"packed_t": True},
                              {"both_clamp": False, "even": True, "packed_t": True},
@@ -69,7 +68,11 @@ BLOCK_VARIANTS = [("rows", [(tm, 128, w) for tm, w in ((16, 2), (16, 4), (32, 2)
                              {"gated": (8, 16), "both_clamp": False, "even": True},
                              {"gated": (8, 8), "both_clamp": False, "even": True, "gated_sides": True},
                              {"gated": (8, 8), "both_clamp": False, "even": True, "gated_sides": True,
-                              "packed_t": True}])]
+                              "packed_t": True}]),
+                  # the norm's form (float32 inputs only), its warps apart since the sixty-third session
+                  ("norm", [8, 16, {"both_clamp": False, "even": True}, {"packed_t": True},
+                            {"norm": 8, "both_clamp": False, "even": True},
+                            {"norm": 8, "both_clamp": False, "even": True, "packed_t": True}])]
 
 
 def median_ms(fn, calls: int = 20, replays: int = 15) -> float:
@@ -269,7 +272,8 @@ def block_variant_calls(b: Buffers, fields=None):
     dict value (the default first); the callable launches under it."""
     cases = {name: (fn, nbytes) for name, fn, nbytes in block_cases(b)}
     kernel_of = {"rows": ("triton block cast 1x128",), "cols": (None,), "tiles": ("triton block cast 128x128",),
-                 "both": ("triton block cast both (1x128 + 128x1 t)",), "gated": (GATED_FWD, GATED_GRAD, NORM)}
+                 "both": ("triton block cast both (1x128 + 128x1 t)",), "gated": (GATED_FWD, GATED_GRAD),
+                 "norm": (NORM,)}
     default = block_kernel.BlockShapes()
     for field, values in BLOCK_VARIANTS:
         if fields is not None and field not in fields:
@@ -492,7 +496,7 @@ def main() -> None:
     parser.add_argument("--block-only", action="store_true",
                         help="the block casts alone (implies --block): no per-tensor kernels, nor their variants")
     parser.add_argument("--fields", help="--variants of these BlockShapes fields alone (comma-separated: "
-                        "rows, cols, tiles, both, gated; default all)")
+                        "rows, cols, tiles, both, gated, norm; default all)")
     parser.add_argument("--input-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the input's dtype (a converted HF Llama's q/k/v and gate/up inputs are float32)")
     args = parser.parse_args()

@@ -39,7 +39,7 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                8 warps, no clamp, the gated forms 8 / 8 warps,
                                                the gradients' one launch per side
                                                (BlockShapes(both=8, both_clamp=False, gated=(8, 8),
-                                               even=True, gated_sides=True) around this variant's
+                                               norm=8, even=True, gated_sides=True) around this variant's
                                                steps: every form at 128 registers, two programs
                                                an SM; an A/B, 0.13 ms a step slower on the H100)
   fp8 compile block [unmasked] packed          the transposed copies packed in words
@@ -323,7 +323,8 @@ class Runner:
             native.set_block_gemm_tuning(True)
         shapes = contextlib.nullcontext()
         forms = {**({"both_clamp": False} if self.unclamped else {}),
-                 **(dict(both=8, both_clamp=False, gated=(8, 8), even=True, gated_sides=True) if self.unmasked else {}),
+                 **(dict(both=8, both_clamp=False, gated=(8, 8), norm=8, even=True, gated_sides=True)
+                    if self.unmasked else {}),
                  **({"packed_t": True} if self.packed else {})}
         if forms:  # read where a cast's launch is made: eager calls, a compile's trace (baked in)
             from fp8train.kernels import block_kernel  # needs triton

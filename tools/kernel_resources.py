@@ -87,7 +87,7 @@ def block_kernels(shapes: block_kernel.BlockShapes, dtype: str):
                              {"FP8_MAX": 448.0, "POW2": False, "PARTS": parts, "CLAMP": shapes.both_clamp,
                               "GATED": gate, "ACT": act, "EVEN": even, "SIDE": side,
                               "PACK": 2 if shapes.packed_t else 0},  # the GPU's form (inline PTX)
-                             shapes.gated[gate == 2] if gate else shapes.both, divisible,
+                             shapes.both_warps(gate), divisible,
                              0 if gate else shapes.both_regs)
     weight = {"x_ptr": f"*{dtype}", "x1_ptr": f"*{dtype}", "x2_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
               "out_t_ptr": "*fp8e4nv", "sinv_ptr": "*fp32", "sinv_t_ptr": "*fp32",
@@ -108,8 +108,8 @@ def programs_per_sm(regs: int, warps: int, shared: int) -> int:
 def _warps_and_tile(shapes: block_kernel.BlockShapes, name: str):
     """(warps, elements of the tile a program casts) of the kernel `name` under `shapes`."""
     if name.startswith("both"):
-        computed = "gated" in name or name == "both norm"
-        return (shapes.gated["grad" in name] if computed else shapes.both), 128 * 128
+        gate = 3 if name == "both norm" else 2 if "gated grad" in name else 1 if "gated" in name else 0
+        return shapes.both_warps(gate), 128 * 128
     if name == "weight":
         return shapes.tiles[2], 128 * 128
     tm, tk, warps = shapes.of({"1x128": 0, "128x1": 1, "128x128": 2}[name])
@@ -127,7 +127,8 @@ def main(argv=None) -> None:
 
     default = block_kernel.BlockShapes()
     wanted = {"rows": ("1x128",), "cols": ("128x1",), "tiles": ("128x128", "weight"), "both": ("both", "both tails", "both 3 parts"),
-              "gated": ("both gated", "both gated grad", "both gated grad dg", "both gated grad du", "both norm")}
+              "gated": ("both gated", "both gated grad", "both gated grad dg", "both gated grad du"),
+              "norm": ("both norm",)}
     print(f"block cast kernels, x {args.dtype}, sm_90a, triton {triton.__version__}")
     for field, values in [(None, [None])] + BLOCK_VARIANTS:
         for value in values:

@@ -65,12 +65,17 @@ class BlockShapes:
     # at 128 another 2-4%; the forms' GPU tests pass without it (H100 and H200).
     both_regs: int = 0
     both_clamp: bool = True
-    # The warps of the two-way cast's computed forms (GATED: a gated MLP's product, or an RMS
-    # norm's output; and the product's gradients dg | du, whose tiles read three inputs). H100,
+    # The warps of the two-way cast's gated MLP forms (GATED: the product act(g) * u, and its
+    # gradients dg | du, whose tiles read three inputs). H100,
     # sixtieth session, bf16 8192 x 2816: the product 4 warps 57.7% of a copy (8: 53.4%, 16:
     # 49.9%; 56 bytes of spills at 4), the gradients 8 warps 54.1% (4: 33.7%, 616 bytes of
     # spills; 16: 48.3%).
     gated: Tuple[int, int] = (4, 8)
+    # The warps of the RMS norm's form (float32 x in a converted HF Llama), apart from the
+    # product's since the sixty-third session (they were one field): bf16 weight, 4 warps, clamp
+    # and masks 255 registers and 104 bytes of spills; 8 warps, unclamped, unmasked 128
+    # (tools/kernel_resources.py, triton 3.9's ptxas). Not yet timed apart.
+    norm: int = 4
     # The gradients' form as two launches, one per side (dg's tiles, du's), each compiled for
     # its side: the run-time choice between them holds 255 registers at 8 warps, one side 128
     # each unmasked (triton 3.9's ptxas). Not yet timed.
@@ -103,7 +108,7 @@ class BlockShapes:
         if not isinstance(self.gated, tuple) or len(self.gated) != 2:
             raise ValueError(f"BlockShapes.gated: (warps of the computed forms, of the gradients' form), got "
                              f"{self.gated!r}")
-        warp_fields += [("gated", w) for w in self.gated]
+        warp_fields += [("gated", w) for w in self.gated] + [("norm", self.norm)]
         for name, warps in warp_fields:
             if isinstance(warps, bool) or not isinstance(warps, int) or warps < 1 or warps & (warps - 1) or warps > 32:
                 raise ValueError(f"BlockShapes.{name}: warps, a power of two up to 32, got {warps!r}")
@@ -116,6 +121,11 @@ class BlockShapes:
 
     def of(self, mode: int) -> Tuple[int, int, int]:
         return (self.rows, self.cols, self.tiles)[mode]
+
+    def both_warps(self, gated: int = 0) -> int:
+        """The warps of the two-way cast's form `gated` (its kernel's GATED: 0 plain, 1 the
+        gated product, 2 its gradients, 3 the norm's output)."""
+        return (self.both, self.gated[0], self.gated[1], self.norm)[gated]
 
 
 _override = LaunchOverride()  # BlockShapes or None
@@ -449,7 +459,7 @@ def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, shape: Tuple[i
     even = shapes.even and shape[0] % 128 == 0 and shape[1] % 128 == 0
     pack = (1 if _INTERPRETED else 2) if shapes.packed_t and word_aligned else 0
     if gated:
-        return _both_binary(fp8_max, pow2, shapes.gated[gated == 2], None, clamp, parts, gated, act, even, side,
+        return _both_binary(fp8_max, pow2, shapes.both_warps(gated), None, clamp, parts, gated, act, even, side,
                             pack)
     return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0, even, 0, pack)
 

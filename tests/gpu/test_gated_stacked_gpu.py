@@ -19,12 +19,12 @@ ACTS = ["silu", "gelu_tanh"]
 # BlockShapes fields: the masked kernel at 4, 8 and 16 warps, and unmasked on whole
 # tiles at 8 without the clamp (masked wherever a shape has tails), the gradients' in one
 # launch or one per side (the candidate default)
-FORMS = [pytest.param({"gated": (w, w)}, id=f"{w}warps") for w in (4, 8, 16)] + \
-    [pytest.param({"gated": (8, 8), "even": True, "both_clamp": False}, id="8warps-unmasked"),
-     pytest.param({"gated": (8, 8), "even": True, "both_clamp": False, "gated_sides": True},
+FORMS = [pytest.param({"gated": (w, w), "norm": w}, id=f"{w}warps") for w in (4, 8, 16)] + \
+    [pytest.param({"gated": (8, 8), "norm": 8, "even": True, "both_clamp": False}, id="8warps-unmasked"),
+     pytest.param({"gated": (8, 8), "norm": 8, "even": True, "both_clamp": False, "gated_sides": True},
                   id="8warps-unmasked-sides"),
-     pytest.param({"gated": (8, 8), "even": True, "both_clamp": False, "gated_sides": True, "packed_t": True},
-                  id="8warps-unmasked-sides-packed")]
+     pytest.param({"gated": (8, 8), "norm": 8, "even": True, "both_clamp": False, "gated_sides": True,
+                   "packed_t": True}, id="8warps-unmasked-sides-packed")]
 
 
 def _halves(m, k, dtype, seed):

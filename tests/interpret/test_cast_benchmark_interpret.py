@@ -59,21 +59,22 @@ def test_every_block_variant_gives_the_twins_bytes(exact_conversions):
         if "both" in name:
             want_t, _ = block_reference.block_cast(b.x, cast_bench.FP8, (128, 1))
             assert torch.equal(b.out_t_blocks[:, :130].view(torch.uint8), want_t.t().view(torch.uint8))
-    # every variant once; a field's own list leaves out its default, which comes first
-    assert len(seen) == sum(len(values) + 1 for field, values in cast_bench.BLOCK_VARIANTS)
+    # every variant once; a field's own list leaves out its default, which comes first (the
+    # norm's form takes float32 x: the next test)
+    assert len(seen) == sum(len(values) + 1 for field, values in cast_bench.BLOCK_VARIANTS if field != "norm")
 
 
 def test_every_norm_variant_gives_the_formulas_bytes(exact_conversions):
-    """The norm's form (float32 x) under each computed-form variant: the benchmark's check
+    """The norm's form (float32 x) under each of its variants: the benchmark's check
     passes, and the bytes are the reference cast of the formula's y (w * (x * rstd))."""
     torch.manual_seed(2)
     b = cast_bench.Buffers(130, 256, torch.float32, device="cpu")
     y = b.w * (b.x * b.rstd[:, None])
     want, _ = block_reference.block_cast(y, cast_bench.FP8, (1, 128))
     want_t, _ = block_reference.block_cast(y, cast_bench.FP8, (128, 1))
-    calls = [c for c in cast_bench.block_variant_calls(b, ["gated"])]
+    calls = list(cast_bench.block_variant_calls(b, ["gated", "norm"]))
     assert {name for *_, name, launch, nbytes in calls} == {cast_bench.NORM}  # the gated forms take bf16
-    assert len(calls) == len(dict(cast_bench.BLOCK_VARIANTS)["gated"]) + 1
+    assert len(calls) == len(dict(cast_bench.BLOCK_VARIANTS)["norm"]) + 1
     for field, value, shapes, name, launch, nbytes in calls:
         for t in (b.out, b.out_t_blocks):
             t.view(torch.uint8).fill_(0xAB)
@@ -106,3 +107,12 @@ def test_block_shapes_refuse_tiles_of_partial_blocks():
         with pytest.raises(ValueError, match="gated"):
             block_kernel.BlockShapes(gated=gated)
     block_kernel.BlockShapes(gated=(16, 2))
+    for warps in (3, 0, 64, (8,), True):
+        with pytest.raises(ValueError, match="norm"):
+            block_kernel.BlockShapes(norm=warps)
+    shapes = block_kernel.BlockShapes(both=2, gated=(4, 16), norm=8)
+    assert [shapes.both_warps(g) for g in range(4)] == [2, 4, 16, 8]
+    # each form's kernel launches at its own warps
+    warps = [block_kernel._both_kernel(448.0, False, shapes, (256, 256), gated=g)._options["num_warps"]
+             for g in range(4)]
+    assert warps == [2, 4, 16, 8]
