@@ -57,12 +57,14 @@
 #          copy (CAST_COMPILE=1: and against torch.compile of their torch-op form), with their
 #          launch-shape variants, on an HF Llama h2048 q/k/v input (8192 x 2048 float32) and a
 #          bf16 gradient (8192 x 5632; the gated forms at that width too, the norm's on the float32 input)
+#   blocksweep-h1024, blocksweep-h2048  that sweep alone at that shape's sizes (h1024: float32 8192 x 1024,
+#          bf16 8192 x 2816); CAST_FIELDS picks the BlockShapes fields (e.g. both,gated,norm)
 #   fsdp   benchmarks/fsdp.py under torchrun on every visible GPU (N=1 on one GPU: the code path;
 #          HOST_TOP=N adds each variant's largest host self times), then the FSDP cases with NCCL
 #          (tests/gpu/test_fsdp_gpu.py; the gloo cases need torch 2.13's FSDP2 on CPU)
 #   replay the launch groups (kernels/replay.py) and the C++ LayerNormMLP node: their GPU tests
 #          beside the fused-module and graph tests, then LayerNormMLP's host time each way
-# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h1024] [hf-h2048] [hf-h4096] [hf-block4096] [gemm] [hf-code] [hf-static] [numerics-h1024] [numerics-h2048] [block] [blockcast] [fsdp]
+# Usage on the device machine: bash tools/gpu_check.sh [info] [tp] [mlp] [bench] [kernels] [small] [demo] [tests] [native] [high] [replay] [lt] [hf] [hf-h1024] [hf-h2048] [hf-h4096] [hf-block4096] [gemm] [hf-code] [hf-static] [numerics-h1024] [numerics-h2048] [block] [blockcast] [blocksweep-h1024] [blocksweep-h2048] [fsdp]
 #   (default: info tests bench)
 set -uo pipefail
 steps=${*:-info tests bench}
@@ -77,6 +79,18 @@ if compgen -G ".whl/torchao-*.whl" > /dev/null && [[ ! -d /tmp/site/torchao ]]; 
   python3 -m pip install -q --no-deps --target /tmp/site .whl/torchao-*.whl 2>&1 | tail -2
 fi
 [[ -d /tmp/site/torchao ]] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+block_sweep() {  # shape: benchmarks/cast.py --block-only with its variants at that HF Llama shape's sizes
+  # (a q/k/v input, float32: the plain and the norm's forms; a bf16 MLP-wide gradient: the plain
+  # and the gated forms); CAST_FIELDS: the BlockShapes fields swept (default all); CAST_COMPILE=1:
+  # against torch.compile of their torch-op form too
+  local h f=${CAST_FIELDS:+--fields $CAST_FIELDS} nc
+  h=$([[ $1 == h1024 ]] && echo "1024 2816" || echo "2048 5632")
+  nc=$([[ "${CAST_COMPILE:-0}" == 1 ]] || echo --no-compile)
+  timeout 200 python3 benchmarks/cast.py --block-only $nc --variants $f --rows 8192 --cols "${h% *}" \
+    --input-dtype float32 --json "$OUT/cast_block_f32_$1.json" 2>&1 | tee "$OUT/cast_block_f32_$1.log"
+  timeout 200 python3 benchmarks/cast.py --block-only $nc --variants $f --rows 8192 --cols "${h#* }" \
+    --json "$OUT/cast_block_bf16_$1.json" 2>&1 | tee "$OUT/cast_block_bf16_$1.log"
+}
 for step in $steps; do
   echo "=== $step ($(date +%T))"
   case $step in
@@ -193,12 +207,9 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
       $t tests/gpu/test_block_cast_gpu.py -k both 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)" &
       $t tests/gpu/test_block_cast_gpu.py -k "not both" 2>&1 | grep -E "passed|failed|^(FAILED|ERROR)" &
       wait
-      # the block casts alone (--block-only), $CAST_COMPILE=1: with their torch.compile form too
-      nc=$([[ "${CAST_COMPILE:-0}" == 1 ]] || echo --no-compile)
-      timeout 200 python3 benchmarks/cast.py --block-only $nc --variants --rows 8192 --cols 2048 --input-dtype float32 \
-        --json "$OUT/cast_block_f32.json" 2>&1 | tee "$OUT/cast_block_f32.log"
-      timeout 200 python3 benchmarks/cast.py --block-only $nc --variants --rows 8192 --cols 5632 \
-        --json "$OUT/cast_block_bf16.json" 2>&1 | tee "$OUT/cast_block_bf16.log" ;;
+      block_sweep h2048 ;;
+    blocksweep-h1024|blocksweep-h2048)
+      block_sweep "${step#blocksweep-}" ;;
     fsdp)
       timeout 400 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/fsdp.py --json "$OUT/fsdp.json" \
         --host-top "${HOST_TOP:-0}" 2>&1 \
