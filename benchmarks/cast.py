@@ -501,6 +501,9 @@ def main() -> None:
                         help="the input's dtype (a converted HF Llama's q/k/v and gate/up inputs are float32)")
     args = parser.parse_args()
     args.block = args.block or args.block_only
+    known = [field for field, _ in BLOCK_VARIANTS]
+    if args.fields and not set(args.fields.split(",")) <= set(known):
+        parser.error(f"--fields: some of {known}, got {args.fields!r}")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/cast.py needs a CUDA GPU")
 

@@ -72,9 +72,9 @@ class BlockShapes:
     # spills; 16: 48.3%).
     gated: Tuple[int, int] = (4, 8)
     # The warps of the RMS norm's form (float32 x in a converted HF Llama), apart from the
-    # product's since the sixty-third session (they were one field): bf16 weight, 4 warps, clamp
-    # and masks 255 registers and 104 bytes of spills; 8 warps, unclamped, unmasked 128
-    # (tools/kernel_resources.py, triton 3.9's ptxas). Not yet timed apart.
+    # product's since the sixty-third session (they were one field): float32 x and weight, 4
+    # warps, clamp and masks 255 registers and 104 bytes of spills; 8 warps, unclamped, unmasked
+    # 128, two programs an SM (tools/kernel_resources.py, triton 3.9's ptxas). Not yet timed apart.
     norm: int = 4
     # The gradients' form as two launches, one per side (dg's tiles, du's), each compiled for
     # its side: the run-time choice between them holds 255 registers at 8 warps, one side 128
@@ -106,7 +106,7 @@ class BlockShapes:
                                  f"whole blocks per tile ({fixed}, None: any), got {(tm, tk, warps)}")
         warp_fields = [("both", self.both)]
         if not isinstance(self.gated, tuple) or len(self.gated) != 2:
-            raise ValueError(f"BlockShapes.gated: (warps of the computed forms, of the gradients' form), got "
+            raise ValueError(f"BlockShapes.gated: (warps of the product's form, of the gradients' form), got "
                              f"{self.gated!r}")
         warp_fields += [("gated", w) for w in self.gated] + [("norm", self.norm)]
         for name, warps in warp_fields:
