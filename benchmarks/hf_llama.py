@@ -47,6 +47,11 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                on the default forms or the unmasked ones
                                                (compiled variants recompile under their own
                                                forms: kernels.forms.KEY)
+  <a block variant> forms:NAME=VALUE+...       the block casts' launch shapes set field by
+                                               field around this variant's steps, e.g. "fp8
+                                               compile block forms:both_clamp=false+norm=8+
+                                               gated=4x8" (BlockShapes fields; values true,
+                                               false, an int, ints joined by x)
   fp8 compile block ungated                    the gated MLP's product and its gradients stored
                                                and cast apart (modules.stacked.GATED off around
                                                this variant's steps; the default casts them inside
@@ -115,6 +120,7 @@ import contextlib
 import datetime
 import gc
 import json
+import re
 import statistics
 import time
 import traceback
@@ -186,12 +192,47 @@ def compile_options(words) -> dict:
     return {k: v for word in words for k, v in COMPILE_OPTIONS.get(word, {}).items() if hasattr(inductor_config, k)}
 
 
+def block_forms(word: str) -> Dict[str, object]:
+    """A block variant's last word `forms:NAME=VALUE+...` as block_kernel.BlockShapes fields:
+    VALUE true or false, an int, or ints joined by x for a tuple (gated=4x8). Any launch
+    shapes timed without a variant of their own; BlockShapes checks the names and values."""
+    if not word.startswith("forms:") or word == "forms:":
+        raise ValueError(f"{word!r}: expected forms:NAME=VALUE+NAME=VALUE...")
+    forms: Dict[str, object] = {}
+    for item in word[len("forms:"):].split("+"):
+        name, eq, value = item.partition("=")
+        if not eq or not name.isidentifier() or not value or name in forms:
+            raise ValueError(f"{word!r}: {item!r} is not NAME=VALUE (each name once)")
+        if value in ("true", "false"):
+            forms[name] = value == "true"
+        elif re.fullmatch(r"\d+(x\d+)+", value):
+            forms[name] = tuple(int(v) for v in value.split("x"))
+        elif value.isdigit():
+            forms[name] = int(value)
+        else:
+            raise ValueError(f"{word!r}: {value!r} is not true, false, an int or ints joined by x")
+    return forms
+
+
+def split_forms(variant: str) -> Tuple[str, Dict[str, object]]:
+    """(the variant without its forms: word, the word's BlockShapes fields; {} without one)."""
+    words = variant.split()
+    if words and words[-1].startswith("forms:"):
+        return " ".join(words[:-1]), block_forms(words[-1])
+    return variant, {}
+
+
 def checked_variants(parser: argparse.ArgumentParser, variants: List[str], known: List[str]) -> List[str]:
     """`variants` checked against `known` (a parser error names an unknown one), less the
-    torchao ones where torchao does not import (said once)."""
+    torchao ones where torchao does not import (said once). A block variant may end in a
+    forms: word (block_forms)."""
     for v in variants:
-        if v not in known:
-            parser.error(f"unknown variant {v!r}; one of {known}")
+        try:
+            base, forms = split_forms(v)
+        except ValueError as e:
+            parser.error(f"variant {v!r}: {e}")
+        if base not in known or (forms and "block" not in base.split()):
+            parser.error(f"unknown variant {v!r}; one of {known}, a block one maybe ending in forms:NAME=VALUE+...")
     try:
         import torchao  # noqa: F401
     except ImportError:
@@ -283,6 +324,7 @@ class Runner:
         self.unclamped = "unclamped" in variant.split()
         self.unmasked = "unmasked" in variant.split()
         self.packed = "packed" in variant.split()
+        self.forms = split_forms(variant)[1]
         sharing, module_base.SHARE_INPUT_CASTS = module_base.SHARE_INPUT_CASTS, "unshared" not in variant.split()
         try:  # ties form at the first FP8 forward (here) and stay
             self.model, self.recipe = prepare(variant, model, self.step)
@@ -325,7 +367,7 @@ class Runner:
         forms = {**({"both_clamp": False} if self.unclamped else {}),
                  **(dict(both=8, both_clamp=False, gated=(8, 8), norm=8, even=True, gated_sides=True)
                     if self.unmasked else {}),
-                 **({"packed_t": True} if self.packed else {})}
+                 **({"packed_t": True} if self.packed else {}), **self.forms}
         if forms:  # read where a cast's launch is made: eager calls, a compile's trace (baked in)
             from fp8train.kernels import block_kernel  # needs triton
             shapes = block_kernel.override_shapes(replace(block_kernel.BlockShapes(), **forms))

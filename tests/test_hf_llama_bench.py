@@ -1,6 +1,7 @@
 """benchmarks/hf_llama.py's code path on the CPU (tiny shape, eager variants): it runs, converts
 the Llama's projections (not lm_head) and writes one row per variant. Times on the CPU mean
 nothing and are not checked (the benchmark runs on the GPU machine)."""
+import argparse
 import json
 
 import pytest
@@ -147,3 +148,19 @@ def test_compiled_ckpt_variant_is_one_graph_on_cpu(tmp_path):
         assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
     assert not breaks, breaks
     assert abs(rows[0]["loss"] - 5.55) < 0.1, rows  # ~log(256)
+
+
+def test_forms_word_names_block_shapes_fields():
+    """A block variant's forms: word is read field by field; bad words are refused."""
+    assert hf_llama.split_forms("fp8 compile block forms:both_clamp=false+norm=8+gated=4x8+even=true") == \
+        ("fp8 compile block", {"both_clamp": False, "norm": 8, "gated": (4, 8), "even": True})
+    assert hf_llama.split_forms("fp8 compile block") == ("fp8 compile block", {})
+    for word in ["forms:", "forms:norm", "forms:norm=8+norm=4", "forms:norm=eight", "forms:gated=4x", "forms:=8"]:
+        with pytest.raises(ValueError):
+            hf_llama.block_forms(word)
+    p = argparse.ArgumentParser()
+    assert hf_llama.checked_variants(p, ["fp8 eager block forms:norm=8"], hf_llama.VARIANTS) == \
+        ["fp8 eager block forms:norm=8"]
+    for bad in ["fp8 compile current forms:norm=8", "fp8 compile block forms:norm", "fp8 compile blok forms:norm=8"]:
+        with pytest.raises(SystemExit):
+            hf_llama.checked_variants(p, [bad], hf_llama.VARIANTS)
