@@ -28,6 +28,9 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                them: modules/stacked.py; an A/B of it)
   fp8 eager block stacked                      eager calls stacked too (modules.stacked.EAGER set
                                                around this variant's steps; an A/B of it)
+  fp8 {eager,compile} block hiwgrad            BlockScaling(fp8_wgrad=False): the wgrad GEMMs in
+                                               bf16 from X and dY, no transposed casts (the
+                                               gated MLP's and norms' fused casts off with it)
   fp8 compile block tuned                      the block GEMMs tuned per problem
                                                (native.set_block_gemm_tuning(True) around this
                                                variant's steps; opt-in: an A/B of the tuning)
@@ -166,7 +169,7 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager delayed unfused", "fp8 eager current unfused-mlp", "fp8 eager delayed unfused-mlp",
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
-            "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block stacked",
+            "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block hiwgrad", "fp8 compile block hiwgrad", "fp8 eager block stacked",
             "fp8 eager block unclamped", "fp8 compile block unclamped",
             "fp8 eager block unmasked", "fp8 compile block unmasked", "fp8 compile block packed",
             "fp8 eager block unmasked packed", "fp8 compile block unmasked packed", "fp8 compile block ungated",
@@ -181,8 +184,9 @@ COMPILE_OPTIONS = {"combo": {"combo_kernels": True}}
 
 def recipe_of(words):
     """The fp8 recipe a variant's words after "fp8 <mode>" name: its defaults, but `apart`
-    turns BlockScaling's stacked siblings off."""
-    return RECIPES[words[0]](**({"stack_siblings": False} if "apart" in words else {}))
+    turns BlockScaling's stacked siblings off and `hiwgrad` its FP8 wgrad."""
+    return RECIPES[words[0]](**({"stack_siblings": False} if "apart" in words else {}),
+                             **({"fp8_wgrad": False} if "hiwgrad" in words else {}))
 
 
 def compile_options(words) -> dict:

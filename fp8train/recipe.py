@@ -172,6 +172,16 @@ class BlockScaling:
     (h2048) of the siblings apart (docs/benchmarks.md, N2). False: each sibling runs its own
     GEMMs and returns a contiguous tensor.
 
+    fp8_wgrad: True (the default), the wgrad GEMM in FP8 too, both operands in 1 x 128 blocks
+    along the tokens: each layer's input and output gradient cast a second time, transposed
+    (the two-way casts). False, the wgrad runs in the activations' dtype (as
+    TransformerEngine's override_linear_precision does), from X and dY themselves: one cast
+    each (1 x 128 along the features), X kept in the activations' dtype for the backward
+    instead of its transposed FP8 copy. Where the block wgrad saves little over BF16's (at
+    HF Llama h1024 it took 1.03x BF16's time, docs/benchmarks.md) the transposed casts cost
+    more than it saves. So far on the Python node only (the C++ node's block path, the gated
+    MLP's and RMSNorm's fused casts run with True: with False their layers run unfused).
+
     Taken by fp8train.Linear (and so by fp8train.convert's layers), LayerNormLinear and
     LayerNormMLP without tensor parallelism, eagerly and under torch.compile; tensor
     parallelism, CUDA graphs, FSDP2's fp8_all_gather and ONNX export refuse it with an error
@@ -181,11 +191,13 @@ class BlockScaling:
     fp8_format: Format = Format.E4M3
     power_of_two_scales: bool = False
     stack_siblings: bool = True
+    fp8_wgrad: bool = True
 
     def __post_init__(self):
         _check_format("BlockScaling", self.fp8_format)
         _check_bool("BlockScaling", "power_of_two_scales", self.power_of_two_scales)
         _check_bool("BlockScaling", "stack_siblings", self.stack_siblings)
+        _check_bool("BlockScaling", "fp8_wgrad", self.fp8_wgrad)
 
     @property
     def gemm(self) -> GemmConfig:

@@ -43,7 +43,9 @@ def test_recipe_defaults_and_validation():
     assert r.fp8_format is Format.E4M3 and r.power_of_two_scales is False
     assert r.gemm == GemmConfig(fprop_fast_accum=False, dgrad_fast_accum=False, wgrad_fast_accum=False)
     assert r.auto_precision is False
-    assert [f.name for f in dataclasses.fields(r)] == ["fp8_format", "power_of_two_scales", "stack_siblings"]
+    assert [f.name for f in dataclasses.fields(r)] == ["fp8_format", "power_of_two_scales", "stack_siblings",
+                                                       "fp8_wgrad"]
+    assert r.fp8_wgrad is True  # DeepSeek-V3's recipe: every GEMM in FP8
     assert r.stack_siblings is True  # the default since HF Llama's compiled steps measured it
     with pytest.raises(ValueError, match="stack_siblings must be a bool"):
         BlockScaling(stack_siblings=1)

@@ -93,6 +93,7 @@ def test_apart_variant_turns_stacking_off():
     assert hf_llama.recipe_of(["block"]).stack_siblings is True
     assert hf_llama.recipe_of(["block", "apart"]) == fp8train.BlockScaling(stack_siblings=False)
     assert isinstance(hf_llama.recipe_of(["current"]), fp8train.CurrentScaling)
+    assert hf_llama.recipe_of(["block", "hiwgrad"]) == fp8train.BlockScaling(fp8_wgrad=False)
 
 
 def _one_step_rows(tmp_path, variants):

@@ -133,7 +133,7 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
         grad = torch.is_grad_enabled()
         if q_weight.blockwise:
             return _block_scaled_layernorm_linear(self, x, (q_input, q_weight, q_grad), recipe.gemm, act_dtype, grad,
-                                                  is_first_microbatch)
+                                                  is_first_microbatch, recipe.fp8_wgrad)
         need_dgrad = grad and (x.requires_grad or ln_weight.requires_grad)
         w_fp8 = self._workspace.get(weight, q_weight, is_first_microbatch, need_transpose=need_dgrad,
                                     skip=self.weight_cast_skip)
@@ -191,7 +191,7 @@ class LayerNormLinear(FP8Module, TPCheckpoints):
 
 
 def _block_scaled_layernorm_linear(layer: LayerNormLinear, x, quantizers, config: GemmConfig, act_dtype: torch.dtype,
-                                   grad: bool, is_first_microbatch: Optional[bool]):
+                                   grad: bool, is_first_microbatch: Optional[bool], fp8_wgrad: bool):
     """LayerNormLinear under BlockScaling: the norm in high precision (as the layer's
     high-precision path computes it), then one block-scaled GEMM with its own backward
     (linear.block_scaled_gemm), whose block cast reads the norm output. Not fused."""
@@ -199,7 +199,7 @@ def _block_scaled_layernorm_linear(layer: LayerNormLinear, x, quantizers, config
     refuse_per_tensor_fp8(layer, x, weight)
     ln = norm_high_precision_in(x, layer.layer_norm_weight, layer.layer_norm_bias, layer.normalization, layer.eps)
     y = block_scaled_gemm(layer._workspace, ln, weight, layer.bias, *quantizers, config, act_dtype, grad,
-                          is_first_microbatch)
+                          is_first_microbatch, fp8_wgrad=fp8_wgrad)
     if layer.out_parts is not None:
         y = y.split(layer.local_out_parts, -1)
     return layernorm_linear_outputs(y, ln, layer.return_layernorm_output)

@@ -130,7 +130,8 @@ class LayerNormMLP(FP8Module, TPCheckpoints):
         q2 = self.quantizers(recipe, fc2_weight.device, "fc2_")
         grad = torch.is_grad_enabled()
         if q1[1].blockwise:
-            return _block_scaled_mlp(self, x, q1, q2, recipe.gemm, act_dtype, grad, is_first_microbatch)
+            return _block_scaled_mlp(self, x, q1, q2, recipe.gemm, act_dtype, grad, is_first_microbatch,
+                                     recipe.fp8_wgrad)
         need_dgrad1 = grad and (x.requires_grad or ln_weight.requires_grad)
         skip = self.weight_cast_skip
         ln_bias, fc1_bias, fc2_bias = self.layer_norm_bias, self.fc1_bias, self.fc2_bias
@@ -223,7 +224,7 @@ def _tp_configs(tp_group, sequence_parallel, tp_overlap, reduce_dtype, hidden: i
 
 
 def _block_scaled_mlp(layer: LayerNormMLP, x, q1, q2, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
-                      is_first_microbatch: Optional[bool]) -> torch.Tensor:
+                      is_first_microbatch: Optional[bool], fp8_wgrad: bool) -> torch.Tensor:
     """LayerNormMLP under BlockScaling: the norm and the activation in high precision (as the
     layer's high-precision path computes them), fc1 and fc2 as block-scaled GEMMs with their
     own backward (linear.block_scaled_gemm). Not fused: the norm and activation outputs are
@@ -232,10 +233,10 @@ def _block_scaled_mlp(layer: LayerNormMLP, x, q1, q2, config: GemmConfig, act_dt
     refuse_per_tensor_fp8(layer, x, w1, w2)
     ln = norm_high_precision_in(x, layer.layer_norm_weight, layer.layer_norm_bias, layer.normalization, layer.eps)
     h = block_scaled_gemm(layer._fc1_workspace, ln, w1, layer.fc1_bias, *q1, config, act_dtype, grad,
-                          is_first_microbatch)
+                          is_first_microbatch, fp8_wgrad=fp8_wgrad)
     a = activation_high_precision(h, layer.activation)
     return block_scaled_gemm(layer._fc2_workspace, a, w2, layer.fc2_bias, *q2, config, act_dtype, grad,
-                             is_first_microbatch)
+                             is_first_microbatch, fp8_wgrad=fp8_wgrad)
 
 
 class _LayerNormMLPFn(torch.autograd.Function):

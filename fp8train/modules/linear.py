@@ -143,11 +143,11 @@ class Linear(FP8Module, TPCheckpoints):
         if q_weight.blockwise:
             if q_input.sharing > 1 and recipe.stack_siblings and (stacked.EAGER or torch.compiler.is_compiling()):
                 y = _stacked_forward(self, x, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
-                                     is_first_microbatch)
+                                     is_first_microbatch, recipe.fp8_wgrad)
                 if y is not None:
                     return y
             return _block_scaled_forward(self, x, weight, bias, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
-                                         is_first_microbatch)
+                                         is_first_microbatch, recipe.fp8_wgrad)
         if x.is_cuda and native.ENABLED:
             y = _native_forward(self, x, weight, bias, q_input, q_weight, q_grad, recipe.gemm, act_dtype, grad,
                                 is_first_microbatch)
@@ -219,21 +219,23 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 CPP_NODE = "C++ node"
 _OFF_CUDA = "Python node: the C++ node runs on CUDA tensors only"
 _SWITCHED_OFF = "Python node: the C++ node is switched off (kernels.native.ENABLED = False)"
+_HIGH_WGRAD = "Python node: BlockScaling(fp8_wgrad=False) (the C++ node's block path has an FP8 wgrad only)"
 
 
 def _block_scaled_forward(layer: Linear, x, weight, bias, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
                           config: GemmConfig, act_dtype: torch.dtype, grad: bool,
-                          is_first_microbatch: Optional[bool]) -> torch.Tensor:
+                          is_first_microbatch: Optional[bool], fp8_wgrad: bool) -> torch.Tensor:
     """The layer's FP8 forward under BlockScaling: block-scaled operands that the layer casts
     itself, in the C++ node where it takes the call, else the Python node."""
     refuse_per_tensor_fp8(layer, x, weight)
     return block_scaled_gemm(layer._workspace, x, weight, bias, q_input, q_weight, q_grad, config, act_dtype, grad,
-                             is_first_microbatch, None if torch.compiler.is_compiling() else layer._path)
+                             is_first_microbatch, None if torch.compiler.is_compiling() else layer._path,
+                             fp8_wgrad=fp8_wgrad)
 
 
 def _stacked_forward(layer: Linear, x, q_input: Quantizer, q_weight: Quantizer, q_grad: Quantizer,
                      config: GemmConfig, act_dtype: torch.dtype, grad: bool,
-                     is_first_microbatch: Optional[bool]) -> Optional[torch.Tensor]:
+                     is_first_microbatch: Optional[bool], fp8_wgrad: bool) -> Optional[torch.Tensor]:
     """Under BlockScaling(stack_siblings=True), a tied layer's output through its tie's one
     stacked GEMM (modules/stacked.py): the slice the tie's first member computed, or, called
     as that first member, all members' outputs from one block-scaled GEMM on the weights
@@ -262,7 +264,7 @@ def _stacked_forward(layer: Linear, x, q_input: Quantizer, q_weight: Quantizer, 
         workspace = layer._stack_workspace = WeightWorkspace()
     outs = block_scaled_gemm(workspace, x, weight, bias, q_input, q_weight, q_grad, config, act_dtype, grad,
                              is_first_microbatch, None if traced else layer._path, alone=True, parts=parts.weights,
-                             widths=tuple(parts.widths))
+                             widths=tuple(parts.widths), fp8_wgrad=fp8_wgrad)
     stacked.keep(q_input, x, outs)
     return outs[0]
 
@@ -273,15 +275,16 @@ def gated_stacked_forward(gate: Linear, up: Linear, down: Linear, x: torch.Tenso
     down from the GEMM's output in one kernel and, backward, dg | du from down's dX; or None
     with nothing computed, where it cannot run so (the caller runs the layers one by one):
     stacking off or not tied yet (the first FP8 call ties them), another recipe, TP layers,
-    hooks, biases on gate or up, auto precision, GATED off."""
+    hooks, biases on gate or up, auto precision, GATED off, BlockScaling(fp8_wgrad=False) (its
+    wgrad reads the product and dg | du, which this node never stores)."""
     layers = (gate, up, down)
     if (not stacked.GATED or not (stacked.EAGER or torch.compiler.is_compiling())
             or any(type(m) is not Linear or m.tp is not None or not m._fp8_dims or _hooked(m) for m in layers)):
         return None
     weight = gate.weight
     recipe, act_dtype = gate.fp8_plan(x, weight.shape[-1])
-    if recipe is None or not getattr(recipe, "stack_siblings", False) or recipe.auto_precision \
-            or down.call_recipe() is not recipe:
+    if recipe is None or not getattr(recipe, "stack_siblings", False) or not recipe.fp8_wgrad \
+            or recipe.auto_precision or down.call_recipe() is not recipe:
         return None
     q_input, q_weight, q_grad = gate.quantizers(recipe, weight.device, x=x)
     up.quantizers(recipe, weight.device, x=x)  # what up's own call would do: keeps the tie
@@ -332,7 +335,7 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
                       q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype, grad: bool,
                       is_first_microbatch: Optional[bool], path: Optional[list] = None,
                       alone: bool = False, parts: Optional[list] = None, widths: Optional[Tuple[int, ...]] = None,
-                      gated: Optional[Tuple[str, Quantizer]] = None):
+                      gated: Optional[Tuple[str, Quantizer]] = None, fp8_wgrad: bool = True):
     """One block-scaled GEMM (x @ weight^T + bias) with its backward, the weight's block cast
     kept in `workspace`: the C++ node where it takes the call (_native_block_forward), else the
     Python node. The fused modules under BlockScaling compose their norm and activation in
@@ -345,20 +348,24 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
     gated: (act, the next layer's input quantizer): the output (M, 2F) is a gated MLP's g | u,
     and comes back as act(g) * u's stand-in and cast (_LinearFn's gated). A cast offered for x
     (modules/stacked.py: a gated MLP's product, a compiled RMSNorm's output) is taken instead
-    of casting x."""
+    of casting x. fp8_wgrad (BlockScaling's): False, the wgrad in act_dtype from X and dY
+    (_LinearFn), X and dY cast one way only; the Python node."""
     given = stacked.take_offer(q_input, x)
-    if x.is_cuda and native.ENABLED and given is None and gated is None:
+    if not fp8_wgrad and (given is not None or gated is not None):
+        raise RuntimeError("fp8train bug: a fused cast without the transposed copy was asked for "
+                           "BlockScaling(fp8_wgrad=False), whose wgrad reads X itself")
+    if x.is_cuda and native.ENABLED and given is None and gated is None and fp8_wgrad:
         y = _native_block_forward(workspace, x, weight, bias, q_input, q_weight, q_grad, act_dtype, grad,
                                   is_first_microbatch, path if path is not None else [None], alone)
         if y is not None:
             return y if widths is None else y.split(widths, dim=-1)
     elif path is not None:
-        path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF
+        path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF if not native.ENABLED or fp8_wgrad else _HIGH_WGRAD
     w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad, parts=parts)
     need_wgrad = grad and weight.requires_grad
-    shared = given or ((None,) * 4 if alone else _shared_cast(x, q_input, need_wgrad))
+    shared = given or ((None,) * 4 if alone else _shared_cast(x, q_input, need_wgrad and fp8_wgrad))
     return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad, *shared, widths,
-                           gated)
+                           gated, fp8_wgrad)
 
 
 def _shared_cast(x, q_input: Quantizer, need_wgrad: bool) -> Tuple[Optional[torch.Tensor], ...]:
@@ -516,6 +523,11 @@ class _LinearFn(torch.autograd.Function):
     cast_gated: computed in the cast's read, never stored), as the down projection's four
     shared-cast arguments. Saved too: g | u. The backward receives dA, the product's gradient,
     and casts dg | du from dA, g and u in one kernel (cast_gated_grad): neither is stored.
+
+    fp8_wgrad False (BlockScaling's): X and dY are cast one way only (no transposed copies),
+    X is saved in act_dtype instead of X's transposed copy, and the wgrad is dY^T X in
+    act_dtype, what a high-precision Linear's backward computes (autocast's: rounded to
+    act_dtype, then to the weight's dtype).
     """
 
     @staticmethod
@@ -523,23 +535,26 @@ class _LinearFn(torch.autograd.Function):
                 q_input: Quantizer, q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype,
                 need_wgrad: bool, x_data: Optional[torch.Tensor] = None, x_t: Optional[torch.Tensor] = None,
                 x_scale_inv: Optional[torch.Tensor] = None, x_t_scale_inv: Optional[torch.Tensor] = None,
-                widths: Optional[Tuple[int, ...]] = None, gated: Optional[Tuple[str, Quantizer]] = None):
+                widths: Optional[Tuple[int, ...]] = None, gated: Optional[Tuple[str, Quantizer]] = None,
+                fp8_wgrad: bool = True):
         in_shape = x.shape
+        cast_t = need_wgrad and fp8_wgrad  # X's transposed copy, the FP8 wgrad's operand
         if isinstance(x, Float8Tensor):
             x_data, x_scale_inv = _rows(x.fp8_data), x.scale_inv
-            x_t = x.transpose_data(padded=True) if need_wgrad else None
+            x_t = x.transpose_data(padded=True) if cast_t else None
             x_t_scale_inv = x_scale_inv
         elif x_data is not None:  # sibling layers read x: its one cast, made for them all (_shared_cast)
             x_t_scale_inv = x_scale_inv if x_t_scale_inv is None else x_t_scale_inv
         else:
-            xq = q_input.cast(_rows(x), transpose=need_wgrad)  # (M, K), (K, Mp)
+            xq = q_input.cast(_rows(x), transpose=cast_t)  # (M, K), (K, Mp)
             x_data, x_t, x_scale_inv, x_t_scale_inv = xq.data, xq.data_t, xq.scale_inv, xq.transposed_scale_inv
         y = gemm.fprop(x_data, x_scale_inv, *weight_operands(w_fp8), config, act_dtype, bias)  # (M, N)
         ctx.w_fp8, ctx.q_grad, ctx.config = w_fp8, q_grad, config
         ctx.in_shape, ctx.act_dtype, ctx.need_wgrad = in_shape, act_dtype, need_wgrad
         ctx.weight_dtype = weight.dtype
         ctx.act = None if gated is None else gated[0]
-        saved = (x_t, x_t_scale_inv) if need_wgrad else ()
+        ctx.fp8_wgrad = fp8_wgrad
+        saved = (x_t, x_t_scale_inv) if cast_t else (in_dtype(_rows(x), act_dtype),) if need_wgrad else ()
         if gated is not None:
             ctx.save_for_backward(*saved, y)
             f = y.shape[1] // 2
@@ -557,22 +572,26 @@ class _LinearFn(torch.autograd.Function):
             dys = dys[:1]  # dA; the cast's outputs take none
         dys = [_rows(d) if d.dtype == ctx.act_dtype else _rows(d).to(ctx.act_dtype) for d in dys]
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.need_wgrad
+        cast_t = need_wgrad and ctx.fp8_wgrad  # dY's transposed copy, the FP8 wgrad's operand
+        dy2 = None
         # (M, N), (N, Mp); db (N,) float32 from the same read of dY (autograd casts it to the bias dtype)
         if ctx.act is not None:  # dg | du from dA, g and u (the saved g | u)
             y = ctx.saved_tensors[-1]
             f = y.shape[1] // 2
             dyq = ctx.q_grad.cast_gated_grad(dys[0], y[:, :f], y[:, f:], ctx.act)
-        elif len(dys) > 1 and need_wgrad:  # a stacked tie's members' gradients, read where they lie
+        elif len(dys) > 1 and cast_t:  # a stacked tie's members' gradients, read where they lie
             dyq = ctx.q_grad.cast_parts(dys, dbias=ctx.needs_input_grad[2])
         else:
             dy2 = dys[0] if len(dys) == 1 else torch.cat(dys, dim=1)
-            dyq = ctx.q_grad.cast(dy2, transpose=need_wgrad, dbias=ctx.needs_input_grad[2])
+            dyq = ctx.q_grad.cast(dy2, transpose=cast_t, dbias=ctx.needs_input_grad[2])
         dx = dw = None
         if need_dgrad:
             dx = gemm.dgrad(dyq.data, dyq.scale_inv, *weight_transposed(ctx.w_fp8), ctx.config, ctx.act_dtype)
             if len(ctx.in_shape) != 2:
                 dx = dx.view(*ctx.in_shape)  # ints, not a torch.Size: parsed ~2 us faster
-        if need_wgrad:
+        if cast_t:
             x_t, x_t_scale_inv = ctx.saved_tensors[:2]
             dw = gemm.wgrad(dyq.data_t, dyq.transposed_scale_inv, x_t, x_t_scale_inv, ctx.config, ctx.weight_dtype)
-        return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None, None, None
+        elif need_wgrad:
+            dw = (dy2.t() @ ctx.saved_tensors[0]).to(ctx.weight_dtype)
+        return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None, None, None, None

@@ -155,7 +155,8 @@ class RMSNorm(nn.Module):
         q = self._reader[0]
         recipe = active_recipe()
         if (not stacked.NORMS or q is None or not q.blockwise or q.sharing < 2 or recipe is None
-                or not getattr(recipe, "stack_siblings", False) or _kernel_refusal(x, weight) is not None
+                or not getattr(recipe, "stack_siblings", False) or not recipe.fp8_wgrad
+                or _kernel_refusal(x, weight) is not None
                 or stacked.parts(q.members[0], q) is None):
             return rms_norm_formula(x, weight, self.eps)
         y, rstd = rms_norm_formula(x, weight, self.eps, with_rstd=True)
