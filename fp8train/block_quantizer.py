@@ -99,23 +99,26 @@ class BlockScalingQuantizer(Quantizer):
             return BlockCast(data, None, scales[:, :kb])
         return BlockCast(data, data_t, scales[:, :kb], None, scales_t[:, :mb])
 
-    def cast_parts(self, parts, *, dbias: bool = False) -> BlockCast:
-        """cast(torch.cat(parts, dim=-1), transpose=True, dbias=dbias) for a GRAD quantizer
+    def cast_parts(self, parts, *, transpose: bool = True, dbias: bool = False) -> BlockCast:
+        """cast(torch.cat(parts, dim=-1), transpose=transpose, dbias=dbias) for a GRAD quantizer
         (1 x 128 blocks), the parts (..., N_i) column-stacked (each N_i but the last a multiple
         of 128: a stacked tie's output gradients, modules/stacked.py) read where they lie,
-        without the concatenated copy: one launch of the two-way cast over up to
-        block_kernel.MAX_PARTS parts (traced: the operator fp8train::block_cast_parts); more
-        parts, or other blocks, are concatenated first. data is (M, sum N_i)."""
+        without the concatenated copy: one launch of the two-way cast (without transpose, its
+        1 x 128 half) over up to block_kernel.MAX_PARTS parts (traced: the operator
+        fp8train::block_cast_parts); more parts, or other blocks, are concatenated first. data
+        is (M, sum N_i)."""
         from .kernels.block_kernel import MAX_PARTS
         rows = [p.reshape(-1, p.shape[-1]) for p in (self._checked(p) for p in parts)]
         if self.block != ROW_BLOCKS or len(rows) > MAX_PARTS:
-            return self.cast(torch.cat(rows, dim=1), transpose=True, dbias=dbias)
+            return self.cast(torch.cat(rows, dim=1), transpose=transpose, dbias=dbias)
         if torch.compiler.is_compiling():
             data, scale_inv, data_t, scale_inv_cols = torch.ops.fp8train.block_cast_parts(
-                [r.detach() for r in rows], self.dtype, self.power_of_two)
+                [r.detach() for r in rows], self.dtype, transpose, self.power_of_two)
         else:
-            data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, self.dtype, True, self.power_of_two)
+            data, scale_inv, data_t, scale_inv_cols = _new_cast(rows, self.dtype, transpose, self.power_of_two)
         db = torch.cat([r.sum(0, dtype=torch.float32) for r in rows]) if dbias else None
+        if not transpose:
+            return BlockCast(data, None, scale_inv, db, None)
         return BlockCast(data, data_t, scale_inv, db, scale_inv_cols.t())
 
     def cast_gated(self, g: torch.Tensor, u: torch.Tensor, act: str) -> BlockCast:
@@ -282,15 +285,19 @@ def _new_cast(rows, dtype: torch.dtype, both: bool, power_of_two: bool, traced: 
     """rows (M, K) cast in 1 x 128 blocks into fresh buffers: (data, scale_inv, data_t,
     scale_inv_cols). both: rows also in 128 x 1 blocks, transposed into data_t (K, Mb * 128)
     with scale_inv_cols (Mb, K), from one read of rows on CUDA (kernels.block_cast_both); else
-    the last two are None. rows may be a list of column-stacked parts (with both: cast_parts).
-    traced: inside the operator fp8train::block_cast (or block_cast_parts)."""
+    the last two are None. rows may be a list of column-stacked parts (cast_parts; without
+    both, the two-way kernel's 1 x 128 half reads them in place). traced: inside the operator
+    fp8train::block_cast (or block_cast_parts)."""
     first = rows if isinstance(rows, torch.Tensor) else rows[0]
     m, device = first.shape[0], first.device
     k = first.shape[1] if isinstance(rows, torch.Tensor) else sum(p.shape[1] for p in rows)
     data = torch.empty((m, k), dtype=dtype, device=device)
     scale_inv = _scales((m, k), device, ROW_BLOCKS)
     if not both:
-        kernels.block_cast(rows, data, scale_inv, ROW_BLOCKS, power_of_two, traced)
+        if isinstance(rows, torch.Tensor):
+            kernels.block_cast(rows, data, scale_inv, ROW_BLOCKS, power_of_two, traced)
+        else:
+            kernels.block_cast_both(rows, data, None, scale_inv, None, power_of_two, traced)
         return data, scale_inv, None, None
     data_t = torch.empty((k, padded_rows(m, 128)), dtype=dtype, device=device)
     scale_inv_cols = _scales((m, k), device, (128, 1))
@@ -432,14 +439,18 @@ def _(rows, fp8_dtype, tiles, both, power_of_two):
 
 
 @torch.library.triton_op("fp8train::block_cast_parts", mutates_args=())
-def _block_cast_parts_op(parts: List[torch.Tensor], fp8_dtype: torch.dtype, power_of_two: bool
+def _block_cast_parts_op(parts: List[torch.Tensor], fp8_dtype: torch.dtype, both: bool, power_of_two: bool
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_block_cast_op's 1 x 128 cast with its transposed 128 x 1 copy (both) of the parts'
+    """_block_cast_op's 1 x 128 cast (both: with its transposed 128 x 1 copy) of the parts'
     column concatenation (BlockScalingQuantizer.cast_parts), the parts read in place by one
-    Triton launch on CUDA; elsewhere _block_cast_op's body on the concatenation."""
+    Triton launch on CUDA; elsewhere _block_cast_op's body on the concatenation. Absent
+    outputs are empty (0,) tensors."""
     if parts[0].is_cuda:
-        return _new_cast(parts, fp8_dtype, True, power_of_two, traced=True)
-    return _block_cast_op(torch.cat(parts, dim=1), fp8_dtype, False, True, power_of_two)
+        data, scales, data_t, scales_t = _new_cast(parts, fp8_dtype, both, power_of_two, traced=True)
+        if not both:
+            data_t, scales_t = data.new_empty(0, dtype=torch.float32), data.new_empty(0, dtype=torch.float32)
+        return data, scales, data_t, scales_t
+    return _block_cast_op(torch.cat(parts, dim=1), fp8_dtype, False, both, power_of_two)
 
 
 @torch.library.triton_op("fp8train::weight_tiles_stacked", mutates_args=())

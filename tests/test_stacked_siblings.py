@@ -299,3 +299,8 @@ def test_cast_parts_is_the_cast_of_the_concatenation(power_of_two):
         assert torch.equal(got.data_t.view(torch.uint8), want.data_t.view(torch.uint8))
         assert torch.equal(got.scale_inv, want.scale_inv) and torch.equal(got.scale_inv_t, want.scale_inv_t)
         assert torch.equal(got.dbias, want.dbias)
+        # without the transposed copy (BlockScaling(fp8_wgrad=False)): the 1 x 128 half alone
+        one = q.cast_parts(parts, transpose=False, dbias=True)
+        assert one.data_t is None and one.scale_inv_t is None
+        assert torch.equal(one.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(one.scale_inv, want.scale_inv) and torch.equal(one.dbias, want.dbias)

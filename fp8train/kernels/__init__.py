@@ -57,7 +57,8 @@ def block_cast_both(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: to
     on CUDA one Triton kernel reading x once (kernels/block_kernel.py), elsewhere its twin,
     two block_reference.block_cast calls and a byte transpose. x may be a list of
     column-stacked parts (block_kernel.MAX_PARTS at most, each but the last a multiple of 128
-    columns): the cast of their concatenation."""
+    columns): the cast of their concatenation. out_t and scale_inv_t_out None: the 1 x 128
+    cast alone (the kernel reads parts in place; the twin concatenates them)."""
     if (x if isinstance(x, torch.Tensor) else x[0]).is_cuda:  # the kernel reads the parts in place
         from .block_kernel import block_cast_both_into
         block_cast_both_into(x, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two, traced)
@@ -65,6 +66,8 @@ def block_cast_both(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: to
     if not isinstance(x, torch.Tensor):
         x = torch.cat(list(x), dim=1)
     block_cast(x, out, scale_inv_out, (1, 128), power_of_two)
+    if out_t is None and scale_inv_t_out is None:
+        return
     again = torch.empty_like(out)
     block_cast(x, again, scale_inv_t_out, (128, 1), power_of_two)
     byte_transpose(again, out_t)

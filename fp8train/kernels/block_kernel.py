@@ -280,6 +280,7 @@ def _block_cast_both_kernel(
     M, K, K1, K2, stride_xm, stride_x1m, stride_x2m, stride_sr, stride_sc, out_t_cols,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr, CLAMP: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr, SIDE: tl.constexpr, PACK: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
     second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
@@ -311,7 +312,10 @@ def _block_cast_both_kernel(
     or 2, packed in registers: the tile's rows loaded permuted, so that a thread's four
     register rows are four consecutive rows of x, whose bytes of one column make a 32-bit
     word of the transposed copy; the words go through shared memory. 2 converts with PTX
-    (_fp8x4), 1 with shifts (the interpreter, which has no inline PTX)."""
+    (_fp8x4), 1 with shifts (the interpreter, which has no inline PTX).
+
+    COLS 0: the 1 x 128 cast alone (out_t_ptr and sinv_t_ptr unused): a stacked tie's parts
+    for a wgrad that does not read the transposed copy (BlockScaling(fp8_wgrad=False))."""
     pid = tl.program_id(0)
     if SIDE != 0:  # GATED 2, one side's tiles: a grid over K1's columns, du's from column K1
         tiles_k = K1 // 128
@@ -331,11 +335,11 @@ def _block_cast_both_kernel(
     if EVEN:  # whole tiles: constant masks, which the compiler drops
         in_r = tl.full([128], 1, tl.int1)
         in_c = tl.full([128], 1, tl.int1)
-        used = tl.full([256], 1, tl.int1)
+        used = tl.full([256], 1, tl.int1) if COLS else is_row
     else:
         in_r = r < M
         in_c = c < K
-        used = tl.where(is_row, row0 + i < M, col0 + i < K)
+        used = tl.where(is_row, row0 + i < M, (col0 + i < K) & COLS)
     inside = in_r[:, None] & in_c[None, :]
     if GATED != 0:
         x = _gated_tile(x_ptr, x1_ptr, x2_ptr, tl.cast(r, tl.int64)[:, None], c, col0, in_r, in_c, inside, K1,
@@ -353,7 +357,8 @@ def _block_cast_both_kernel(
     row_slots = sinv_ptr + tl.cast(r, tl.int64) * stride_sr + (col0 // 128) * stride_sc
     col_slots = sinv_t_ptr + (row0 // 128) * K + c
     tl.store(row_slots.to(tl.pointer_type(tl.int32), bitcast=True), tl.max(bits, axis=1), mask=in_r)
-    tl.store(col_slots.to(tl.pointer_type(tl.int32), bitcast=True), tl.max(bits, axis=0), mask=in_c)
+    if COLS:
+        tl.store(col_slots.to(tl.pointer_type(tl.int32), bitcast=True), tl.max(bits, axis=0), mask=in_c)
     tl.debug_barrier()
     slot = tl.where(is_row, sinv_ptr + tl.cast(row0 + i, tl.int64) * stride_sr + (col0 // 128) * stride_sc,
                     sinv_t_ptr + (row0 // 128) * K + col0 + i)
@@ -362,23 +367,25 @@ def _block_cast_both_kernel(
     tl.store(slot, scale, mask=used)
     tl.debug_barrier()
     row_scale = tl.load(row_slots, mask=in_r, other=1.0, cache_modifier=".cg")
-    col_scale = tl.load(col_slots, mask=in_c, other=1.0, cache_modifier=".cg")
+    if COLS:
+        col_scale = tl.load(col_slots, mask=in_c, other=1.0, cache_modifier=".cg")
     y = _scaled(x, row_scale[:, None], FP8_MAX, CLAMP)
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
     # rows M..Mp of the tile loaded 0: their bytes are out_t's zero padding
-    if PACK:
-        # (rows 4 q + j, columns) -> 4 x (q, columns), then one word of rows 4 q..4 q + 3 each
-        t = tl.reshape(_scaled(x, col_scale[None, :], FP8_MAX, CLAMP), (4, 32, 128))
-        even_j, odd_j = tl.split(tl.reshape(tl.permute(t, (1, 2, 0)), (32, 128, 2, 2)))
-        t0, t2 = tl.split(even_j)
-        t1, t3 = tl.split(odd_j)
-        words = _fp8x4(t0, t1, t2, t3, out_t_ptr.dtype.element_ty, PACK == 2)  # (q, columns)
-        q = row0 // 4 + tl.arange(0, 32)
-        tl.store(out_t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + tl.cast(c, tl.int64)[:, None] *
-                 (out_t_cols // 4) + q[None, :], tl.trans(words), mask=in_c[:, None])
-    else:
-        y_t = tl.trans(_scaled(x, col_scale[None, :], FP8_MAX, CLAMP).to(out_t_ptr.dtype.element_ty))  # (cols, rows)
-        tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=in_c[:, None])
+    if COLS:
+        if PACK:
+            # (rows 4 q + j, columns) -> 4 x (q, columns), then one word of rows 4 q..4 q + 3 each
+            t = tl.reshape(_scaled(x, col_scale[None, :], FP8_MAX, CLAMP), (4, 32, 128))
+            even_j, odd_j = tl.split(tl.reshape(tl.permute(t, (1, 2, 0)), (32, 128, 2, 2)))
+            t0, t2 = tl.split(even_j)
+            t1, t3 = tl.split(odd_j)
+            words = _fp8x4(t0, t1, t2, t3, out_t_ptr.dtype.element_ty, PACK == 2)  # (q, columns)
+            q = row0 // 4 + tl.arange(0, 32)
+            tl.store(out_t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + tl.cast(c, tl.int64)[:, None] *
+                     (out_t_cols // 4) + q[None, :], tl.trans(words), mask=in_c[:, None])
+        else:
+            y_t = tl.trans(_scaled(x, col_scale[None, :], FP8_MAX, CLAMP).to(out_t_ptr.dtype.element_ty))
+            tl.store(out_t_ptr + tl.cast(c, tl.int64)[:, None] * out_t_cols + r[None, :], y_t, mask=in_c[:, None])
     tl.debug_barrier()  # every thread has read its scales before the slots change
     tl.store(slot, tl.math.div_rn(1.0, scale), mask=used)
 
@@ -450,25 +457,28 @@ _INTERPRETED = not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFun
 
 
 def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, shape: Tuple[int, int], parts: int = 1,
-                 gated: int = 0, act: int = 0, side: int = 0, word_aligned: bool = True) -> DirectKernel:
+                 gated: int = 0, act: int = 0, side: int = 0, word_aligned: bool = True, cols: bool = True
+                 ) -> DirectKernel:
     """The two-way cast of an (M, K) `shape` under `shapes` (its warps, register cap and clamp;
     gated forms: their warps, no cap, as a traced launch cannot pass one), specialized on
     whole tiles (M and K multiples of 128: no masks); side: the kernel's SIDE; word_aligned:
-    whether the transposed copy starts on a 4-byte boundary (packed_t stores it in words)."""
+    whether the transposed copy starts on a 4-byte boundary (packed_t stores it in words);
+    cols: the kernel's COLS (False: no transposed copy, so nothing to pack)."""
     clamp = shapes.both_clamp or _INTERPRETED
     even = shapes.even and shape[0] % 128 == 0 and shape[1] % 128 == 0
-    pack = (1 if _INTERPRETED else 2) if shapes.packed_t and word_aligned else 0
+    pack = (1 if _INTERPRETED else 2) if shapes.packed_t and word_aligned and cols else 0
     if gated:
         return _both_binary(fp8_max, pow2, shapes.both_warps(gated), None, clamp, parts, gated, act, even, side,
-                            pack)
-    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0, even, 0, pack)
+                            pack, cols)
+    return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0, even, 0, pack,
+                        cols)
 
 
 @functools.lru_cache(maxsize=None)
 def _both_binary(fp8_max: float, pow2: bool, warps: int, regs, clamp: bool, parts: int, gated: int,
-                 act: int, even: bool, side: int, pack: int) -> DirectKernel:
+                 act: int, even: bool, side: int, pack: int, cols: bool = True) -> DirectKernel:
     return DirectKernel(_block_cast_both_kernel, num_warps=warps, maxnreg=regs, FP8_MAX=fp8_max, POW2=pow2,
-                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act, EVEN=even, SIDE=side, PACK=pack)
+                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act, EVEN=even, SIDE=side, PACK=pack, COLS=cols)
 
 
 @functools.lru_cache(maxsize=None)
@@ -655,7 +665,8 @@ def block_cast_both_into(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_ou
     scale_inv_t_out (Mb, K): one read of x, by the Triton kernel (twin: two block_cast calls
     and a byte transpose; kernels.block_cast_both dispatches). x may be a list of up to
     MAX_PARTS column-stacked parts (each but the last a multiple of 128 columns: a stacked
-    tie's output gradients, read in place). traced: as block_cast_into's."""
+    tie's output gradients, read in place). out_t and scale_inv_t_out None: the 1 x 128 cast
+    alone (parts for BlockScaling(fp8_wgrad=False)). traced: as block_cast_into's."""
     parts, k, k1, k2 = _stacked(x, 1, "block_cast_both_into")
     _launch_both(parts, (parts[0].shape[0], k), k1, k2, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two,
                  traced, "block_cast_both_into", len(parts))
@@ -706,20 +717,26 @@ def norm_block_cast_into(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tens
 def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two: bool,
                  traced: bool, fn: str, parts: int, gated: int = 0, act: int = 0) -> None:
     """The two-way cast kernel over a tile grid of x_shape (M, K) into the checked buffers, its
-    inputs xs (up to MAX_PARTS tensors, each with its own row stride)."""
+    inputs xs (up to MAX_PARTS tensors, each with its own row stride). out_t and
+    scale_inv_t_out both None: the 1 x 128 cast alone (the kernel's COLS 0)."""
     xs = [p.contiguous() if p.stride(-1) != 1 and p.shape[-1] > 1 else p for p in xs]
     m, k = x_shape
     mp = -(-m // 128) * 128
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    cols = out_t is not None or scale_inv_t_out is not None
     if out.shape != x_shape or out.dtype not in fp8 or not out.is_contiguous():
         raise ValueError(f"{fn}: out must be a contiguous fp8 tensor of x's shape {x_shape}")
-    if tuple(out_t.shape) != (k, mp) or out_t.dtype != out.dtype or not out_t.is_contiguous():
-        raise ValueError(f"{fn}: out_t must be a contiguous {out.dtype} tensor of shape {(k, mp)}")
-    for name, t, shape, dense in (
-            ("scale_inv_out", scale_inv_out, block_reference.blocks_of(x_shape, (1, 128)), _dense_2d(scale_inv_out)),
-            ("scale_inv_t_out", scale_inv_t_out, block_reference.blocks_of(x_shape, (128, 1)),
-             scale_inv_t_out.is_contiguous())):
-        if tuple(t.shape) != shape or t.dtype != torch.float32 or not dense:
+    if cols and (out_t is None or tuple(out_t.shape) != (k, mp) or out_t.dtype != out.dtype
+                 or not out_t.is_contiguous()):
+        raise ValueError(f"{fn}: out_t must be a contiguous {out.dtype} tensor of shape {(k, mp)} "
+                         "(or None with scale_inv_t_out None: no transposed copy)")
+    checked = [("scale_inv_out", scale_inv_out, block_reference.blocks_of(x_shape, (1, 128)),
+                scale_inv_out is not None and _dense_2d(scale_inv_out))]
+    if cols:
+        checked.append(("scale_inv_t_out", scale_inv_t_out, block_reference.blocks_of(x_shape, (128, 1)),
+                        scale_inv_t_out is not None and scale_inv_t_out.is_contiguous()))
+    for name, t, shape, dense in checked:
+        if not dense or tuple(t.shape) != shape or t.dtype != torch.float32:
             raise ValueError(f"{fn}: {name} must be a float32 tensor of shape {shape}"
                              + (", row- or column-major" if name == "scale_inv_out" else ", contiguous"))
     if m * k == 0:
@@ -728,13 +745,15 @@ def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale
     fp8_max, pow2 = scaling.fp8_max(out.dtype), bool(power_of_two)
     # packed_t stores words: a traced launch sees no address (an allocation's start is aligned,
     # a view's offset says the rest)
-    aligned = shapes.packed_t and out_t.storage_offset() % 4 == 0 and (traced or out_t.data_ptr() % 4 == 0)
+    aligned = cols and shapes.packed_t and out_t.storage_offset() % 4 == 0 and (traced or out_t.data_ptr() % 4 == 0)
     if gated == 2 and shapes.gated_sides:  # one launch per side, each over K1's tiles
-        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, side, aligned),
+        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, side, aligned, cols),
                      triton.cdiv(m, 128) * (k1 // 128)) for side in (1, 2)]
     else:
-        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, word_aligned=aligned),
+        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, word_aligned=aligned, cols=cols),
                      triton.cdiv(m, 128) * triton.cdiv(k, 128))]
+    if not cols:  # unused by the kernel: any pointers of the right kinds
+        out_t, scale_inv_t_out = out, scale_inv_out
     # absent parts: the last one again (no tile reads it); one part: x itself throughout
     xs = (*xs, *xs[-1:] * (MAX_PARTS - len(xs)))
     strides = tuple(p.stride(0) if m > 1 and p.dim() == 2 else p.shape[-1] for p in xs)

@@ -579,8 +579,8 @@ class _LinearFn(torch.autograd.Function):
             y = ctx.saved_tensors[-1]
             f = y.shape[1] // 2
             dyq = ctx.q_grad.cast_gated_grad(dys[0], y[:, :f], y[:, f:], ctx.act)
-        elif len(dys) > 1 and cast_t:  # a stacked tie's members' gradients, read where they lie
-            dyq = ctx.q_grad.cast_parts(dys, dbias=ctx.needs_input_grad[2])
+        elif len(dys) > 1 and (cast_t or not ctx.fp8_wgrad):  # a stacked tie's gradients, read where they lie
+            dyq = ctx.q_grad.cast_parts(dys, transpose=cast_t, dbias=ctx.needs_input_grad[2])
         else:
             dy2 = dys[0] if len(dys) == 1 else torch.cat(dys, dim=1)
             dyq = ctx.q_grad.cast(dy2, transpose=cast_t, dbias=ctx.needs_input_grad[2])
@@ -592,6 +592,8 @@ class _LinearFn(torch.autograd.Function):
         if cast_t:
             x_t, x_t_scale_inv = ctx.saved_tensors[:2]
             dw = gemm.wgrad(dyq.data_t, dyq.transposed_scale_inv, x_t, x_t_scale_inv, ctx.config, ctx.weight_dtype)
-        elif need_wgrad:
-            dw = (dy2.t() @ ctx.saved_tensors[0]).to(ctx.weight_dtype)
+        elif need_wgrad:  # each part's rows of dW from its own dY: no concatenated dY
+            x_saved = ctx.saved_tensors[0]
+            dw = torch.cat([d.t() @ x_saved for d in dys]) if dy2 is None else dy2.t() @ x_saved
+            dw = dw.to(ctx.weight_dtype)
         return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None, None, None, None

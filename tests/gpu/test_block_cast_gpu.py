@@ -111,6 +111,25 @@ def _check_both_kernel(parts, kind, dtype, fp8, power_of_two):
     assert torch.equal(out_t, want_t)
 
 
+@pytest.mark.parametrize("form", [pytest.param({}, id="default"), pytest.param({"even": True}, id="unmasked")])
+@pytest.mark.parametrize("parts", [1, 2], ids=["whole", "2-parts"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind", INPUTS)
+def test_block_cast_both_kernel_without_the_transposed_copy_on_the_gpu(kind, dtype, parts, form):
+    # out_t and scale_inv_t_out None (the kernel's COLS 0: BlockScaling(fp8_wgrad=False)'s
+    # stacked gradients): the 1 x 128 cast alone, the twin's bytes and scales
+    x = _input(kind, dtype)
+    k = x.shape[1]
+    source = x if parts == 1 else [p.clone() for p in x.split([128, k - 128], dim=1)]
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=CUDA)
+    si = torch.full(br.blocks_of(x.shape, (1, 128)), -1.0, device=CUDA)
+    with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), **form)):
+        kernels.block_cast_both(source, out, None, si, None)
+    want, want_si = br.block_cast(x, torch.float8_e4m3fn, (1, 128))
+    assert torch.equal(si, want_si)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.parametrize("parts", [1, 2, 3], ids=["whole", "2-parts", "3-parts"])
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])

@@ -249,6 +249,34 @@ def test_fused_modules_on_cuda_against_float64(kind, floor):
         assert sqnr_db(p.grad, p64.grad) >= floor, name
 
 
+# BlockScaling(fp8_wgrad=False) on CUDA: the Python node (the C++ node's block path has an FP8
+# wgrad only; inspect says so), the forward and dX the default recipe's bytes (the same casts
+# and GEMMs), dW the bf16 product dY^T X (torch's GEMM, within its rounding of float64), and
+# closer to float64 than the FP8 wgrad.
+@needs_blockwise
+@pytest.mark.parametrize("shape, n", [((300, 512), 384), ((4, 77, 1024), 256)], ids=["2d-m300", "3d-m308"])
+def test_high_precision_wgrad_on_cuda(shape, n):
+    x = torch.randn(shape, dtype=torch.bfloat16, device=CUDA)
+    dy = torch.randn(*shape[:-1], n, dtype=torch.bfloat16, device=CUDA)
+    runs = {}
+    for recipe in (BlockScaling(), BlockScaling(fp8_wgrad=False)):
+        torch.manual_seed(0)
+        layer = fp8train.Linear(shape[-1], n, device=CUDA)  # FP32 master weights
+        xi = x.clone().requires_grad_(True)
+        with fp8train.autocast(recipe=recipe):
+            y = layer(xi)
+        y.backward(dy)
+        runs[recipe.fp8_wgrad] = (layer, y.detach(), xi.grad)
+    (base, y0, dx0), (high, y1, dx1) = runs[True], runs[False]
+    assert fp8train.inspect.execution_paths(torch.nn.Sequential(high))["0"].startswith(
+        "Python node: BlockScaling(fp8_wgrad=False)")
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert torch.equal(high.bias.grad, base.bias.grad)
+    want = dy.reshape(-1, n).double().t() @ x.reshape(-1, shape[-1]).double()
+    assert rel_err(high.weight.grad.double(), want) < 2e-3  # a bf16 output's rounding (2^-9)
+    assert sqnr_db(high.weight.grad, want) > sqnr_db(base.weight.grad, want) + 10.0
+
+
 def test_hybrid_format_is_refused_on_cuda():
     layer = fp8train.Linear(256, 128, device=CUDA)
     with pytest.raises(NotImplementedError, match="e5m2"):

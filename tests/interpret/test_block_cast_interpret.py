@@ -16,6 +16,7 @@ if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "yes", "
 pytest.importorskip("triton")
 
 from fp8train import kernels  # noqa: E402
+from fp8train.kernels import block_kernel  # noqa: E402
 from fp8train.kernels import block_reference as br  # noqa: E402
 from fp8train.kernels.block_kernel import block_cast_both_into, block_cast_into, weight_tiles_into  # noqa: E402
 
@@ -205,6 +206,31 @@ def test_block_cast_both_kernel_reads_column_stacked_parts(cols, dtype, traced, 
                for a, b in zip(twin, (want, want_si, want_t, want_si_t)))
 
 
+@TRACED
+@pytest.mark.parametrize("even", [False, True], ids=["masked", "even"])
+@pytest.mark.parametrize("cols", [(256, 128, 128), (128, 300), (300,)], ids=["three", "two", "one"])
+def test_block_cast_both_kernel_without_the_transposed_copy(cols, even, traced, exact_conversions):
+    """out_t and scale_inv_t_out None (COLS 0): the 1 x 128 cast of the parts' concatenation
+    alone, bit for bit the twin's, one part strided; whole tiles (256 rows, every width a
+    multiple of 128) launch the unmasked form where the shapes ask for it."""
+    m = 256 if even else 200
+    parts = [_input((m, n + 40), torch.bfloat16, seed=50 + i)[:, 40:] for i, n in enumerate(cols)]
+    x = torch.cat(parts, dim=1)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    si = _scale_buffer(br.blocks_of(x.shape, (1, 128)), column_major=True)
+    shapes = block_kernel.BlockShapes(even=True) if even else block_kernel.BlockShapes()
+    with block_kernel.override_shapes(shapes):
+        block_cast_both_into(parts, out, None, si, None, traced=traced)
+    want, want_si = br.block_cast(x, torch.float8_e4m3fn, (1, 128))
+    assert torch.equal(si, want_si)
+    assert_fp8_equal(out, want)
+    # the twin (kernels.block_cast_both off CUDA) likewise, from the parts
+    out2, si2 = torch.empty_like(out), _scale_buffer(si.shape, column_major=True)
+    kernels.block_cast_both(parts, out2, None, si2, None)
+    assert torch.equal(si2, want_si)
+    assert_fp8_equal(out2, want)
+
+
 def test_block_cast_both_into_checks_its_parts():
     out, out_t = torch.empty(64, 300, dtype=torch.float8_e4m3fn), torch.empty(300, 128, dtype=torch.float8_e4m3fn)
     si, si_t = torch.empty(64, 3), torch.empty(1, 300)
@@ -223,6 +249,10 @@ def test_block_cast_both_into_checks_its_buffers():
         block_cast_both_into(x, out, torch.empty(256, 64, dtype=e4m3), si, si_t)  # not padded to 128
     with pytest.raises(ValueError, match="scale_inv_t_out must be"):
         block_cast_both_into(x, out, torch.empty(256, 128, dtype=e4m3), si, torch.empty(256, 1))
+    with pytest.raises(ValueError, match="scale_inv_t_out must be"):  # one of the two given
+        block_cast_both_into(x, out, torch.empty(256, 128, dtype=e4m3), si, None)
+    with pytest.raises(ValueError, match="out_t must be"):
+        block_cast_both_into(x, out, None, si, si_t)
 
 
 def _weight_want(x, fp8, power_of_two, mp):
