@@ -30,7 +30,9 @@ Variants (`--variants`, all by default; every one from the same initial weights 
                                                around this variant's steps; an A/B of it)
   fp8 {eager,compile} block hiwgrad            BlockScaling(fp8_wgrad=False): the wgrad GEMMs in
                                                bf16 from X and dY, no transposed casts (the
-                                               gated MLP's and norms' fused casts off with it)
+                                               gated MLP's and norms' fused casts one-way,
+                                               keeping what the wgrads read); with
+                                               "ungated unnormed": those unfused
   fp8 compile block tuned                      the block GEMMs tuned per problem
                                                (native.set_block_gemm_tuning(True) around this
                                                variant's steps; opt-in: an A/B of the tuning)
@@ -169,7 +171,8 @@ VARIANTS = ["bf16 eager", "bf16 compile", "bf16 compile-ro", "fp8 eager delayed"
             "fp8 eager delayed unfused", "fp8 eager current unfused-mlp", "fp8 eager delayed unfused-mlp",
             "fp8 eager block", "fp8 compile block",
             "fp8 compile-ro block",
-            "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block hiwgrad", "fp8 compile block hiwgrad", "fp8 eager block stacked",
+            "fp8 compile block apart", "fp8 compile block tuned", "fp8 eager block hiwgrad", "fp8 compile block hiwgrad",
+            "fp8 compile block hiwgrad ungated unnormed", "fp8 eager block stacked",
             "fp8 eager block unclamped", "fp8 compile block unclamped",
             "fp8 eager block unmasked", "fp8 compile block unmasked", "fp8 compile block packed",
             "fp8 eager block unmasked packed", "fp8 compile block unmasked packed", "fp8 compile block ungated",

@@ -129,6 +129,19 @@ class BlockScalingQuantizer(Quantizer):
         up outputs, any row stride (the halves of the stacked gate/up GEMM's output)."""
         return self._gated((g, u), act)
 
+    def cast_gated_kept(self, g: torch.Tensor, u: torch.Tensor, act: str, keep: torch.dtype
+                        ) -> Tuple[BlockCast, torch.Tensor]:
+        """(cast(act(g) * u), the product in `keep`): cast_gated without the transposed copy,
+        the product stored by the same kernel (BlockScaling(fp8_wgrad=False): the next layer's
+        bf16 wgrad reads it). Traced: the operator fp8train::computed_block_cast_kept."""
+        return self._kept((g, u), act, keep)
+
+    def cast_gated_grad_kept(self, da: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str,
+                             keep: torch.dtype) -> Tuple[BlockCast, torch.Tensor]:
+        """(cast(dg | du), dg | du in `keep`): cast_gated_grad likewise (the gate/up GEMM's
+        bf16 wgrad reads them)."""
+        return self._kept((da, g, u), act, keep)
+
     def cast_gated_grad(self, da: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str) -> BlockCast:
         """cast_parts([dg, du]) for a GRAD quantizer, dg and du the gradients of act(g) * u
         given da (kernels/gated_reference.py, each rounded to g's dtype), computed inside the
@@ -155,6 +168,31 @@ class BlockScalingQuantizer(Quantizer):
             data, scale_inv, data_t, scale_inv_cols = _new_norm_cast(rows, weight.detach(), rstd, out_dtype, self.dtype,
                                                                      self.power_of_two)
         return BlockCast(data, data_t, scale_inv, None, scale_inv_cols.t())
+
+    def cast_norm_kept(self, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, out_dtype: torch.dtype,
+                       keep: torch.dtype) -> Tuple[BlockCast, torch.Tensor]:
+        """(cast(y), y in `keep`): cast_norm without the transposed copy, y (in out_dtype,
+        then `keep`) stored by the same kernel, for a bf16 wgrad (BlockScaling(fp8_wgrad=False))."""
+        if self.block != ROW_BLOCKS:
+            raise ValueError(f"{type(self).__name__}({self.role.name}): the norm's cast takes 1 x 128 blocks")
+        x = self._checked(x).detach()
+        rows = x.reshape(-1, x.shape[-1])
+        return self._kept((rows, weight.detach(), rstd.detach().reshape(-1)), out_dtype, keep)
+
+    def _kept(self, inputs, how, keep: torch.dtype) -> Tuple[BlockCast, torch.Tensor]:
+        """A computed one-way cast with its values kept: inputs (g, u) or (da, g, u) with `how`
+        the activation, or (x rows, weight, rstd) with `how` the norm's out_dtype."""
+        if self.block != ROW_BLOCKS:
+            raise ValueError(f"{type(self).__name__}({self.role.name}): the gated casts take 1 x 128 blocks")
+        if isinstance(how, str):
+            inputs = [self._checked(t).detach() for t in inputs]
+        if torch.compiler.is_compiling():
+            data, scale_inv, kept = torch.ops.fp8train.computed_block_cast_kept(
+                list(inputs), how if isinstance(how, str) else "", None if isinstance(how, str) else how, keep,
+                self.dtype, self.power_of_two)
+        else:
+            data, scale_inv, kept = _new_kept(list(inputs), how, keep, self.dtype, self.power_of_two)
+        return BlockCast(data, None, scale_inv, None, None), kept
 
     def _gated(self, inputs, act: str) -> BlockCast:
         if self.block != ROW_BLOCKS:
@@ -314,6 +352,25 @@ def _new_gated(inputs, act: str, dtype: torch.dtype, power_of_two: bool, traced:
     cast = kernels.gated_block_cast if len(inputs) == 2 else kernels.gated_grad_block_cast
     cast(*inputs, act, data, data_t, scale_inv, scale_inv_cols, power_of_two, traced)
     return data, scale_inv, data_t, scale_inv_cols
+
+
+def _new_kept(inputs, how, keep: torch.dtype, dtype: torch.dtype, power_of_two: bool, traced: bool = False):
+    """(data, scale_inv, kept): a computed cast's 1 x 128 half and its values in `keep`, from
+    one kernel: inputs (g, u) the product, (da, g, u) dg | du (how: the activation), or
+    (x, weight, rstd) an RMS norm's output (how: its out_dtype)."""
+    first = inputs[0]
+    m, k = first.shape
+    width = 2 * k if len(inputs) == 3 and isinstance(how, str) else k
+    data = torch.empty((m, width), dtype=dtype, device=first.device)
+    scale_inv = _scales((m, width), first.device, ROW_BLOCKS)
+    kept = torch.empty((m, width), dtype=keep, device=first.device)
+    if not isinstance(how, str):
+        kernels.norm_block_cast(*inputs, how, data, None, scale_inv, None, power_of_two, traced, keep=kept)
+    elif len(inputs) == 2:
+        kernels.gated_block_cast(*inputs, how, data, None, scale_inv, None, power_of_two, traced, keep=kept)
+    else:
+        kernels.gated_grad_block_cast(*inputs, how, data, None, scale_inv, None, power_of_two, traced, keep=kept)
+    return data, scale_inv, kept
 
 
 def _both_buffers(m: int, k: int, dtype: torch.dtype, device):
@@ -514,6 +571,35 @@ def _norm_block_cast_cpu_op(x: torch.Tensor, weight: torch.Tensor, rstd: torch.T
 @_norm_block_cast_cpu_op.register_fake
 def _(x, weight, rstd, out_dtype, fp8_dtype, power_of_two):
     return tuple(t.contiguous() for t in _both_buffers(*x.shape, fp8_dtype, x.device))
+
+
+@torch.library.triton_op("fp8train::computed_block_cast_kept", mutates_args=())
+def _computed_block_cast_kept_op(inputs: List[torch.Tensor], act: str, out_dtype: Optional[torch.dtype],
+                                 keep: torch.dtype, fp8_dtype: torch.dtype, power_of_two: bool
+                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_new_kept as an operator for traced code (BlockScalingQuantizer.cast_gated_kept,
+    cast_gated_grad_kept: act the activation; cast_norm_kept: act "", out_dtype the norm's):
+    on CUDA one Triton launch from Inductor's code; elsewhere fp8train::computed_block_cast_kept_cpu."""
+    if inputs[0].is_cuda:
+        return _new_kept(inputs, act or out_dtype, keep, fp8_dtype, power_of_two, traced=True)
+    return torch.ops.fp8train.computed_block_cast_kept_cpu(inputs, act, out_dtype, keep, fp8_dtype, power_of_two)
+
+
+@torch.library.custom_op("fp8train::computed_block_cast_kept_cpu", mutates_args=())
+def _computed_block_cast_kept_cpu_op(inputs: List[torch.Tensor], act: str, out_dtype: Optional[torch.dtype],
+                                     keep: torch.dtype, fp8_dtype: torch.dtype, power_of_two: bool
+                                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8train::computed_block_cast_kept off CUDA: the twin, opaque to Inductor (as block_cast_cpu)."""
+    return tuple(t.contiguous() for t in _new_kept(inputs, act or out_dtype, keep, fp8_dtype, power_of_two))
+
+
+@_computed_block_cast_kept_cpu_op.register_fake
+def _(inputs, act, out_dtype, keep, fp8_dtype, power_of_two):
+    m, k = inputs[0].shape
+    width = 2 * k if act and len(inputs) == 3 else k
+    return (inputs[0].new_empty((m, width), dtype=fp8_dtype),
+            inputs[0].new_empty(blocks_of((m, width), ROW_BLOCKS), dtype=torch.float32),
+            inputs[0].new_empty((m, width), dtype=keep))
 
 
 def transpose_padded(data: torch.Tensor, cols: int) -> torch.Tensor:

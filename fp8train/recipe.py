@@ -179,8 +179,8 @@ class BlockScaling:
     each (1 x 128 along the features), X kept in the activations' dtype for the backward
     instead of its transposed FP8 copy. Where the block wgrad saves little over BF16's (at
     HF Llama h1024 it took 1.03x BF16's time, docs/benchmarks.md) the transposed casts cost
-    more than it saves. So far on the Python node only (the C++ node's block path, the gated
-    MLP's and RMSNorm's fused casts run with True: with False their layers run unfused).
+    more than it saves. So far on the Python node only (the C++ node's block path has an FP8
+    wgrad only); the gated MLP's and RMSNorm's fused casts keep their computed values for it.
 
     Taken by fp8train.Linear (and so by fp8train.convert's layers), LayerNormLinear and
     LayerNormMLP without tensor parallelism, eagerly and under torch.compile; tensor

@@ -90,8 +90,9 @@ def test_the_backward_keeps_x_itself_not_its_transposed_fp8_copy():
 def _row_casts(gm: torch.fx.GraphModule) -> dict:
     """Counts of the 1 x 128 casts in a graph and its subgraphs: fp8train::block_cast of row
     blocks and fp8train::block_cast_parts each with (both) or without its transposed copy,
-    and the gated and norm casts, which always make one."""
-    n = {"both": 0, "one-way": 0, "parts both": 0, "parts one-way": 0, "fused": 0}
+    the gated and norm casts, which always make one, and their one-way forms that keep the
+    computed values (fp8train::computed_block_cast_kept)."""
+    n = {"both": 0, "one-way": 0, "parts both": 0, "parts one-way": 0, "fused": 0, "kept": 0}
     for sub in gm.modules():
         if not isinstance(sub, torch.fx.GraphModule):
             continue
@@ -99,12 +100,14 @@ def _row_casts(gm: torch.fx.GraphModule) -> dict:
             name = str(node.target)
             if node.op != "call_function" or "fp8train" not in name:
                 continue
-            if name.endswith("block_cast.default") and not node.args[2]:  # (rows, dtype, tiles, both, pow2)
+            if name.removesuffix(".default").endswith(".block_cast") and not node.args[2]:  # (rows, dtype, tiles, both, pow2)
                 n["both" if node.args[3] else "one-way"] += 1
             elif "block_cast_parts" in name:  # (parts, dtype, both, pow2)
                 n["parts both" if node.args[2] else "parts one-way"] += 1
             elif "gated_block_cast" in name or "norm_block_cast" in name:
                 n["fused"] += 1
+            elif "computed_block_cast_kept" in name:
+                n["kept"] += 1
     return n
 
 
@@ -112,9 +115,9 @@ def _row_casts(gm: torch.fx.GraphModule) -> dict:
 def test_compiled_llama_layer_casts_one_way_and_trains_as_eager(autocast_bf16, monkeypatch):
     """A converted Llama layer's shape (RMSNorms, a stacked q/k tie, a gated MLP of stacked
     gate/up) compiled after one eager step: one graph, the eager model's losses bit for bit,
-    and no cast with a transposed copy (the default recipe's graph has them), so neither the
-    norms' nor the gated MLP's fused casts: they store no X for the wgrad. The stacked ties'
-    gradients are cast one way where they lie (no concatenated dY)."""
+    and no cast with a transposed copy (the default recipe's graph has them): the norms' and
+    the gated MLP's casts one-way, keeping what the bf16 wgrads read; the stacked ties'
+    gradients cast one way where they lie (no concatenated dY)."""
     monkeypatch.setattr(stacked, "EAGER", True)
     batches = _batches(4)
     torch.manual_seed(0)
@@ -131,27 +134,42 @@ def test_compiled_llama_layer_casts_one_way_and_trains_as_eager(autocast_bf16, m
     losses, graphs = runs[False]
     assert torch.equal(losses, want[1:]), (losses, want)
     casts = _row_casts(graphs[0])
-    assert casts["both"] == casts["parts both"] == casts["fused"] == 0, casts
-    assert casts["parts one-way"] > 0, casts  # the stacked ties' gradients, read where they lie
+    # o's input and gradient and down's gradient one way (down's input is the gated node's
+    # cast); the q/k tie's gradients where they lie;
+    # both norms' outputs, the product and dg | du computed and kept
+    assert casts == {"both": 0, "one-way": 3, "parts both": 0, "parts one-way": 1, "fused": 0, "kept": 4}, casts
     default = _row_casts(runs[True][1][0])
-    assert default["both"] + default["parts both"] + default["fused"] > 0, default
+    assert default == {"both": 3, "one-way": 0, "parts both": 1, "parts one-way": 0, "fused": 4, "kept": 0}, default
     # the same model trains alike with either wgrad (FP8's is within its rounding of BF16's)
     assert torch.allclose(runs[True][0], losses, rtol=0.02)
 
 
-def test_gated_mlp_runs_unfused_with_a_high_precision_wgrad(monkeypatch):
-    """The gated node casts the product and dg | du without storing them; a high-precision
-    wgrad needs them stored, so the MLP runs its layers one by one, stacked gate/up included."""
+@pytest.mark.parametrize("autocast_bf16", [False, True], ids=["fp32", "autocast-bf16"])
+def test_gated_node_keeps_the_product_and_trains_as_the_unfused_mlp(autocast_bf16, monkeypatch):
+    """The stacked gate/up node under fp8_wgrad=False: its casts are one-way and keep the
+    product (down's X, the node's output) and dg | du (gate/up's dY) for the bf16 wgrads.
+    Four SGD steps with GATED on and off: the same losses and weights, bit for bit, and the
+    gated casts once each way a step, each keeping its values."""
     monkeypatch.setattr(stacked, "EAGER", True)
     calls = []
     from fp8train import kernels
     for name in ("gated_block_cast", "gated_grad_block_cast"):
         fn = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
-    model = _model()
-    losses = _train(model, HIGH, _batches(3))
-    assert calls == [] and model.mlp._path[0] != gated_mlp.GATED_NODE
-    assert torch.isfinite(losses).all()
+        monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _name=name, **k: (
+            calls.append((_name, k.get("keep") is not None and a[-5] is None)), _fn(*a, **k))[1])
+    batches = _batches(rows=37)  # 74 tokens: a tail block of rows
+    monkeypatch.setattr(stacked, "GATED", False)
+    off = _model()
+    want = _train(off, HIGH, batches, autocast_bf16)
+    assert calls == []
+    monkeypatch.setattr(stacked, "GATED", True)
+    on = _model()
+    got = _train(on, HIGH, batches, autocast_bf16)
+    assert torch.equal(got, want), (got, want)
+    for (name, p), q in zip(on.named_parameters(), off.parameters()):
+        assert torch.equal(p, q), name
+    assert calls == [("gated_block_cast", True), ("gated_grad_block_cast", True)] * 4
+    assert on.mlp._path[0] == gated_mlp.GATED_NODE
 
 
 def test_fused_modules_take_a_high_precision_wgrad():
@@ -179,3 +197,20 @@ def test_fused_modules_take_a_high_precision_wgrad():
                 continue
             fp8_db, high_db = sqnr_db(grads[True][i], grads[None][i]), sqnr_db(grads[False][i], grads[None][i])
             assert high_db > fp8_db, (type(layer).__name__, name, fp8_db, high_db)
+
+
+@pytest.mark.slow  # Inductor's C++ compiles
+def test_inductor_compiled_llama_layer_trains_as_eager(monkeypatch):
+    """The same layer through Inductor under autocast (the kept casts' operator opaque off
+    CUDA, its fake shapes what Inductor allocates): the compiled losses follow the eager ones."""
+    monkeypatch.setattr(stacked, "EAGER", True)
+    batches = _batches(4)
+    torch.manual_seed(0)
+    want = _train(_NormedBlock(), HIGH, batches, True)
+    torch.manual_seed(0)
+    model = _NormedBlock()
+    _train(model, HIGH, batches[:1], True)
+    got = _train(torch.compile(model, fullgraph=True), HIGH, batches[1:], True)
+    # the eager norm is fp8train's kernel twin, the compiled one the formula: float32 rounding
+    # apart (1.2e-5 measured on the CPU, torch 2.13), as test_gated_stacked's Inductor check
+    assert ((got - want[1:]).abs() / want[1:].abs()).max() < 1e-4, (got, want)

@@ -75,54 +75,70 @@ def block_cast_both(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: to
 
 def gated_block_cast(g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor, out_t: torch.Tensor,
                      scale_inv_out: torch.Tensor, scale_inv_t_out: torch.Tensor, power_of_two: bool = False,
-                     traced: bool = False) -> None:
+                     traced: bool = False, keep: Optional[torch.Tensor] = None) -> None:
     """block_cast_both of a gated MLP's product act(g) * u, rounded to g's dtype (the gated
     kernel's output, gated_reference.gated_fwd): on CUDA computed inside the cast's one read
-    of g and u (block_kernel.gated_block_cast_into), never stored; elsewhere the twin, the
-    product then block_cast_both. g, u: (M, K), one dtype."""
+    of g and u (block_kernel.gated_block_cast_into), never stored (keep, with out_t and
+    scale_inv_t_out None: stored there, in keep's dtype); elsewhere the twin, the product
+    then block_cast_both. g, u: (M, K), one dtype."""
     if g.is_cuda:
         from .block_kernel import gated_block_cast_into
-        gated_block_cast_into(g, u, act, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two, traced)
+        gated_block_cast_into(g, u, act, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two, traced, keep)
         return
     from .gated_reference import check_cast_args, gated_forward
     check_cast_args("gated_block_cast", act, g, u)
-    block_cast_both(gated_forward(g.detach(), u.detach(), act).to(g.dtype), out, out_t, scale_inv_out,
-                    scale_inv_t_out, power_of_two)
+    h = gated_forward(g.detach(), u.detach(), act).to(g.dtype)
+    block_cast_both(h, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two)
+    _kept(keep, h, out_t)
 
 
 def gated_grad_block_cast(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor,
                           out_t: torch.Tensor, scale_inv_out: torch.Tensor, scale_inv_t_out: torch.Tensor,
-                          power_of_two: bool = False, traced: bool = False) -> None:
+                          power_of_two: bool = False, traced: bool = False, keep: Optional[torch.Tensor] = None) -> None:
     """block_cast_both of the gated product's gradients side by side, dg | du (M, 2K), each
     rounded to g's dtype (gated_reference.gated_bwd): on CUDA computed inside the cast's reads
-    of da, g and u (block_kernel.gated_grad_block_cast_into), never stored; elsewhere the twin.
-    da, g, u: (M, K), one dtype, K a multiple of 128."""
+    of da, g and u (block_kernel.gated_grad_block_cast_into), never stored (keep: as
+    gated_block_cast's); elsewhere the twin. da, g, u: (M, K), one dtype, K a multiple of 128."""
     if g.is_cuda:
         from .block_kernel import gated_grad_block_cast_into
-        gated_grad_block_cast_into(da, g, u, act, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two, traced)
+        gated_grad_block_cast_into(da, g, u, act, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two, traced,
+                                   keep)
         return
     from .gated_reference import check_cast_args, gated_grads
     check_cast_args("gated_grad_block_cast", act, da, g, u, whole_blocks=True)
     dg, du = gated_grads(da.detach(), g.detach(), u.detach(), act)
-    block_cast_both([dg.to(g.dtype), du.to(g.dtype)], out, out_t, scale_inv_out, scale_inv_t_out, power_of_two)
+    dgu = torch.cat([dg.to(g.dtype), du.to(g.dtype)], dim=1)
+    block_cast_both(dgu, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two)
+    _kept(keep, dgu, out_t)
 
 
 def norm_block_cast(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, out_dtype: torch.dtype,
                     out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
-                    scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False) -> None:
+                    scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False,
+                    keep: Optional[torch.Tensor] = None) -> None:
     """block_cast_both of an RMS norm's output, weight * (x * rstd rounded to x's dtype) rounded
     to out_dtype (modules/rms_norm.py's formula with its rstd given): on CUDA computed inside
-    the cast's read of x (block_kernel.norm_block_cast_into), never stored; elsewhere the twin.
-    x (M, K), weight (K,), rstd (M,) float32."""
+    the cast's read of x (block_kernel.norm_block_cast_into), never stored (keep: as
+    gated_block_cast's); elsewhere the twin. x (M, K), weight (K,), rstd (M,) float32."""
     if x.is_cuda:
         from .block_kernel import norm_block_cast_into
         norm_block_cast_into(x, weight, rstd, out_dtype, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two,
-                             traced)
+                             traced, keep)
         return
     from .block_reference import check_norm_args
     check_norm_args("norm_block_cast", x, weight, rstd, out_dtype)
     y = (weight.float() * (x.detach().float() * rstd[:, None]).to(x.dtype).float()).to(out_dtype)
     block_cast_both(y, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two)
+    _kept(keep, y, out_t)
+
+
+def _kept(keep: Optional[torch.Tensor], y: torch.Tensor, out_t: Optional[torch.Tensor]) -> None:
+    """The twins' keep: y, the computed tile's values, in keep's dtype (the kernels' KEEP)."""
+    if keep is None:
+        return
+    if out_t is not None or keep.shape != y.shape:
+        raise ValueError(f"keep must be of the computed tensor's shape {tuple(y.shape)}, given without out_t")
+    keep.copy_(y)
 
 
 def weight_tiles(x, out: torch.Tensor, scales: torch.Tensor, out_t: Optional[torch.Tensor] = None,

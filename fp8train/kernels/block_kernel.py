@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import ContextManager, Tuple
+from typing import ContextManager, Optional, Tuple
 
 import torch
 import triton
@@ -280,7 +280,7 @@ def _block_cast_both_kernel(
     M, K, K1, K2, stride_xm, stride_x1m, stride_x2m, stride_sr, stride_sc, out_t_cols,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, PARTS: tl.constexpr, CLAMP: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, EVEN: tl.constexpr, SIDE: tl.constexpr, PACK: tl.constexpr,
-    COLS: tl.constexpr,
+    COLS: tl.constexpr, KEEP: tl.constexpr,
 ):
     """Modes 0 and 1 of _block_cast_kernel over one 128 x 128 tile held in registers, the
     second cast stored transposed (what a 1 x 128 cast, a 128 x 1 cast and a byte transpose
@@ -314,8 +314,11 @@ def _block_cast_both_kernel(
     word of the transposed copy; the words go through shared memory. 2 converts with PTX
     (_fp8x4), 1 with shifts (the interpreter, which has no inline PTX).
 
-    COLS 0: the 1 x 128 cast alone (out_t_ptr and sinv_t_ptr unused): a stacked tie's parts
-    for a wgrad that does not read the transposed copy (BlockScaling(fp8_wgrad=False))."""
+    COLS 0: the 1 x 128 cast alone (sinv_t_ptr unused): a stacked tie's parts, or a computed
+    tile, for a wgrad that does not read the transposed copy (BlockScaling(fp8_wgrad=False)).
+    KEEP (COLS 0 only): out_t_ptr is an (M, K) row-major tensor of the activations' dtype that
+    takes the tile's values (a computed tile's product, dg | du or norm output, for that
+    wgrad to read), where it is otherwise unused."""
     pid = tl.program_id(0)
     if SIDE != 0:  # GATED 2, one side's tiles: a grid over K1's columns, du's from column K1
         tiles_k = K1 // 128
@@ -371,6 +374,9 @@ def _block_cast_both_kernel(
         col_scale = tl.load(col_slots, mask=in_c, other=1.0, cache_modifier=".cg")
     y = _scaled(x, row_scale[:, None], FP8_MAX, CLAMP)
     tl.store(out_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
+    if KEEP:
+        tl.store(out_t_ptr + tl.cast(r, tl.int64)[:, None] * K + c[None, :], x.to(out_t_ptr.dtype.element_ty),
+                 mask=inside)
     # rows M..Mp of the tile loaded 0: their bytes are out_t's zero padding
     if COLS:
         if PACK:
@@ -457,28 +463,29 @@ _INTERPRETED = not isinstance(_block_cast_both_kernel, triton.runtime.jit.JITFun
 
 
 def _both_kernel(fp8_max: float, pow2: bool, shapes: BlockShapes, shape: Tuple[int, int], parts: int = 1,
-                 gated: int = 0, act: int = 0, side: int = 0, word_aligned: bool = True, cols: bool = True
-                 ) -> DirectKernel:
+                 gated: int = 0, act: int = 0, side: int = 0, word_aligned: bool = True, cols: bool = True,
+                 keep: bool = False) -> DirectKernel:
     """The two-way cast of an (M, K) `shape` under `shapes` (its warps, register cap and clamp;
     gated forms: their warps, no cap, as a traced launch cannot pass one), specialized on
     whole tiles (M and K multiples of 128: no masks); side: the kernel's SIDE; word_aligned:
     whether the transposed copy starts on a 4-byte boundary (packed_t stores it in words);
-    cols: the kernel's COLS (False: no transposed copy, so nothing to pack)."""
+    cols, keep: the kernel's COLS (False: no transposed copy, so nothing to pack) and KEEP."""
     clamp = shapes.both_clamp or _INTERPRETED
     even = shapes.even and shape[0] % 128 == 0 and shape[1] % 128 == 0
     pack = (1 if _INTERPRETED else 2) if shapes.packed_t and word_aligned and cols else 0
     if gated:
         return _both_binary(fp8_max, pow2, shapes.both_warps(gated), None, clamp, parts, gated, act, even, side,
-                            pack, cols)
+                            pack, cols, keep)
     return _both_binary(fp8_max, pow2, shapes.both, shapes.both_regs or None, clamp, parts, 0, 0, even, 0, pack,
-                        cols)
+                        cols, keep)
 
 
 @functools.lru_cache(maxsize=None)
 def _both_binary(fp8_max: float, pow2: bool, warps: int, regs, clamp: bool, parts: int, gated: int,
-                 act: int, even: bool, side: int, pack: int, cols: bool = True) -> DirectKernel:
+                 act: int, even: bool, side: int, pack: int, cols: bool = True, keep: bool = False) -> DirectKernel:
     return DirectKernel(_block_cast_both_kernel, num_warps=warps, maxnreg=regs, FP8_MAX=fp8_max, POW2=pow2,
-                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act, EVEN=even, SIDE=side, PACK=pack, COLS=cols)
+                        PARTS=parts, CLAMP=clamp, GATED=gated, ACT=act, EVEN=even, SIDE=side, PACK=pack, COLS=cols,
+                        KEEP=keep)
 
 
 @functools.lru_cache(maxsize=None)
@@ -674,28 +681,32 @@ def block_cast_both_into(x, out: torch.Tensor, out_t: torch.Tensor, scale_inv_ou
 
 def gated_block_cast_into(g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor, out_t: torch.Tensor,
                           scale_inv_out: torch.Tensor, scale_inv_t_out: torch.Tensor, power_of_two: bool = False,
-                          traced: bool = False) -> None:
+                          traced: bool = False, keep: Optional[torch.Tensor] = None) -> None:
     """block_cast_both_into of a gated MLP's product act(g) * u (g's dtype, as gated.py's
     kernel rounds it), computed in the cast's own read of g and u, so the product is never
     stored: g and u (M, K) of one dtype, row strides of their own (the stacked gate/up GEMM's
-    halves). Twin: gated_reference.gated_forward rounded to g's dtype, then block_cast_both."""
+    halves). keep (M, K), with out_t and scale_inv_t_out None: the product stored there too,
+    in keep's dtype. Twin: gated_reference.gated_forward rounded to g's dtype, then
+    block_cast_both."""
     gated_reference.check_cast_args("gated_block_cast_into", act, g, u)
     _launch_both((g, u, u), tuple(g.shape), g.shape[1], g.shape[1], out, out_t, scale_inv_out, scale_inv_t_out,
-                 power_of_two, traced, "gated_block_cast_into", 1, 1, _GATED_ACT_CODES[act])
+                 power_of_two, traced, "gated_block_cast_into", 1, 1, _GATED_ACT_CODES[act], keep)
 
 
 def gated_grad_block_cast_into(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, out: torch.Tensor,
                                out_t: torch.Tensor, scale_inv_out: torch.Tensor, scale_inv_t_out: torch.Tensor,
-                               power_of_two: bool = False, traced: bool = False) -> None:
+                               power_of_two: bool = False, traced: bool = False,
+                               keep: Optional[torch.Tensor] = None) -> None:
     """block_cast_both_into of the gated product's gradients side by side, dg | du (M, 2 K),
     each in g's dtype (gated.py's backward kernel rounds them so), computed in the cast's own
     reads of da, g and u (M, K each, K a multiple of 128: every tile is one side's), so
-    neither gradient is stored. Twin: gated_reference.gated_grads rounded, concatenated, then
+    neither gradient is stored (keep (M, 2 K), with out_t and scale_inv_t_out None: stored
+    there, in keep's dtype). Twin: gated_reference.gated_grads rounded, concatenated, then
     block_cast_both."""
     gated_reference.check_cast_args("gated_grad_block_cast_into", act, da, g, u, whole_blocks=True)
     k = g.shape[1]
     _launch_both((da, g, u), (g.shape[0], 2 * k), k, k, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two,
-                 traced, "gated_grad_block_cast_into", 1, 2, _GATED_ACT_CODES[act])
+                 traced, "gated_grad_block_cast_into", 1, 2, _GATED_ACT_CODES[act], keep)
 
 
 # the dtype a computed tile is rounded to (GATED 3's ACT)
@@ -704,21 +715,25 @@ _ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def norm_block_cast_into(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, out_dtype: torch.dtype,
                          out: torch.Tensor, out_t: torch.Tensor, scale_inv_out: torch.Tensor,
-                         scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False) -> None:
+                         scale_inv_t_out: torch.Tensor, power_of_two: bool = False, traced: bool = False,
+                         keep: Optional[torch.Tensor] = None) -> None:
     """block_cast_both_into of an RMS norm's output y = weight * (x * rstd rounded to x's
     dtype), rounded to out_dtype (rms_norm_formula's arithmetic, its rstd given), computed in
     the cast's read of x, so y is never stored: x (M, K) any row stride, weight (K,), rstd
-    (M,) float32. Twin: that product in torch ops, then block_cast_both."""
+    (M,) float32. keep (M, K), with out_t and scale_inv_t_out None: y stored there too, in
+    keep's dtype. Twin: that product in torch ops, then block_cast_both."""
     block_reference.check_norm_args("norm_block_cast_into", x, weight, rstd, out_dtype)
     _launch_both((x, weight, rstd), tuple(x.shape), x.shape[1], x.shape[1], out, out_t, scale_inv_out,
-                 scale_inv_t_out, power_of_two, traced, "norm_block_cast_into", 1, 3, _ROUND_CODES[out_dtype])
+                 scale_inv_t_out, power_of_two, traced, "norm_block_cast_into", 1, 3, _ROUND_CODES[out_dtype], keep)
 
 
 def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale_inv_t_out, power_of_two: bool,
-                 traced: bool, fn: str, parts: int, gated: int = 0, act: int = 0) -> None:
+                 traced: bool, fn: str, parts: int, gated: int = 0, act: int = 0,
+                 keep: Optional[torch.Tensor] = None) -> None:
     """The two-way cast kernel over a tile grid of x_shape (M, K) into the checked buffers, its
     inputs xs (up to MAX_PARTS tensors, each with its own row stride). out_t and
-    scale_inv_t_out both None: the 1 x 128 cast alone (the kernel's COLS 0)."""
+    scale_inv_t_out both None: the 1 x 128 cast alone (the kernel's COLS 0), and with keep (a
+    computed tile's form) the tile's values stored in keep too (KEEP)."""
     xs = [p.contiguous() if p.stride(-1) != 1 and p.shape[-1] > 1 else p for p in xs]
     m, k = x_shape
     mp = -(-m // 128) * 128
@@ -726,6 +741,10 @@ def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale
     cols = out_t is not None or scale_inv_t_out is not None
     if out.shape != x_shape or out.dtype not in fp8 or not out.is_contiguous():
         raise ValueError(f"{fn}: out must be a contiguous fp8 tensor of x's shape {x_shape}")
+    if keep is not None and (cols or not gated or tuple(keep.shape) != x_shape or not keep.is_contiguous()
+                             or not keep.dtype.is_floating_point or keep.dtype in fp8):
+        raise ValueError(f"{fn}: keep must be a contiguous float tensor of shape {x_shape}, given for a "
+                         "computed tile without the transposed copy (out_t and scale_inv_t_out None)")
     if cols and (out_t is None or tuple(out_t.shape) != (k, mp) or out_t.dtype != out.dtype
                  or not out_t.is_contiguous()):
         raise ValueError(f"{fn}: out_t must be a contiguous {out.dtype} tensor of shape {(k, mp)} "
@@ -747,13 +766,15 @@ def _launch_both(xs, x_shape, k1: int, k2: int, out, out_t, scale_inv_out, scale
     # a view's offset says the rest)
     aligned = cols and shapes.packed_t and out_t.storage_offset() % 4 == 0 and (traced or out_t.data_ptr() % 4 == 0)
     if gated == 2 and shapes.gated_sides:  # one launch per side, each over K1's tiles
-        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, side, aligned, cols),
+        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, side, aligned, cols,
+                                  keep is not None),
                      triton.cdiv(m, 128) * (k1 // 128)) for side in (1, 2)]
     else:
-        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, word_aligned=aligned, cols=cols),
+        launches = [(_both_kernel(fp8_max, pow2, shapes, x_shape, parts, gated, act, word_aligned=aligned, cols=cols,
+                                  keep=keep is not None),
                      triton.cdiv(m, 128) * triton.cdiv(k, 128))]
-    if not cols:  # unused by the kernel: any pointers of the right kinds
-        out_t, scale_inv_t_out = out, scale_inv_out
+    if not cols:  # out_t's pointer takes keep (KEEP); else unused, as scale_inv_t_out's
+        out_t, scale_inv_t_out = out if keep is None else keep, scale_inv_out
     # absent parts: the last one again (no tile reads it); one part: x itself throughout
     xs = (*xs, *xs[-1:] * (MAX_PARTS - len(xs)))
     strides = tuple(p.stride(0) if m > 1 and p.dim() == 2 else p.shape[-1] for p in xs)

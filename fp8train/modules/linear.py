@@ -275,16 +275,17 @@ def gated_stacked_forward(gate: Linear, up: Linear, down: Linear, x: torch.Tenso
     down from the GEMM's output in one kernel and, backward, dg | du from down's dX; or None
     with nothing computed, where it cannot run so (the caller runs the layers one by one):
     stacking off or not tied yet (the first FP8 call ties them), another recipe, TP layers,
-    hooks, biases on gate or up, auto precision, GATED off, BlockScaling(fp8_wgrad=False) (its
-    wgrad reads the product and dg | du, which this node never stores)."""
+    hooks, biases on gate or up, auto precision, GATED off. Under BlockScaling(fp8_wgrad=False)
+    the casts are one-way and keep what the bf16 wgrads read: the product (down's X, the
+    node's output in place of the stand-in) and dg | du."""
     layers = (gate, up, down)
     if (not stacked.GATED or not (stacked.EAGER or torch.compiler.is_compiling())
             or any(type(m) is not Linear or m.tp is not None or not m._fp8_dims or _hooked(m) for m in layers)):
         return None
     weight = gate.weight
     recipe, act_dtype = gate.fp8_plan(x, weight.shape[-1])
-    if recipe is None or not getattr(recipe, "stack_siblings", False) or not recipe.fp8_wgrad \
-            or recipe.auto_precision or down.call_recipe() is not recipe:
+    if recipe is None or not getattr(recipe, "stack_siblings", False) or recipe.auto_precision \
+            or down.call_recipe() is not recipe:
         return None
     q_input, q_weight, q_grad = gate.quantizers(recipe, weight.device, x=x)
     up.quantizers(recipe, weight.device, x=x)  # what up's own call would do: keeps the tie
@@ -304,10 +305,11 @@ def gated_stacked_forward(gate: Linear, up: Linear, down: Linear, x: torch.Tenso
     standin, *cast = block_scaled_gemm(workspace, x, torch.cat(parts.weights), None, q_input, q_weight, q_grad,
                                        recipe.gemm, act_dtype, torch.is_grad_enabled(), None,
                                        None if traced else gate._path, alone=True, parts=parts.weights,
-                                       gated=(act, q_next))
+                                       gated=(act, q_next), fp8_wgrad=recipe.fp8_wgrad)
     if not traced:
         up._path[0] = gate._path[0]
-    stacked.offer(q_next, standin, tuple(cast))
+    # down's five shared-cast arguments: two-way, or one-way with the product itself as its x
+    stacked.offer(q_next, standin, (*cast, None) if recipe.fp8_wgrad else (cast[0], None, cast[1], None, None))
     y = down(standin)
     if stacked.offered(q_next):  # down ran another path: its output would read the uninitialized stand-in
         q_next._offered = None
@@ -351,9 +353,8 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
     of casting x. fp8_wgrad (BlockScaling's): False, the wgrad in act_dtype from X and dY
     (_LinearFn), X and dY cast one way only; the Python node."""
     given = stacked.take_offer(q_input, x)
-    if not fp8_wgrad and (given is not None or gated is not None):
-        raise RuntimeError("fp8train bug: a fused cast without the transposed copy was asked for "
-                           "BlockScaling(fp8_wgrad=False), whose wgrad reads X itself")
+    if not fp8_wgrad and given is not None and given[1] is not None:
+        raise RuntimeError("fp8train bug: a two-way cast was offered under BlockScaling(fp8_wgrad=False)")
     if x.is_cuda and native.ENABLED and given is None and gated is None and fp8_wgrad:
         y = _native_block_forward(workspace, x, weight, bias, q_input, q_weight, q_grad, act_dtype, grad,
                                   is_first_microbatch, path if path is not None else [None], alone)
@@ -363,22 +364,22 @@ def block_scaled_gemm(workspace: WeightWorkspace, x, weight, bias, q_input: Quan
         path[0] = _OFF_CUDA if not x.is_cuda else _SWITCHED_OFF if not native.ENABLED or fp8_wgrad else _HIGH_WGRAD
     w_fp8 = workspace.get(weight, q_weight, is_first_microbatch, need_transpose=grad and x.requires_grad, parts=parts)
     need_wgrad = grad and weight.requires_grad
-    shared = given or ((None,) * 4 if alone else _shared_cast(x, q_input, need_wgrad and fp8_wgrad))
+    shared = given or ((None,) * 5 if alone else _shared_cast(x, q_input, need_wgrad and fp8_wgrad))
     return _LinearFn.apply(x, weight, bias, w_fp8, q_input, q_grad, config, act_dtype, need_wgrad, *shared, widths,
                            gated, fp8_wgrad)
 
 
 def _shared_cast(x, q_input: Quantizer, need_wgrad: bool) -> Tuple[Optional[torch.Tensor], ...]:
     """The cast of an x that sibling layers read (Quantizer.cast_shared) as _LinearFn's last
-    four arguments (data (M, K), data_t (K, Mp), scale_inv, and data_t's own scale_inv where it
-    has one (block scaling), else None), or four Nones where the layer casts x itself. Made
+    five arguments (data (M, K), data_t (K, Mp), scale_inv, data_t's own scale_inv where it
+    has one (block scaling), else None, and x_hp: None), or five Nones where the layer casts x itself. Made
     outside _LinearFn: in a torch.compile trace the memo that serves the siblings is module
     state, which an autograd.Function's trace may not write (nor take one tensor twice)."""
     if q_input.sharing == 1 or isinstance(x, Float8Tensor):
-        return None, None, None, None
+        return None, None, None, None, None
     xq = q_input.cast_shared(x, transpose=need_wgrad)
     t_scale_inv = xq.transposed_scale_inv
-    return xq.data, xq.data_t, xq.scale_inv, None if t_scale_inv is xq.scale_inv else t_scale_inv
+    return xq.data, xq.data_t, xq.scale_inv, None if t_scale_inv is xq.scale_inv else t_scale_inv, None
 
 
 def node_refusal(x: torch.Tensor, act_dtype: torch.dtype) -> Optional[str]:
@@ -535,6 +536,7 @@ class _LinearFn(torch.autograd.Function):
                 q_input: Quantizer, q_grad: Quantizer, config: GemmConfig, act_dtype: torch.dtype,
                 need_wgrad: bool, x_data: Optional[torch.Tensor] = None, x_t: Optional[torch.Tensor] = None,
                 x_scale_inv: Optional[torch.Tensor] = None, x_t_scale_inv: Optional[torch.Tensor] = None,
+                x_hp: Optional[torch.Tensor] = None,
                 widths: Optional[Tuple[int, ...]] = None, gated: Optional[Tuple[str, Quantizer]] = None,
                 fp8_wgrad: bool = True):
         in_shape = x.shape
@@ -554,13 +556,19 @@ class _LinearFn(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.act = None if gated is None else gated[0]
         ctx.fp8_wgrad = fp8_wgrad
-        saved = (x_t, x_t_scale_inv) if cast_t else (in_dtype(_rows(x), act_dtype),) if need_wgrad else ()
+        if x_hp is None and need_wgrad and not cast_t:
+            x_hp = in_dtype(_rows(x), act_dtype)
+        saved = (x_t, x_t_scale_inv) if cast_t else (x_hp,) if need_wgrad else ()
         if gated is not None:
             ctx.save_for_backward(*saved, y)
             f = y.shape[1] // 2
+            ctx.set_materialize_grads(False)  # the cast's outputs take no gradient
+            if not fp8_wgrad:  # the product itself, stored by its cast's kernel: down's bf16 wgrad reads it
+                hq, h = gated[1].cast_gated_kept(y[:, :f], y[:, f:], gated[0], act_dtype)
+                ctx.mark_non_differentiable(hq.data, hq.scale_inv)
+                return h if len(in_shape) == 2 else h.view(*in_shape[:-1], f), hq.data, hq.scale_inv
             hq = gated[1].cast_gated(y[:, :f], y[:, f:], gated[0])
             ctx.mark_non_differentiable(hq.data, hq.data_t, hq.scale_inv, hq.scale_inv_t)
-            ctx.set_materialize_grads(False)  # the cast's outputs take no gradient
             return y.new_empty(*in_shape[:-1], f), hq.data, hq.data_t, hq.scale_inv, hq.scale_inv_t
         ctx.save_for_backward(*saved)
         y = y if len(in_shape) == 2 else unsafe_view(y, (*in_shape[:-1], y.shape[-1]))
@@ -578,7 +586,10 @@ class _LinearFn(torch.autograd.Function):
         if ctx.act is not None:  # dg | du from dA, g and u (the saved g | u)
             y = ctx.saved_tensors[-1]
             f = y.shape[1] // 2
-            dyq = ctx.q_grad.cast_gated_grad(dys[0], y[:, :f], y[:, f:], ctx.act)
+            if cast_t or not need_wgrad:
+                dyq = ctx.q_grad.cast_gated_grad(dys[0], y[:, :f], y[:, f:], ctx.act)
+            else:  # dg | du kept too, for the bf16 wgrad
+                dyq, dy2 = ctx.q_grad.cast_gated_grad_kept(dys[0], y[:, :f], y[:, f:], ctx.act, ctx.act_dtype)
         elif len(dys) > 1 and (cast_t or not ctx.fp8_wgrad):  # a stacked tie's gradients, read where they lie
             dyq = ctx.q_grad.cast_parts(dys, transpose=cast_t, dbias=ctx.needs_input_grad[2])
         else:
@@ -596,4 +607,4 @@ class _LinearFn(torch.autograd.Function):
             x_saved = ctx.saved_tensors[0]
             dw = torch.cat([d.t() @ x_saved for d in dys]) if dy2 is None else dy2.t() @ x_saved
             dw = dw.to(ctx.weight_dtype)
-        return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, dyq.dbias, None, None, None, None, None, None, None, None, None, None, None, None, None, None

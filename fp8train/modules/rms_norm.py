@@ -151,17 +151,24 @@ class RMSNorm(nn.Module):
         kernel from x and the formula's rstd (BlockScalingQuantizer.cast_norm) and offered to
         the tie's stacked GEMM (stacked.offer), which takes it instead of casting y. y is then
         read by nothing in the forward and Inductor does not compute it; the backward is the
-        formula's. The same bytes as the tie's own cast of y (rstd is the formula's)."""
+        formula's. The same bytes as the tie's own cast of y (rstd is the formula's). Under
+        BlockScaling(fp8_wgrad=False) the cast is one-way and keeps y in the tie's activation
+        dtype, which the tie saves for its bf16 wgrad instead of y."""
         q = self._reader[0]
         recipe = active_recipe()
         if (not stacked.NORMS or q is None or not q.blockwise or q.sharing < 2 or recipe is None
-                or not getattr(recipe, "stack_siblings", False) or not recipe.fp8_wgrad
-                or _kernel_refusal(x, weight) is not None
+                or not getattr(recipe, "stack_siblings", False) or _kernel_refusal(x, weight) is not None
                 or stacked.parts(q.members[0], q) is None):
             return rms_norm_formula(x, weight, self.eps)
         y, rstd = rms_norm_formula(x, weight, self.eps, with_rstd=True)
+        if not recipe.fp8_wgrad:  # one-way, y kept in the activations' dtype for the tie's bf16 wgrad
+            kind = y.device.type  # the dtype the tie computes in (base.activation_dtype's)
+            act = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else y.dtype
+            cast, kept = q.cast_norm_kept(x, weight, rstd, y.dtype, act)
+            stacked.offer(q, y, (cast.data, None, cast.scale_inv, None, kept))
+            return y
         cast = q.cast_norm(x, weight, rstd, y.dtype)
-        stacked.offer(q, y, (cast.data, cast.data_t, cast.scale_inv, cast.scale_inv_t))
+        stacked.offer(q, y, (cast.data, cast.data_t, cast.scale_inv, cast.scale_inv_t, None))
         return y
 
     def _reader_for(self, recipe) -> Optional[Quantizer]:

@@ -132,7 +132,8 @@ def take(layer: nn.Module, q: Quantizer, x: torch.Tensor) -> Optional[torch.Tens
 
 def offer(q: Quantizer, x: torch.Tensor, cast: Tuple[torch.Tensor, ...]) -> None:
     """Hand q's layer the cast of its next input x, made upstream (a gated MLP's product, cast
-    inside the gate/up GEMM's node: GATED): `cast` as _LinearFn's four shared-cast arguments."""
+    inside the gate/up GEMM's node: GATED; an RMSNorm's output: NORMS): `cast` as _LinearFn's
+    five shared-cast arguments (the last, x_hp, what a bf16 wgrad saves instead of x, or None)."""
     q._offered = (x, cast)
 
 

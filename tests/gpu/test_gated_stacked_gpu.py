@@ -106,6 +106,40 @@ def test_norm_cast_is_the_formulas_cast(shape, dtypes, form):
     _assert_same(got, want)
 
 
+# BlockScaling(fp8_wgrad=False)'s forms (the kernel's COLS 0 and KEEP): each computed cast one
+# way, its values kept in bf16; against the two-way form's 1 x 128 half and the unfused
+# kernel's (or the formula's) values in bf16, byte for byte; masked and unmasked
+@pytest.mark.parametrize("form", [pytest.param({}, id="default"), FORMS[3]])
+@pytest.mark.parametrize("shape", [(259, 384), (8192, 2816)], ids=["259x384", "8192x2816"])
+def test_kept_casts_are_the_unfused_kernels(shape, form):
+    from fp8train.modules.rms_norm import rms_norm_formula
+    m, k = shape
+    g, u = _halves(m, k, torch.bfloat16, seed=4)
+    da = (torch.randn(m, k, generator=torch.Generator().manual_seed(5)) * 1e-2).to(torch.bfloat16).to(CUDA)
+    prod, dg, du = (torch.empty(m, k, dtype=torch.bfloat16, device=CUDA) for _ in range(3))
+    gated.gated_fwd(g.contiguous(), u.contiguous(), "silu", prod)
+    gated.gated_bwd(da, g.contiguous(), u.contiguous(), "silu", dg, du)
+    x = torch.randn(m, k, device=CUDA) * torch.logspace(-3, 3, k, device=CUDA)
+    weight = torch.randn(k, device=CUDA) * 2
+    y, rstd = rms_norm_formula(x, weight, 1e-6, with_rstd=True)
+    cases = [(lambda *b, **kw: block_kernel.gated_block_cast_into(g, u, "silu", *b, **kw), prod),
+             (lambda *b, **kw: block_kernel.gated_grad_block_cast_into(da, g, u, "silu", *b, **kw),
+              torch.cat([dg, du], dim=1)),
+             (lambda *b, **kw: block_kernel.norm_block_cast_into(x, weight, rstd[:, 0], y.dtype, *b, **kw), y)]
+    for launch, value in cases:
+        width = value.shape[1]
+        out, _, si, _ = _buffers(m, width)
+        keep = torch.full((m, width), -1.0, dtype=torch.bfloat16, device=CUDA)
+        with block_kernel.override_shapes(dataclasses.replace(block_kernel.BlockShapes(), **form)):
+            launch(out, None, si, None, keep=keep)
+        want = _buffers(m, width)
+        block_kernel.block_cast_both_into(value, *want)
+        _assert_same((out, si), (want[0], want[2]))
+        want_keep = value.to(torch.bfloat16)
+        nan = want_keep.isnan()  # any NaN payload: the unfused kernel's and torch's may differ
+        assert torch.equal(keep.isnan(), nan) and torch.equal(keep[~nan], want_keep[~nan])
+
+
 class _Model(torch.nn.Module):
     def __init__(self, d=256, f=512):
         super().__init__()

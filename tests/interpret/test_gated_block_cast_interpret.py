@@ -138,6 +138,73 @@ def test_gated_block_casts_packed_match_the_twin(act, packed, same_exp2):
         test_gated_grad_block_cast_kernel_matches_the_twin((37, 256), torch.bfloat16, act, False, same_exp2)
 
 
+def _one_way(m: int, k: int, keep_dtype):
+    """(out, None, scale_inv, None, keep): a computed form's one-way buffers, keep -1-filled."""
+    out, _, si, _ = _buffers(m, k)
+    return out, None, si, None, torch.full((m, k), -1.0, dtype=keep_dtype)
+
+
+def _assert_one_way(got, want_cast, want_keep):
+    """got (out, None, si, None, keep) against a two-way cast's 1 x 128 half and the computed
+    tensor in keep's dtype, bit for bit (NaN where NaN)."""
+    _assert_same((got[0], got[2]), (want_cast[0], want_cast[2]))
+    want_keep = want_keep.to(got[4].dtype)
+    assert torch.equal(got[4].isnan(), want_keep.isnan())
+    assert torch.equal(got[4][~want_keep.isnan()], want_keep[~want_keep.isnan()])
+
+
+@TRACED
+@pytest.mark.parametrize("even", [False, True], ids=["masked", "unmasked"])
+@pytest.mark.parametrize("act", ACTS)
+def test_computed_casts_keep_their_tile_without_the_transposed_copy(act, even, traced, same_exp2):
+    """BlockScaling(fp8_wgrad=False)'s forms (the kernel's COLS 0 and KEEP): the product, dg | du
+    and the norm's output cast one way, and stored in bf16 for the wgrad: the two-way forms'
+    1 x 128 half and the twin's values, bit for bit, kernel and twin; tails, and whole tiles
+    under BlockShapes.even."""
+    from fp8train.modules.rms_norm import rms_norm_formula
+    m, k = (256, 256) if even else (200, 256)
+    shapes = dataclasses.replace(block_kernel.launch_shapes(), even=even)
+    g, u = _halves(m, k, torch.bfloat16, seed=7)
+    da = (torch.randn(m, k, generator=torch.Generator().manual_seed(8)) * 1e-3).to(torch.bfloat16)
+    prod = torch.empty_like(g.contiguous())
+    gated_reference.gated_fwd(g.contiguous(), u.contiguous(), act, prod)
+    dg, du = torch.empty_like(prod), torch.empty_like(prod)
+    gated_reference.gated_bwd(da, g.contiguous(), u.contiguous(), act, dg, du)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(9)) * 10).float()
+    weight = torch.randn(k, generator=torch.Generator().manual_seed(10))
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)[:, 0]
+    y = rms_norm_formula(x, weight, 1e-6)  # float32: kept in bf16, as autocast's Linear reads it
+    cases = [(lambda *b, **kw: gated_block_cast_into(g, u, act, *b, **kw), kernels.gated_block_cast,
+              (g, u, act), prod, k),
+             (lambda *b, **kw: gated_grad_block_cast_into(da, g, u, act, *b, **kw), kernels.gated_grad_block_cast,
+              (da, g, u, act), torch.cat([dg, du], dim=1), 2 * k),
+             (lambda *b, **kw: norm_block_cast_into(x, weight, rstd, y.dtype, *b, **kw), kernels.norm_block_cast,
+              (x, weight, rstd, y.dtype), y, k)]
+    for launch, twin, args, value, width in cases:
+        two_way = _buffers(m, width)
+        kernels.block_cast_both(value, *two_way)
+        got = _one_way(m, width, torch.bfloat16)
+        with block_kernel.override_shapes(shapes):
+            launch(*got[:4], keep=got[4], traced=traced)
+        _assert_one_way(got, two_way, value)
+        by_twin = _one_way(m, width, torch.bfloat16)
+        twin(*args, *by_twin[:4], keep=by_twin[4])
+        _assert_one_way(by_twin, two_way, value)
+
+
+def test_computed_casts_check_their_keep():
+    g = torch.zeros(64, 128)
+    out, _, si, _ = _buffers(64, 128)
+    with pytest.raises(ValueError, match="keep must be"):  # with the transposed copy
+        gated_block_cast_into(g, g, "silu", *_buffers(64, 128), keep=torch.empty(64, 128))
+    with pytest.raises(ValueError, match="keep must be"):
+        gated_block_cast_into(g, g, "silu", out, None, si, None, keep=torch.empty(64, 256))
+    with pytest.raises(ValueError, match="keep must be"):
+        block_kernel.block_cast_both_into(g, out, None, si, None)  # fine: no keep
+        block_kernel._launch_both((g,), (64, 128), 128, 128, out, None, si, None, False, False, "plain", 1,
+                                  keep=torch.empty(64, 128))  # a plain cast has nothing to keep
+
+
 def test_gated_block_casts_check_their_inputs():
     g = torch.zeros(64, 200)
     with pytest.raises(ValueError, match="act must be one of"):
