@@ -50,7 +50,7 @@
 #   block  BlockScaling on the GPU: its GPU tests (both GEMM paths, the compiled Linear, the C++
 #          node's block path, stacked siblings; the casts' own: blockcast), then
 #          benchmarks/hf_llama.py's block variants at h1024 beside BF16, eager and compiled (the
-#          default; "unmasked": the two-way casts unmasked at 8 warps, slower on the H100;
+#          default; "hiwgrad": BlockScaling(fp8_wgrad=False), the wgrad in bf16 and one-way casts;
 #          "packed": the transposed copies packed in words)
 #   blockcast  the block cast kernels' GPU tests (and the gated forms' and GatedMLP's, modules/stacked.py
 #          GATED; three processes), then benchmarks/cast.py --block-only: their bandwidth against a
@@ -195,7 +195,7 @@ for r in json.load(open(sys.argv[1]))['shapes']['h1024']['rows']:
         | tee "$OUT/block_tests.log" \
         | grep -E "passed|failed|^(FAILED|ERROR)"
       timeout 420 python3 benchmarks/hf_llama.py --shapes h1024 --rounds 3 --device-top "${DEVICE_TOP:-6}" \
-        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 compile block,fp8 compile block unmasked,fp8 compile block packed}" \
+        --variants "${VARIANTS:-bf16 eager,bf16 compile,fp8 eager block,fp8 compile block,fp8 compile block hiwgrad,fp8 compile block packed}" \
         --json "$OUT/hf_block.json" 2>&1 \
         | tee "$OUT/hf_block.log" \
         | grep -E "^(h1024|variant|bf16|fp8|torchao|  host|  dev|  round|  path|  tune)|failed" ;;
