@@ -586,9 +586,9 @@ class _LinearFn(torch.autograd.Function):
         if ctx.act is not None:  # dg | du from dA, g and u (the saved g | u)
             y = ctx.saved_tensors[-1]
             f = y.shape[1] // 2
-            if cast_t or not need_wgrad:
+            if ctx.fp8_wgrad:
                 dyq = ctx.q_grad.cast_gated_grad(dys[0], y[:, :f], y[:, f:], ctx.act)
-            else:  # dg | du kept too, for the bf16 wgrad
+            else:  # one way, dg | du kept too, for the bf16 wgrad
                 dyq, dy2 = ctx.q_grad.cast_gated_grad_kept(dys[0], y[:, :f], y[:, f:], ctx.act, ctx.act_dtype)
         elif len(dys) > 1 and (cast_t or not ctx.fp8_wgrad):  # a stacked tie's gradients, read where they lie
             dyq = ctx.q_grad.cast_parts(dys, transpose=cast_t, dbias=ctx.needs_input_grad[2])
